@@ -1,0 +1,30 @@
+"""llm plugin hooks: the ``mlx-stream`` models and the ``llm mlxs`` commands.
+
+Only hooks live here. Every ``llm`` command imports every plugin, so nothing
+heavy (mlx, mlx_lm, the engine) is imported at module level: ``llm --help``
+stays fast, and a broken settings file never breaks unrelated llm commands.
+"""
+
+import llm
+
+
+@llm.hookimpl
+def register_models(register):
+    from .model import MlxStreamModel
+    from .settings import BUNDLED_NAME, SettingsError, load_settings
+
+    register(MlxStreamModel())
+    register(MlxStreamModel(BUNDLED_NAME))
+    try:
+        settings = load_settings()
+    except SettingsError:
+        return  # `-m mlx-stream` (and `llm mlxs`) report the file problem
+    for name, entry in settings.models.items():
+        register(MlxStreamModel(name), aliases=tuple(entry.aliases))
+
+
+@llm.hookimpl
+def register_commands(cli):
+    from .cli import register
+
+    register(cli)

@@ -1,0 +1,140 @@
+"""Loads a checkpoint with mlx-lm and swaps each expert container for a streaming one.
+
+mlx-lm builds the model lazily (`lazy=True`), so no tensor is read until it is
+evaluated; the stacked expert tensors are replaced by pool slots before that happens,
+and so never enter memory. Everything else (attention, routers, shared experts, norms,
+embeddings) is evaluated once and stays resident.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..experts.index import CheckpointError, CheckpointIndex, LayerExperts
+from ..experts.pool import ExpertPool
+from ..experts.store import ExpertStore
+from ..experts.switch import StreamingExperts
+
+SUPPORTED_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
+
+
+@dataclass
+class StreamingModel:
+    """A loaded model whose MoE layers stream their experts."""
+
+    path: Path
+    model: nn.Module
+    tokenizer: object
+    config: dict
+    store: ExpertStore
+    layers: list[StreamingExperts] = field(default_factory=list)
+    dtypes: list[dict] = field(default_factory=list)
+
+    @property
+    def pools(self) -> list[ExpertPool]:
+        return [m.pool for m in self.layers]
+
+    def build_pools(self, expert_slots: int | None, policy: str) -> None:
+        """(Re)create every layer's pool; dense weights are untouched."""
+        for module, dtypes in zip(self.layers, self.dtypes):
+            slots = module.spans.num_experts if expert_slots is None else expert_slots
+            pool = ExpertPool(module.spans, slots, dtypes, self.store, policy)
+            module.experts.update(tree_unflatten(list(pool.arrays.items())))
+            module.pool = None  # drop the old slots before filling the new ones
+            if pool.slots == pool.num_experts:
+                pool.fill()
+            module.pool = pool
+
+
+def check_checkpoint(path: Path) -> dict:
+    """The checkpoint's config, or a one-line error naming what is wrong."""
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: checkpoint directory not found")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{path}: no config.json (not an mlx-lm checkpoint)")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config_file}: not valid JSON ({e.msg})") from None
+    quant = config.get("quantization") or {}
+    modes = [quant.get("mode", "affine")] + [
+        v.get("mode", quant.get("mode", "affine")) for v in quant.values() if isinstance(v, dict)
+    ]
+    for mode in modes:
+        if mode not in SUPPORTED_MODES:
+            raise CheckpointError(
+                f"{config_file}: unsupported quantization mode {mode!r} "
+                f"(supported: {', '.join(SUPPORTED_MODES)})"
+            )
+    return config
+
+
+def expert_containers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every mlx-lm expert container in the model, in layer order."""
+    from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+
+    found = [
+        (name, m) for name, m in model.named_modules() if isinstance(m, (SwitchGLU, SwitchMLP))
+    ]
+    return sorted(found, key=lambda item: [int(n) for n in re.findall(r"\d+", item[0])])
+
+
+def load_streaming(
+    path: str | Path, *, expert_slots: int | None = None, policy: str = "lfu", threads: int = 8
+) -> StreamingModel:
+    """Load `path` with mlx-lm, streaming its experts through pools of `expert_slots`."""
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    if expert_slots is not None and expert_slots < 1:
+        raise ValueError(f"expert_slots must be at least 1, got {expert_slots}")
+    path = Path(path).expanduser()
+    check_checkpoint(path)
+    index = CheckpointIndex(path)  # checks every shard against its header
+    try:
+        model, config = load_model(path, lazy=True)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        raise CheckpointError(f"{path}: mlx-lm cannot load this checkpoint: {_one_line(e)}") from None
+    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    loaded = StreamingModel(path, model, tokenizer, config, ExpertStore(threads))
+    containers = expert_containers(model)
+    if not containers:
+        print(f"{path.name}: no MoE layer, running fully resident", file=sys.stderr)
+    for ordinal, (name, container) in enumerate(containers):
+        params = dict(tree_flatten(container.parameters()))
+        num_experts = next(iter(params.values())).shape[0]
+        layer = index.layer(name, {k: v.shape[1:] for k, v in params.items()}, num_experts)
+        module = StreamingExperts(container, layer, ordinal)
+        loaded.layers.append(module)
+        loaded.dtypes.append({k: v.dtype for k, v in params.items()})
+        _replace(model, name, module)
+    try:
+        loaded.build_pools(expert_slots, policy)
+    except BaseException:
+        loaded.store.close()
+        raise
+    mx.eval(model.parameters())
+    return loaded
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    *parents, attr = name.split(".")
+    obj = model
+    for part in parents:
+        obj = obj[int(part)] if isinstance(obj, list) else obj[part]
+    if isinstance(obj, list):
+        obj[int(attr)] = module
+    else:
+        setattr(obj, attr, module)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__

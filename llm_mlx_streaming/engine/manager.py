@@ -1,0 +1,259 @@
+"""The process-wide engine: one loaded model, one generation at a time, live settings.
+
+`llm chat` and Python code that keep a conversation hold on to the same manager, so
+the dense weights, the expert pools and the KV cache survive between turns.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+from ..experts.index import CheckpointError
+from ..experts.pool import PoolCounters
+from ..experts.policies import POLICIES
+
+
+class EngineError(Exception):
+    """A problem the user can fix; the message is one line."""
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size: ru_maxrss is bytes on macOS, KiB on Linux."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+class EngineManager:
+    """Load state, the generation lock, runtime parameters and metrics."""
+
+    def __init__(self) -> None:
+        self.state = "empty"  # empty | loading | loaded | error
+        self.error: str | None = None
+        self.loaded = None  # StreamingModel
+        self.session = None
+        self.expert_slots: int | None = None
+        self.policy = "lfu"
+        self.max_tokens = 256
+        self.last_stats: dict | None = None
+        self.last_decode_tps: float | None = None
+        self._retired = PoolCounters()  # counters of pools replaced by a rebuild
+        self._lock = threading.RLock()
+
+    # -- loading -----------------------------------------------------------------
+    @property
+    def checkpoint(self) -> Path | None:
+        return self.loaded.path if self.loaded else None
+
+    @property
+    def tokenizer(self):
+        return self.loaded.tokenizer if self.loaded else None
+
+    @property
+    def config(self) -> dict | None:
+        return self.loaded.config if self.loaded else None
+
+    @property
+    def context_length(self) -> int | None:
+        config = self.config or {}
+        text = config.get("text_config", {})
+        return config.get("max_position_embeddings") or text.get("max_position_embeddings")
+
+    def load(self, path, *, expert_slots: int | None = None, policy: str = "lfu", threads: int = 8) -> None:
+        """Load `path` (a no-op if loaded); new pool settings rebuild only the pools."""
+        _check_params(expert_slots, policy)
+        path = Path(path).expanduser().resolve()
+        with self._lock:
+            if self.state == "loaded" and self.checkpoint == path:
+                self.configure(expert_slots=expert_slots, policy=policy)
+                return
+            self.unload()
+            self.state, self.error = "loading", None
+            from .loading import load_streaming
+
+            try:
+                self.loaded = load_streaming(path, expert_slots=expert_slots, policy=policy, threads=threads)
+            except (CheckpointError, ValueError, OSError) as e:
+                self.state, self.error = "error", _one_line(e)
+                raise EngineError(self.error) from None
+            except BaseException as e:
+                self.state, self.error = "error", _one_line(e)
+                raise
+            from .session import Session
+
+            self.session = Session(self.loaded.model)
+            self.expert_slots, self.policy = expert_slots, policy
+            self.state = "loaded"
+
+    def configure(self, *, expert_slots: int | None = None, policy: str | None = None) -> None:
+        """Change pool size or policy at run time, keeping the dense weights."""
+        policy = policy or self.policy
+        _check_params(expert_slots, policy)
+        with self._lock:
+            if (expert_slots, policy) == (self.expert_slots, self.policy):
+                return
+            self._require_loaded()
+            for pool in self.loaded.pools:
+                self._retired.add(pool.counters)
+            self.loaded.build_pools(expert_slots, policy)
+            self.expert_slots, self.policy = expert_slots, policy
+
+    def unload(self) -> None:
+        with self._lock:
+            if self.loaded is not None:
+                self.loaded.store.close()
+            self.loaded = self.session = None
+            self._retired = PoolCounters()
+            self.state, self.error = "empty", None
+
+    def _require_loaded(self) -> None:
+        if self.state != "loaded":
+            raise EngineError(self.error or "no model is loaded")
+
+    # -- generation --------------------------------------------------------------
+    def generate(self, prompt_tokens: list[int], *, max_tokens: int | None = None,
+                 sampler=None, logits_processors=None) -> Iterator:
+        """Stream mlx-lm GenerationResponses for `prompt_tokens`, reusing the KV cache.
+
+        Holds the engine lock until the iterator is exhausted or closed; a second
+        caller waits its turn.
+        """
+        import mlx.core as mx
+        from mlx_lm.generate import stream_generate
+
+        max_tokens = self.max_tokens if max_tokens is None else max_tokens
+        with self._lock:
+            self._require_loaded()
+            limit = self.context_length
+            if not prompt_tokens:
+                raise EngineError("the prompt is empty")
+            if limit and len(prompt_tokens) + 1 > limit:
+                raise EngineError(
+                    f"the prompt is {len(prompt_tokens)} tokens; the model's context is {limit}"
+                )
+            if limit:
+                max_tokens = min(max_tokens, limit - len(prompt_tokens))
+            cache, new_tokens, reused = self.session.prepare(prompt_tokens)
+            before = self.counters()
+            mx.reset_peak_memory()
+            start = time.perf_counter()
+            last = None
+            generated: list[int] = []
+            try:
+                for response in stream_generate(
+                    self.loaded.model, self.loaded.tokenizer, new_tokens,
+                    max_tokens=max_tokens, sampler=sampler,
+                    logits_processors=logits_processors, prompt_cache=cache,
+                ):
+                    generated.append(response.token)
+                    last = response
+                    yield response
+            except BaseException:
+                self.session.reset()  # the cache may hold a half-fed step
+                raise
+            finally:
+                mx.synchronize()  # nothing may still read a slot when the pools change
+            self.session.fed(new_tokens)
+            self.session.fed(generated)
+            self.last_stats = self._stats(before, last, len(prompt_tokens), reused, len(new_tokens),
+                                          time.perf_counter() - start)
+            self.last_decode_tps = self.last_stats["decode_tps"]
+
+    def _stats(self, before: PoolCounters, last, prompt: int, reused: int, prefilled: int, seconds: float) -> dict:
+        import mlx.core as mx
+
+        now = self.counters().as_dict()
+        delta = {k: now[k] - getattr(before, k) for k in now if k != "hit_rate"}
+        lookups = delta["hits"] + delta["misses"]
+        generated = last.generation_tokens if last else 0
+        return {
+            "prompt_tokens": prompt,
+            "reused_tokens": reused,
+            "prefilled_tokens": prefilled,
+            "generated_tokens": generated,
+            "prefill_tps": round(last.prompt_tps, 2) if last else None,
+            "decode_tps": round(last.generation_tps, 2) if last else None,
+            "seconds": round(seconds, 3),
+            "hits": delta["hits"],
+            "misses": delta["misses"],
+            "hit_rate": round(delta["hits"] / lookups, 4) if lookups else None,
+            "evictions": delta["evictions"],
+            "mb_read": round(delta["bytes_read"] / 1e6, 3),
+            "read_seconds": round(delta["read_seconds"], 4),
+            "unplaced": delta["unplaced"],
+            "gpu_fastpath": delta["gpu_fastpath"],
+            "gpu_fallback": delta["gpu_fallback"],
+            "peak_memory_bytes": int(mx.get_peak_memory()),
+            "expert_slots": self.slots_per_layer(),
+            "policy": self.policy,
+            "checkpoint": str(self.checkpoint),
+            "finish_reason": last.finish_reason if last else None,
+        }
+
+    # -- metrics -----------------------------------------------------------------
+    def slots_per_layer(self) -> int | None:
+        pools = self.loaded.pools if self.loaded else []
+        return pools[0].slots if pools else None
+
+    def counters(self) -> PoolCounters:
+        """Counters summed over every layer, including pools replaced by rebuilds."""
+        total = PoolCounters()
+        total.add(self._retired)
+        for pool in self.loaded.pools if self.loaded else []:
+            total.add(pool.counters)
+        return total
+
+    def layer_counters(self) -> list[dict]:
+        return [pool.counters.as_dict() for pool in (self.loaded.pools if self.loaded else [])]
+
+    def verify(self) -> int:
+        """Bad slots over every pool (0 when every resident expert matches the disk)."""
+        with self._lock:
+            self._require_loaded()
+            return sum(pool.verify() for pool in self.loaded.pools)
+
+    def metrics(self) -> dict:
+        import mlx.core as mx
+
+        counters = self.counters().as_dict()
+        return {
+            "state": self.state,
+            "error": self.error,
+            "checkpoint": str(self.checkpoint) if self.checkpoint else None,
+            "expert_slots": self.slots_per_layer(),
+            "policy": self.policy,
+            "max_tokens": self.max_tokens,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "mlx_active_memory_bytes": int(mx.get_active_memory()),
+            "mlx_peak_memory_bytes": int(mx.get_peak_memory()),
+            "last_decode_tps": self.last_decode_tps,
+            **counters,
+        }
+
+
+def _check_params(expert_slots, policy) -> None:
+    if expert_slots is not None and (not isinstance(expert_slots, int) or expert_slots < 1):
+        raise EngineError(f"expert_slots must be an integer of at least 1, got {expert_slots!r}")
+    if policy not in POLICIES:
+        raise EngineError(f"unknown policy {policy!r}: choose one of {', '.join(sorted(POLICIES))}")
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+_manager: EngineManager | None = None
+_manager_lock = threading.Lock()
+
+
+def get_manager() -> EngineManager:
+    """The process-wide engine."""
+    global _manager
+    with _manager_lock:
+        if _manager is None:
+            _manager = EngineManager()
+        return _manager

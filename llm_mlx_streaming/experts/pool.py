@@ -1,0 +1,184 @@
+"""The resident experts of one MoE layer: a fixed number of slots, filled on demand.
+
+Per component (e.g. `up_proj.weight`) the pool holds one `(S, ...)` MLX array; the
+streaming module computes over these with expert ids remapped to slot ids through a
+device-side expert->slot map. Misses are read from disk straight into the slot buffers
+(in place: nothing lazy reads a pool array while it is written, because every call
+that read it was evaluated before the next call of the same layer can start).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import mlx.core as mx
+import numpy as np
+
+from .index import LayerExperts
+from .policies import make_policy
+from .store import ExpertStore
+
+
+@dataclass
+class PoolCounters:
+    """What one pool (or all of them, summed) did."""
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+    gpu_fastpath: int = 0  # layer calls whose experts were all resident: no load
+    gpu_fallback: int = 0  # layer calls that had to load
+    unplaced: int = 0  # routes without their own expert's slot: must stay 0
+
+    def add(self, other: "PoolCounters") -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    @property
+    def hit_rate(self) -> float | None:
+        total = self.hits + self.misses
+        return self.hits / total if total else None
+
+    def as_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["hit_rate"] = self.hit_rate
+        return d
+
+
+class ExpertPool:
+    """Slots, expert->slot map, eviction policy and counters of one MoE layer."""
+
+    def __init__(
+        self,
+        layer: LayerExperts,
+        slots: int,
+        dtypes: dict[str, mx.Dtype],
+        store: ExpertStore,
+        policy: str = "lfu",
+    ):
+        if slots < 1:
+            raise ValueError(f"expert_slots must be at least 1, got {slots}")
+        self.layer = layer
+        self.num_experts = layer.num_experts
+        self.slots = min(int(slots), self.num_experts)
+        self.store = store
+        self.policy = make_policy(policy)
+        self.counters = PoolCounters()
+        self.arrays: dict[str, mx.array] = {}
+        self._views: dict[str, np.ndarray] = {}
+        for comp in layer.components:
+            arr = mx.zeros((self.slots, *comp.shape), dtype=dtypes[comp.name])
+            mx.eval(arr)
+            view = np.frombuffer(memoryview(arr), dtype=np.uint8)
+            self.arrays[comp.name] = arr
+            self._views[comp.name] = view.reshape(self.slots, comp.stride)
+        self.slot_of = np.full(self.num_experts, -1, dtype=np.int32)
+        self.expert_in = np.full(self.slots, -1, dtype=np.int32)
+        self._free = list(range(self.slots - 1, -1, -1))
+        self.device_map = mx.zeros((self.num_experts,), dtype=mx.int32)
+        self.identity = False  # slot == expert for every expert: no remap needed
+
+    @property
+    def whole(self) -> bool:
+        """Every expert of the layer is resident."""
+        return self.slots == self.num_experts and not self._free
+
+    def ensure(self, needed) -> int:
+        """Make every expert in `needed` (distinct ids, at most `slots`) resident.
+
+        Returns the number of experts loaded. Experts in `needed` are never evicted.
+        """
+        if len(needed) > self.slots:
+            raise ValueError(f"{len(needed)} experts cannot fit in {self.slots} slots")
+        protected = set(int(e) for e in needed)
+        misses = []
+        for e in needed:
+            e = int(e)
+            if self.slot_of[e] >= 0:
+                self.policy.record(e)
+            else:
+                misses.append(e)
+        c = self.counters
+        c.hits += len(needed) - len(misses)
+        if not misses:
+            c.gpu_fastpath += 1
+            return 0
+        c.gpu_fallback += 1
+        targets = []
+        for e in misses:
+            if self._free:
+                slot = self._free.pop()
+            else:
+                victim = self.policy.victim(self._resident(), protected)
+                slot = int(self.slot_of[victim])
+                self.slot_of[victim] = -1
+                self.expert_in[slot] = -1
+                self.policy.forget(victim)
+                c.evictions += 1
+            targets.append((e, slot))
+        jobs = [
+            (comp.file, comp.span(e)[0], self._views[comp.name][slot])
+            for e, slot in targets
+            for comp in self.layer.components
+        ]
+        try:
+            nbytes, seconds = self.store.read(jobs)
+        except BaseException:
+            # Nothing half-read may ever be used: the target slots stay empty.
+            self._free.extend(slot for _, slot in targets)
+            self._publish_map()
+            raise
+        for e, slot in targets:
+            self.slot_of[e] = slot
+            self.expert_in[slot] = e
+            self.policy.record(e)
+        c.misses += len(targets)
+        c.bytes_read += nbytes
+        c.read_seconds += seconds
+        self._publish_map()
+        return len(targets)
+
+    def fill(self) -> None:
+        """Load every expert (a pool with a slot per expert), slot i = expert i."""
+        if self.slots != self.num_experts:
+            raise ValueError("fill() needs a slot for every expert")
+        self._free = sorted(self._free, reverse=True)  # pop() hands out slot 0 first
+        missing = [e for e in range(self.num_experts) if self.slot_of[e] < 0]
+        for start in range(0, len(missing), 64):
+            self.ensure(missing[start : start + 64])
+        self.identity = bool(np.array_equal(self.slot_of, np.arange(self.num_experts)))
+
+    def remap(self, indices: mx.array) -> mx.array:
+        """Expert ids -> slot ids, on the device."""
+        if self.identity:
+            return indices
+        return mx.take(self.device_map, indices)
+
+    def unplaced(self, ids: np.ndarray) -> int:
+        """Routes in `ids` whose expert has no slot (counted, and must be 0)."""
+        n = int(np.count_nonzero(self.slot_of[ids] < 0))
+        self.counters.unplaced += n
+        return n
+
+    def verify(self) -> int:
+        """Compare every occupied slot with its expert's bytes on disk; count bad slots."""
+        bad = 0
+        for slot, e in enumerate(self.expert_in):
+            if e < 0:
+                continue
+            for comp in self.layer.components:
+                offset, length = comp.span(int(e))
+                disk = self.store.read_bytes(comp.file, offset, length)
+                if disk != self._views[comp.name][slot].tobytes():
+                    bad += 1
+                    break
+        return bad
+
+    def _resident(self):
+        return (int(e) for e in self.expert_in if e >= 0)
+
+    def _publish_map(self) -> None:
+        self.device_map = mx.array(np.maximum(self.slot_of, 0))
+        self.identity = False

@@ -1,0 +1,88 @@
+"""The streaming replacement for mlx-lm's expert containers (`SwitchGLU`, `SwitchMLP`).
+
+The mlx-lm container is kept, with its stacked `(E, ...)` tensors swapped for the
+pool's `(S, ...)` slot arrays, so routing, scoring, activations and the gather kernels
+stay mlx-lm's own: the only difference is that expert ids are remapped to slot ids.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .index import LayerExperts
+from .pool import ExpertPool
+
+SORT_THRESHOLD = 64  # mlx-lm's SwitchGLU sorts routes by expert from this many on
+
+
+class StreamingExperts(nn.Module):
+    """Calls the mlx-lm container over resident slots, loading misses first."""
+
+    def __init__(self, container: nn.Module, spans: LayerExperts, layer: int):
+        super().__init__()
+        self.experts = container
+        self.spans = spans  # where this layer's experts live on disk
+        self.layer = layer  # ordinal among the model's MoE layers
+        self.pool: ExpertPool | None = None  # set by the loader
+        self.observer = None  # called with (layer, needed expert ids) when tracing
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        pool = self.pool
+        single_token = indices.size == indices.shape[-1]
+        if pool.whole and single_token and self.observer is None:
+            # Every expert resident: no need to read the router's choice back.
+            pool.counters.hits += indices.size
+            pool.counters.gpu_fastpath += 1
+            return self.experts(x, pool.remap(indices))
+        ids = np.array(indices).reshape(-1)
+        unique, first = np.unique(ids, return_index=True)
+        needed = unique[np.argsort(first)]  # in the order the router named them
+        if self.observer is not None:
+            self.observer(self.layer, needed)
+        if len(needed) <= pool.slots:
+            pool.ensure(needed)
+            if pool.unplaced(ids):
+                raise RuntimeError(f"layer {self.layer}: routes without a slot")
+            return self.experts(x, pool.remap(indices))
+        return self._expert_major(x, indices, ids, needed)
+
+    def _expert_major(self, x, indices, ids, needed) -> mx.array:
+        """More distinct experts than slots: run the routes in chunks of at most S
+        distinct experts, each expert read once, resident ones first."""
+        pool = self.pool
+        k = indices.shape[-1]
+        do_sort = indices.size >= SORT_THRESHOLD  # mlx-lm's choice for the whole call
+        resident = pool.slot_of[needed] >= 0
+        order = np.concatenate([needed[resident], needed[~resident]])
+        rows = x.reshape(-1, 1, x.shape[-1])
+        out = None
+        for start in range(0, len(order), pool.slots):
+            chunk = order[start : start + pool.slots]
+            pool.ensure(chunk)
+            routes = np.nonzero(np.isin(ids, chunk))[0]
+            slots = pool.slot_of[ids[routes]]
+            if (slots < 0).any():
+                pool.counters.unplaced += int((slots < 0).sum())
+                raise RuntimeError(f"layer {self.layer}: routes without a slot")
+            by_slot = np.argsort(slots, kind="stable")
+            routes, slots = routes[by_slot], slots[by_slot]
+            y = self._apply(
+                rows[mx.array(routes // k)], mx.array(slots), do_sort
+            )
+            if out is None:
+                out = mx.zeros((ids.size, *y.shape[1:]), dtype=y.dtype)
+            out[mx.array(routes)] = y
+            mx.eval(out)  # before the next chunk overwrites slots
+        return out.reshape(*indices.shape, out.shape[-1])
+
+    def _apply(self, x, slots, sorted_indices) -> mx.array:
+        """The container's computation on explicit (row, slot) pairs."""
+        c = self.experts
+        if "gate_proj" in c:
+            up = c.up_proj(x, slots, sorted_indices=sorted_indices)
+            gate = c.gate_proj(x, slots, sorted_indices=sorted_indices)
+            return c.down_proj(c.activation(up, gate), slots, sorted_indices=sorted_indices)
+        hidden = c.activation(c.fc1(x, slots, sorted_indices=sorted_indices))
+        return c.fc2(hidden, slots, sorted_indices=sorted_indices)

@@ -1,0 +1,229 @@
+"""The engine manager, the checkpoint index and their errors."""
+
+import json
+import threading
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm import generate as mlx_generate
+from mlx_lm import load as mlx_load
+
+from exactness import greedy_tokens, prompt_tokens, vocab_size
+from llm_mlx_streaming.engine.loading import load_streaming
+from llm_mlx_streaming.engine.manager import EngineError, EngineManager, peak_rss_bytes
+from llm_mlx_streaming.experts.index import CheckpointIndex
+
+
+@pytest.fixture
+def qwen(build):
+    return build("qwen3_moe", quant="4bit", num_experts=16, top_k=4)
+
+
+def test_generate_matches_mlx_lm_generate(qwen):
+    model, tokenizer = mlx_load(str(qwen))
+    messages = [{"role": "user", "content": "Tell me about solid state drives and their pages."}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    expected = mlx_generate(model, tokenizer, prompt, max_tokens=40)
+
+    engine = EngineManager()
+    engine.load(qwen, expert_slots=5, policy="lru")
+    text = "".join(r.text for r in engine.generate(prompt, max_tokens=40))
+    assert text == expected
+    stats = engine.last_stats
+    assert stats["misses"] > 0 and stats["unplaced"] == 0
+    assert stats["prompt_tokens"] == len(prompt) and stats["reused_tokens"] == 0
+    assert stats["expert_slots"] == 5 and stats["policy"] == "lru"
+    assert engine.verify() == 0
+    engine.unload()
+
+
+def test_a_turn_that_extends_the_last_one_prefills_only_new_tokens(qwen):
+    engine = EngineManager()
+    engine.load(qwen, expert_slots=6)
+    prompt = prompt_tokens(vocab_size(qwen), n=40)
+    first = [r.token for r in engine.generate(prompt, max_tokens=8)]
+    follow = prompt + first + prompt_tokens(vocab_size(qwen), n=10, seed=3)
+    second = [r.token for r in engine.generate(follow, max_tokens=8)]
+    stats = engine.last_stats
+    assert stats["reused_tokens"] == len(prompt) + len(first)
+    assert stats["prefilled_tokens"] == 10
+
+    fresh = EngineManager()
+    fresh.load(qwen, expert_slots=6)
+    assert [r.token for r in fresh.generate(follow, max_tokens=8)] == second
+    assert fresh.last_stats["reused_tokens"] == 0
+    engine.unload(), fresh.unload()
+
+
+def test_interrupted_generation_leaves_the_engine_usable(qwen):
+    engine = EngineManager()
+    engine.load(qwen, expert_slots=5)
+    prompt = prompt_tokens(vocab_size(qwen), n=30)
+    expected = [r.token for r in engine.generate(prompt, max_tokens=12)]
+
+    def interrupt(tokens, logits):
+        if tokens.size > len(prompt) + 3:
+            raise KeyboardInterrupt
+        return logits
+
+    with pytest.raises(KeyboardInterrupt):
+        for _ in engine.generate(prompt + [1, 2], max_tokens=12, logits_processors=[interrupt]):
+            pass
+    assert engine.verify() == 0
+    assert [r.token for r in engine.generate(prompt, max_tokens=12)] == expected
+    engine.unload()
+
+
+def test_a_second_caller_waits_its_turn(qwen):
+    engine = EngineManager()
+    engine.load(qwen, expert_slots=8)
+    prompt = prompt_tokens(vocab_size(qwen), n=20)
+    spans = {}
+
+    def run(name, delay):
+        time.sleep(delay)
+        start = time.perf_counter()
+        tokens = []
+        for r in engine.generate(prompt, max_tokens=6):
+            tokens.append(r.token)
+            time.sleep(0.05)
+        spans[name] = (start, time.perf_counter(), tokens)
+
+    threads = [threading.Thread(target=run, args=("a", 0)), threading.Thread(target=run, args=("b", 0.02))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert spans["a"][2] == spans["b"][2]
+    assert spans["b"][1] - spans["a"][1] >= 6 * 0.05  # b ran after a, not alongside
+    engine.unload()
+
+
+def test_changing_expert_slots_rebuilds_pools_and_keeps_dense_weights(qwen):
+    engine = EngineManager()
+    engine.load(qwen, expert_slots=4)
+    dense = {k: id(v) for k, v in tree_flatten(engine.loaded.model.parameters()) if ".experts." not in k}
+    prompt = prompt_tokens(vocab_size(qwen), n=30)
+    before = [r.token for r in engine.generate(prompt, max_tokens=10)]
+    engine.load(qwen, expert_slots=9, policy="lfuda")
+    assert all(pool.slots == 9 for pool in engine.loaded.pools)
+    after_ids = {k: id(v) for k, v in tree_flatten(engine.loaded.model.parameters()) if ".experts." not in k}
+    assert after_ids == dense
+    engine.session.reset()
+    assert [r.token for r in engine.generate(prompt, max_tokens=10)] == before
+    metrics = engine.metrics()
+    assert metrics["expert_slots"] == 9 and metrics["policy"] == "lfuda"
+    assert metrics["misses"] > 0 and metrics["hit_rate"] is not None
+    assert metrics["peak_rss_bytes"] == peak_rss_bytes() > 10 * 2**20
+    assert metrics["mlx_active_memory_bytes"] > 0
+    assert metrics["last_decode_tps"] > 0
+    engine.unload()
+
+
+def test_prompt_longer_than_the_context_is_refused(qwen):
+    engine = EngineManager()
+    engine.load(qwen)
+    limit = engine.context_length
+    with pytest.raises(EngineError, match=f"context is {limit}"):
+        next(engine.generate([1] * (limit + 5), max_tokens=4))
+    engine.unload()
+
+
+def test_model_without_moe_layers_runs_fully_resident(build, capsys):
+    path = build("qwen3")
+    loaded = load_streaming(path, expert_slots=2)
+    assert loaded.pools == []
+    assert "no MoE layer" in capsys.readouterr().err
+    stock, _ = mlx_load(str(path))
+    prompt = prompt_tokens(vocab_size(path), n=20)
+    assert greedy_tokens(loaded.model, prompt, 8) == greedy_tokens(stock, prompt, 8)
+
+
+def test_index_maps_every_expert_to_its_bytes(build):
+    path = build("qwen3_moe", quant="4bit", num_experts=8, top_k=2, shards=3)
+    loaded = load_streaming(path, expert_slots=2)
+    index = CheckpointIndex(path)
+    assert len({f for f in (e.file for e in index.tensors.values())}) == 3
+    from safetensors.numpy import load_file
+
+    for module in loaded.layers:
+        spans = module.spans
+        assert {c.name for c in spans.components} >= {"gate_proj.weight", "up_proj.scales", "down_proj.biases"}
+        for comp in spans.components:
+            tensor = load_file(comp.file)[f"{spans.key}.{comp.name}"]
+            offset, length = comp.span(5)
+            with open(comp.file, "rb") as fh:
+                fh.seek(offset)
+                assert fh.read(length) == tensor[5].tobytes()
+    loaded.store.close()
+
+
+def test_stacked_experts_never_enter_memory(build):
+    # ~200 MB of float32 experts, 10% of them resident.
+    path = build("qwen3_moe", hidden_size=256, moe_intermediate_size=256, num_experts=64,
+                 top_k=4, num_layers=4)
+    index = CheckpointIndex(path)
+    expert_bytes = sum(e.nbytes for k, e in index.tensors.items() if "switch_mlp" in k)
+    dense_bytes = sum(e.nbytes for k, e in index.tensors.items() if "switch_mlp" not in k)
+    assert expert_bytes >= 200e6
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    loaded = load_streaming(path, expert_slots=6)
+    greedy_tokens(loaded.model, prompt_tokens(vocab_size(path), n=48), n=8)
+    pool_bytes = sum(a.nbytes for p in loaded.pools for a in p.arrays.values())
+    assert pool_bytes < 0.11 * expert_bytes
+    assert mx.get_peak_memory() < dense_bytes + pool_bytes + 64 * 2**20
+    loaded.store.close()
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("missing_dir", "checkpoint directory not found"),
+    ("no_config", "no config.json"),
+    ("truncated", "truncated"),
+    ("missing_experts", "switch_mlp.up_proj.weight"),
+    ("bad_mode", "unsupported quantization mode 'ternary'"),
+    ("zero_slots", "expert_slots must be"),
+])
+def test_bad_input_is_one_clear_line(build, tmp_path, damage, message):
+    import shutil
+
+    src = build("qwen3_moe", quant="4bit", num_experts=8, top_k=2)
+    path = tmp_path / "ckpt"
+    shutil.copytree(src, path)
+    slots = 4
+    if damage == "missing_dir":
+        shutil.rmtree(path)
+    elif damage == "no_config":
+        (path / "config.json").unlink()
+    elif damage == "truncated":
+        shard = path / "model.safetensors"
+        shard.write_bytes(shard.read_bytes()[:-100])
+    elif damage == "missing_experts":
+        from safetensors.numpy import load_file, save_file
+
+        tensors = load_file(path / "model.safetensors")
+        del tensors["model.layers.1.mlp.switch_mlp.up_proj.weight"]
+        save_file(tensors, path / "model.safetensors", metadata={"format": "mlx"})
+        index_file = path / "model.safetensors.index.json"
+        if index_file.exists():
+            index = json.loads(index_file.read_text())
+            index["weight_map"].pop("model.layers.1.mlp.switch_mlp.up_proj.weight", None)
+            index_file.write_text(json.dumps(index))
+    elif damage == "bad_mode":
+        config = json.loads((path / "config.json").read_text())
+        config["quantization"]["mode"] = "ternary"
+        (path / "config.json").write_text(json.dumps(config))
+    elif damage == "zero_slots":
+        slots = 0
+    engine = EngineManager()
+    with pytest.raises(EngineError) as err:
+        engine.load(path, expert_slots=slots)
+    text = str(err.value)
+    assert message in text and "\n" not in text
+    if damage not in ("zero_slots",):
+        assert str(path) in text or "ckpt" in text
+    if damage != "zero_slots":
+        assert engine.state == "error" and engine.error == text

@@ -1,0 +1,93 @@
+"""Streaming changes where a weight lives, never the result.
+
+For every supported architecture and quantization, greedy tokens and decode logits of
+the streaming engine equal stock mlx-lm's bit for bit, at every pool size, down to
+fewer slots than the prompt has distinct experts.
+"""
+
+import numpy as np
+import pytest
+from mlx_lm.utils import load_model
+
+from exactness import greedy_tokens, logits_trace, prompt_tokens, vocab_size
+from llm_mlx_streaming.checkpoints.factory import ARCHITECTURES, supported_quants
+from llm_mlx_streaming.engine.loading import load_streaming
+
+EXPERTS, TOP_K = 16, 4
+MOE_ARCHS = [a for a in ARCHITECTURES if a != "qwen3"]
+CASES = [(arch, quant) for arch in MOE_ARCHS for quant in supported_quants(arch)]
+# all experts, half, top_k, and fewer than the prompt's distinct experts (asserted below)
+SLOTS = (EXPERTS, EXPERTS // 2, TOP_K, TOP_K + 2)
+
+
+def stream(path, slots, policy="lfu"):
+    loaded = load_streaming(path, expert_slots=slots, policy=policy)
+    widest = []
+    for module in loaded.layers:
+        module.observer = lambda layer, needed: widest.append(len(needed))
+    return loaded, widest
+
+
+@pytest.mark.parametrize("arch,quant", CASES)
+def test_decode_is_bit_identical_at_every_pool_size(build, arch, quant):
+    path = build(arch, quant=quant, num_experts=EXPERTS, top_k=TOP_K)
+    stock, config = load_model(path)
+    prompt = prompt_tokens(config["vocab_size"])
+    expected = greedy_tokens(stock, prompt)
+    ref_prefill, ref_decode = logits_trace(stock, prompt, expected)
+
+    for slots in SLOTS:
+        loaded, widest = stream(path, slots)
+        try:
+            tokens = greedy_tokens(loaded.model, prompt)
+            prefill, decode = logits_trace(loaded.model, prompt, tokens)
+            counters = [pool.counters for pool in loaded.pools]
+            assert loaded.pools, "no MoE layer was made to stream"
+            assert all(c.unplaced == 0 for c in counters)
+            if slots < EXPERTS:
+                assert sum(c.misses for c in counters) > 0
+                assert sum(c.evictions for c in counters) > 0
+            if slots == TOP_K + 2:
+                assert max(widest) > slots, "the prompt must route to more experts than slots"
+            assert tokens == expected, f"{slots} slots"
+            for step, (got, want) in enumerate(zip(decode, ref_decode)):
+                assert np.array_equal(got, want), f"{slots} slots: decode step {step} logits differ"
+            np.testing.assert_allclose(prefill, ref_prefill, rtol=1e-4, atol=1e-4)
+            assert sum(pool.verify() for pool in loaded.pools) == 0
+        finally:
+            loaded.store.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lfuda"])
+def test_pool_size_and_policy_do_not_change_the_result(build, policy):
+    path = build("qwen3_moe", quant="4bit", num_experts=EXPERTS, top_k=TOP_K, num_layers=3)
+    prompt = prompt_tokens(vocab_size(path), n=64, seed=1)
+    runs = []
+    for slots in (TOP_K + 1, 2 * (TOP_K + 1)):
+        loaded, _ = stream(path, slots, policy)
+        try:
+            tokens = greedy_tokens(loaded.model, prompt, n=24)
+            runs.append((tokens, logits_trace(loaded.model, prompt, tokens)[1]))
+            assert sum(p.counters.evictions for p in loaded.pools) > 0
+        finally:
+            loaded.store.close()
+    (tokens_s, logits_s), (tokens_2s, logits_2s) = runs
+    assert tokens_s == tokens_2s
+    assert all(np.array_equal(a, b) for a, b in zip(logits_s, logits_2s))
+
+
+def test_slots_hold_the_bytes_on_disk_after_evictions(build):
+    path = build("mixtral", quant="8bit", num_experts=EXPERTS, top_k=2, shards=3)
+    loaded, _ = stream(path, 3)
+    try:
+        greedy_tokens(loaded.model, prompt_tokens(vocab_size(path), n=50), n=16)
+        assert sum(p.counters.evictions for p in loaded.pools) > 10
+        assert sum(pool.verify() for pool in loaded.pools) == 0
+        # verify() really compares: corrupt one slot and it is found
+        pool = loaded.pools[0]
+        view = pool._views[pool.layer.components[0].name]
+        occupied = int(np.nonzero(pool.expert_in >= 0)[0][0])
+        view[occupied, :8] ^= 0xFF
+        assert pool.verify() == 1
+    finally:
+        loaded.store.close()
