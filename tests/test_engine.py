@@ -64,16 +64,21 @@ def test_interrupted_generation_leaves_the_engine_usable(qwen):
     prompt = prompt_tokens(vocab_size(qwen), n=30)
     expected = [r.token for r in engine.generate(prompt, max_tokens=12)]
 
+    calls = []
+
     def interrupt(tokens, logits):
-        if tokens.size > len(prompt) + 3:
+        calls.append(1)
+        if len(calls) == 4:
             raise KeyboardInterrupt
         return logits
 
     with pytest.raises(KeyboardInterrupt):
         for _ in engine.generate(prompt + [1, 2], max_tokens=12, logits_processors=[interrupt]):
             pass
+    assert len(calls) == 4
     assert engine.verify() == 0
     assert [r.token for r in engine.generate(prompt, max_tokens=12)] == expected
+    assert engine.last_stats["reused_tokens"] == 0  # the interrupted cache was dropped
     engine.unload()
 
 
@@ -227,3 +232,31 @@ def test_bad_input_is_one_clear_line(build, tmp_path, damage, message):
         assert str(path) in text or "ckpt" in text
     if damage != "zero_slots":
         assert engine.state == "error" and engine.error == text
+
+
+def test_interrupt_during_an_expert_read_leaves_no_half_filled_slot(qwen, monkeypatch):
+    engine = EngineManager()
+    engine.load(qwen, expert_slots=4)
+    prompt = prompt_tokens(vocab_size(qwen), n=30)
+    expected = [r.token for r in engine.generate(prompt, max_tokens=10)]
+    store = engine.loaded.store
+    real_read = store.read
+    reads = []
+
+    def flaky_read(jobs):
+        reads.append(1)
+        if len(reads) == 5:
+            for _, _, dest in jobs:  # half a read has landed when the interrupt comes
+                dest[: dest.size // 2] = 0xAB
+            raise KeyboardInterrupt
+        return real_read(jobs)
+
+    monkeypatch.setattr(store, "read", flaky_read)
+    engine.session.reset()
+    with pytest.raises(KeyboardInterrupt):
+        list(engine.generate(prompt, max_tokens=10))
+    monkeypatch.setattr(store, "read", real_read)
+    assert engine.verify() == 0
+    assert sum(p.counters.unplaced for p in engine.loaded.pools) == 0
+    assert [r.token for r in engine.generate(prompt, max_tokens=10)] == expected
+    engine.unload()
