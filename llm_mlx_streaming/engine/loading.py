@@ -13,6 +13,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -42,10 +43,20 @@ class StreamingModel:
     def pools(self) -> list[ExpertPool]:
         return [m.pool for m in self.layers]
 
-    def build_pools(self, expert_slots: int | None, policy: str) -> None:
-        """(Re)create every layer's pool; dense weights are untouched."""
-        for module, dtypes in zip(self.layers, self.dtypes):
-            slots = module.spans.num_experts if expert_slots is None else expert_slots
+    def build_pools(self, expert_slots: int | Sequence[int] | None, policy: str) -> None:
+        """(Re)create every layer's pool; dense weights are untouched.
+
+        `expert_slots` is one count for every layer, one per MoE layer (a memory plan),
+        or None for a slot per expert.
+        """
+        if isinstance(expert_slots, Sequence) and len(expert_slots) != len(self.layers):
+            raise ValueError(
+                f"{len(expert_slots)} slot counts given for {len(self.layers)} MoE layers"
+            )
+        for i, (module, dtypes) in enumerate(zip(self.layers, self.dtypes)):
+            slots = expert_slots[i] if isinstance(expert_slots, Sequence) else expert_slots
+            if slots is None:
+                slots = module.spans.num_experts
             pool = ExpertPool(module.spans, slots, dtypes, self.store, policy)
             module.experts.update(tree_unflatten(list(pool.arrays.items())))
             module.pool = None  # drop the old slots before filling the new ones
@@ -94,8 +105,6 @@ def load_streaming(
     """Load `path` with mlx-lm, streaming its experts through pools of `expert_slots`."""
     from mlx_lm.utils import load_model, load_tokenizer
 
-    if expert_slots is not None and expert_slots < 1:
-        raise ValueError(f"expert_slots must be at least 1, got {expert_slots}")
     path = Path(path).expanduser()
     check_checkpoint(path)
     index = CheckpointIndex(path)  # checks every shard against its header

@@ -63,7 +63,7 @@ class EngineManager:
         text = config.get("text_config", {})
         return config.get("max_position_embeddings") or text.get("max_position_embeddings")
 
-    def load(self, path, *, expert_slots: int | None = None, policy: str = "lfu", threads: int = 8) -> None:
+    def load(self, path, *, expert_slots: int | list[int] | None = None, policy: str = "lfu", threads: int = 8) -> None:
         """Load `path` (a no-op if loaded); new pool settings rebuild only the pools."""
         _check_params(expert_slots, policy)
         path = Path(path).expanduser().resolve()
@@ -89,7 +89,7 @@ class EngineManager:
             self.expert_slots, self.policy = expert_slots, policy
             self.state = "loaded"
 
-    def configure(self, *, expert_slots: int | None = None, policy: str | None = None) -> None:
+    def configure(self, *, expert_slots: int | list[int] | None = None, policy: str | None = None) -> None:
         """Change pool size or policy at run time, keeping the dense weights."""
         policy = policy or self.policy
         _check_params(expert_slots, policy)
@@ -195,9 +195,12 @@ class EngineManager:
         }
 
     # -- metrics -----------------------------------------------------------------
-    def slots_per_layer(self) -> int | None:
-        pools = self.loaded.pools if self.loaded else []
-        return pools[0].slots if pools else None
+    def slots_per_layer(self) -> int | list[int] | None:
+        """Slots per MoE layer: one number when every layer has the same."""
+        slots = [pool.slots for pool in (self.loaded.pools if self.loaded else [])]
+        if not slots:
+            return None
+        return slots[0] if len(set(slots)) == 1 else slots
 
     def counters(self) -> PoolCounters:
         """Counters summed over every layer, including pools replaced by rebuilds."""
@@ -236,8 +239,10 @@ class EngineManager:
 
 
 def _check_params(expert_slots, policy) -> None:
-    if expert_slots is not None and (not isinstance(expert_slots, int) or expert_slots < 1):
-        raise EngineError(f"expert_slots must be an integer of at least 1, got {expert_slots!r}")
+    counts = expert_slots if isinstance(expert_slots, (list, tuple)) else [expert_slots]
+    for n in counts:
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise EngineError(f"expert_slots must be an integer of at least 1, got {n!r}")
     if policy not in POLICIES:
         raise EngineError(f"unknown policy {policy!r}: choose one of {', '.join(sorted(POLICIES))}")
 
