@@ -20,8 +20,10 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..experts.index import CheckpointError, CheckpointIndex, LayerExperts
+from ..experts.policies import DEFAULT_POLICY
 from ..experts.pool import ExpertPool
-from ..experts.store import ExpertStore
+from ..experts.packed import CHECK_MODES, open_packed
+from ..experts.store import DEFAULT_THREADS, PAGE_CACHE_MODES, ExpertStore
 from ..experts.switch import StreamingExperts
 
 SUPPORTED_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
@@ -100,11 +102,23 @@ def expert_containers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def load_streaming(
-    path: str | Path, *, expert_slots: int | None = None, policy: str = "lfu", threads: int = 8
+    path: str | Path, *, expert_slots: int | None = None, policy: str = DEFAULT_POLICY,
+    threads: int = DEFAULT_THREADS, page_cache: str = "keep", packed: bool = True,
+    packed_check: str = "first",
 ) -> StreamingModel:
-    """Load `path` with mlx-lm, streaming its experts through pools of `expert_slots`."""
+    """Load `path` with mlx-lm, streaming its experts through pools of `expert_slots`.
+
+    Reads use `threads` reader threads; `page_cache` is "keep" (through the OS cache)
+    or "bypass". With `packed`, the checkpoint's packed store (experts/packed.py) is
+    used when present and valid, its records checked on their first read
+    (`packed_check="first"`) or on every read ("always").
+    """
     from mlx_lm.utils import load_model, load_tokenizer
 
+    if page_cache not in PAGE_CACHE_MODES:
+        raise ValueError(f"page_cache must be one of {', '.join(PAGE_CACHE_MODES)}, got {page_cache!r}")
+    if packed_check not in CHECK_MODES:
+        raise ValueError(f"packed_check must be one of {', '.join(CHECK_MODES)}, got {packed_check!r}")
     path = Path(path).expanduser()
     check_checkpoint(path)
     index = CheckpointIndex(path)  # checks every shard against its header
@@ -113,7 +127,7 @@ def load_streaming(
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise CheckpointError(f"{path}: mlx-lm cannot load this checkpoint: {_one_line(e)}") from None
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
-    loaded = StreamingModel(path, model, tokenizer, config, ExpertStore(threads))
+    loaded = StreamingModel(path, model, tokenizer, config, ExpertStore(threads, page_cache))
     containers = expert_containers(model)
     if not containers:
         print(f"{path.name}: no MoE layer, running fully resident", file=sys.stderr)
@@ -126,6 +140,8 @@ def load_streaming(
         loaded.dtypes.append({k: v.dtype for k, v in params.items()})
         _replace(model, name, module)
     try:
+        if packed and loaded.layers:
+            loaded.store.packed = open_packed(path, [m.spans for m in loaded.layers], packed_check)
         loaded.build_pools(expert_slots, policy)
     except BaseException:
         loaded.store.close()

@@ -15,7 +15,7 @@ from typing import Iterator
 
 from ..experts.index import CheckpointError
 from ..experts.pool import PoolCounters
-from ..experts.policies import POLICIES
+from ..experts.policies import DEFAULT_POLICY, POLICIES
 
 
 class EngineError(Exception):
@@ -37,7 +37,7 @@ class EngineManager:
         self.loaded = None  # StreamingModel
         self.session = None
         self.expert_slots: int | None = None
-        self.policy = "lfu"
+        self.policy = DEFAULT_POLICY
         self.max_tokens = 256
         self.last_stats: dict | None = None
         self.last_decode_tps: float | None = None
@@ -63,7 +63,7 @@ class EngineManager:
         text = config.get("text_config", {})
         return config.get("max_position_embeddings") or text.get("max_position_embeddings")
 
-    def load(self, path, *, expert_slots: int | list[int] | None = None, policy: str = "lfu", threads: int = 8) -> None:
+    def load(self, path, *, expert_slots: int | list[int] | None = None, policy: str = DEFAULT_POLICY, threads: int = 8) -> None:
         """Load `path` (a no-op if loaded); new pool settings rebuild only the pools."""
         _check_params(expert_slots, policy)
         path = Path(path).expanduser().resolve()

@@ -105,6 +105,9 @@ class LFUDA(LFU):
 
 POLICIES = {cls.name: cls for cls in (LRU, LFU, LFUDA)}
 
+# What measured best on the real routing trace (docs/policies.md).
+DEFAULT_POLICY = "lfuda"
+
 
 def make_policy(name: str) -> Policy:
     """A fresh policy by name; a clear error for an unknown one."""

@@ -15,8 +15,8 @@ import mlx.core as mx
 import numpy as np
 
 from .index import LayerExperts
-from .policies import make_policy
-from .store import ExpertStore
+from .policies import DEFAULT_POLICY, make_policy
+from .store import ExpertStore, ReadResult
 
 
 @dataclass
@@ -27,7 +27,8 @@ class PoolCounters:
     misses: int = 0
     evictions: int = 0
     bytes_read: int = 0
-    read_seconds: float = 0.0
+    read_seconds: float = 0.0  # wall time of the (parallel) reads
+    reads: int = 0  # preadv calls (contiguous jobs are merged into one)
     gpu_fastpath: int = 0  # layer calls whose experts were all resident: no load
     gpu_fallback: int = 0  # layer calls that had to load
     unplaced: int = 0  # routes without their own expert's slot: must stay 0
@@ -41,9 +42,15 @@ class PoolCounters:
         total = self.hits + self.misses
         return self.hits / total if total else None
 
+    @property
+    def read_mb_per_s(self) -> float:
+        """Achieved read throughput (0.0 before any read)."""
+        return self.bytes_read / self.read_seconds / 1e6 if self.read_seconds else 0.0
+
     def as_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["hit_rate"] = self.hit_rate
+        d["read_mb_per_s"] = self.read_mb_per_s
         return d
 
 
@@ -56,7 +63,7 @@ class ExpertPool:
         slots: int,
         dtypes: dict[str, mx.Dtype],
         store: ExpertStore,
-        policy: str = "lfu",
+        policy: str = DEFAULT_POLICY,
     ):
         if slots < 1:
             raise ValueError(f"expert_slots must be at least 1, got {slots}")
@@ -118,13 +125,8 @@ class ExpertPool:
                 self.policy.forget(victim)
                 c.evictions += 1
             targets.append((e, slot))
-        jobs = [
-            (comp.file, comp.span(e)[0], self._views[comp.name][slot])
-            for e, slot in targets
-            for comp in self.layer.components
-        ]
         try:
-            nbytes, seconds = self.store.read(jobs)
+            result = self._read(targets)
         except BaseException:
             # Nothing half-read may ever be used: the target slots stay empty.
             self._free.extend(slot for _, slot in targets)
@@ -135,8 +137,9 @@ class ExpertPool:
             self.expert_in[slot] = e
             self.policy.record(e)
         c.misses += len(targets)
-        c.bytes_read += nbytes
-        c.read_seconds += seconds
+        c.bytes_read += result.nbytes
+        c.read_seconds += result.seconds
+        c.reads += result.reads
         self._publish_map()
         return len(targets)
 
@@ -149,6 +152,29 @@ class ExpertPool:
         for start in range(0, len(missing), 64):
             self.ensure(missing[start : start + 64])
         self.identity = bool(np.array_equal(self.slot_of, np.arange(self.num_experts)))
+
+    def _read(self, targets: list[tuple[int, int]]) -> ReadResult:
+        """Read each (expert, slot) target: one job per expert from the packed store
+        (its record scattered into the component slots), else one per component from
+        the safetensors. A packed read that fails or fails its checksum disables the
+        packed store and is redone from the safetensors."""
+        comps = self.layer.components
+        packed = self.store.packed.layer(self.layer.key) if self.store.packed else None
+        if packed is not None:
+            jobs = [
+                (packed.file, packed.offset(e), [self._views[c.name][slot] for c in comps])
+                for e, slot in targets
+            ]
+            try:
+                return self.store.read(jobs, packed.check)
+            except OSError as e:
+                self.store.packed.disable(f"damaged ({' '.join(str(e).split())})")
+        jobs = [
+            (comp.file, comp.span(e)[0], [self._views[comp.name][slot]])
+            for e, slot in targets
+            for comp in comps
+        ]
+        return self.store.read(jobs)
 
     def remap(self, indices: mx.array) -> mx.array:
         """Expert ids -> slot ids, on the device."""

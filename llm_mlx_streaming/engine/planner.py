@@ -1,0 +1,582 @@
+"""The memory-budget planner: how many expert slots each MoE layer can afford.
+
+Given a checkpoint and a memory budget, the planner splits the budget, in this order:
+
+1. the dense weights (everything that is not a stacked expert tensor: embeddings,
+   attention, routers, norms, shared experts), which stay resident;
+2. the KV cache for `max_context` tokens;
+3. a working reserve for activations, temporary buffers and the allocator;
+4. expert slots: every MoE layer first gets `min_slots` (default top_k) slots, then
+   all layers grow evenly up to `whole_from` x num_experts slots, then whole layers
+   (every expert resident) are made one at a time, the first MoE layers first.
+
+It reads only config.json and the safetensors headers (no model load, no mlx), so a
+plan of a 40 GB checkpoint is instant. See docs/planner.md ("Memory budget") for the
+reasons behind the defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..experts.index import CheckpointError, CheckpointIndex
+
+__all__ = [
+    "DEFAULT_HIT_RATES",
+    "KV_STEP",
+    "Plan",
+    "PlanError",
+    "checkpoint_layout",
+    "default_reserve",
+    "format_plan",
+    "format_size",
+    "kv_cache_bytes",
+    "parse_size",
+    "plan_memory",
+]
+
+MiB = 1024**2
+RESERVE_FLOOR = 256 * MiB  # fixed runtime overhead: MLX/Metal, tokenizer, Python
+RESERVE_FRACTION = 0.05  # scales with the working set (activations, allocator slack)
+WHOLE_FROM = 0.5  # every layer holds this share of its experts before any layer is whole
+KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens
+DEFAULT_HIT_RATES = (0.5, 0.8, 0.9)
+
+# Where the stacked expert tensors of a layer live: mlx-lm's SwitchGLU/SwitchMLP are
+# named `switch_mlp` by every architecture but gpt_oss, whose container is `mlp.experts`.
+# The key is `<container>.<proj>.<weight|scales|biases|bias>`.
+_EXPERT_KEY = re.compile(
+    r"^(?P<container>(?:.*\.)?(?:switch_mlp|mlp\.experts))\.[^.]+\.(?:weight|scales|biases|bias)$"
+)
+# Decoder layers under a language model's `model.layers` (also inside a VLM wrapper).
+_LAYER_KEY = re.compile(r"^(?:language_model\.)?model\.layers\.(\d+)\.")
+
+_EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+_TOP_K_FIELDS = ("num_experts_per_tok", "experts_per_token", "moe_topk")
+
+
+class PlanError(ValueError):
+    """A budget that cannot run the checkpoint; the message is one line."""
+
+
+# -- sizes ------------------------------------------------------------------------
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
+    "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2,
+    "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes in a size like "12GB", "12G", "1.5 GiB", "512MiB" or "4096".
+
+    Decimal units (KB, MB, GB, TB, or K/M/G/T) are powers of 1000, binary ones (KiB,
+    MiB, GiB, TiB) powers of 1024; case does not matter. An int is returned as is.
+    """
+    if isinstance(text, bool):
+        raise ValueError(f"not a size: {text!r}")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"size must not be negative: {text}")
+        return text
+    match = _SIZE.match(str(text))
+    unit = match and _UNITS.get(match.group(2).lower())
+    if not unit:
+        raise ValueError(
+            f"not a size: {text!r} (use e.g. 12GB, 12G, 1.5GiB, 512MB; "
+            "units B, KB, MB, GB, TB = 1000^n, KiB, MiB, GiB, TiB = 1024^n)"
+        )
+    return int(round(float(match.group(1)) * unit))
+
+
+def format_size(n: int | float) -> str:
+    """A byte count in decimal units with one decimal: "2.0 GB", "48.3 MB", "512 B"."""
+    n = float(n)
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    if n < 1000:
+        return f"{sign}{n:.0f} B"
+    for unit, scale in (("KB", 1e3), ("MB", 1e6), ("GB", 1e9)):
+        if round(n / scale, 1) < 1000:
+            return f"{sign}{n / scale:.1f} {unit}"
+    return f"{sign}{n / 1e12:.1f} TB"
+
+
+def default_reserve(budget: int) -> int:
+    """max(256 MiB, 5% of the budget): see docs/planner.md."""
+    return max(RESERVE_FLOOR, int(RESERVE_FRACTION * budget))
+
+
+# -- the checkpoint, from headers alone ------------------------------------------------
+
+
+@dataclass
+class Layout:
+    """What a plan needs to know about a checkpoint."""
+
+    path: Path
+    config: dict
+    model_type: str
+    num_experts: int  # 0: a dense model
+    top_k: int
+    dense_bytes: int
+    skipped_bytes: int  # tensors mlx-lm drops on load (multi-token-prediction heads)
+    layer_keys: list[str] = field(default_factory=list)  # one expert container per MoE layer
+    expert_bytes: list[int] = field(default_factory=list)  # bytes of one expert, per MoE layer
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        return self.dense_bytes + self.num_experts * sum(self.expert_bytes)
+
+
+def _field(config: dict, names) -> object:
+    """The first of `names` set in config or its `text_config` (VLM wrappers)."""
+    for cfg in (config, config.get("text_config") or {}):
+        for name in names:
+            value = cfg.get(name)
+            if value is not None:
+                return value
+    return None
+
+
+def _read_config(path: Path) -> dict:
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: checkpoint directory not found")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{path}: no config.json (not an mlx-lm checkpoint)")
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config_file}: not valid JSON ({e.msg})") from None
+
+
+def _dropped_on_load(key: str, num_layers: int | None) -> bool:
+    """Tensors mlx-lm's sanitize() drops: multi-token-prediction heads (qwen3_next's
+    `mtp.*`, deepseek_v3's extra decoder layer `model.layers.<num_hidden_layers>`)."""
+    if key.startswith("mtp.") or ".mtp." in key:
+        return True
+    m = _LAYER_KEY.match(key)
+    return bool(m and num_layers is not None and int(m.group(1)) >= num_layers)
+
+
+def _layer_order(key: str) -> list[int]:
+    # The engine orders its expert containers the same way (loading.expert_containers).
+    return [int(n) for n in re.findall(r"\d+", key)]
+
+
+def checkpoint_layout(path: str | os.PathLike) -> Layout:
+    """Dense bytes and per-MoE-layer bytes per expert, from config.json and headers.
+
+    A stacked expert tensor is one whose key is `<container>.<proj>.<component>` with a
+    container of `switch_mlp` (or gpt_oss's `mlp.experts`) and whose first dimension is
+    the config's number of experts; it belongs to its container's MoE layer. Every
+    other tensor is dense.
+    """
+    path = Path(path).expanduser()
+    config = _read_config(path)
+    index = CheckpointIndex(path)
+    num_experts = int(_field(config, _EXPERT_COUNT_FIELDS) or 0)
+    num_layers = _field(config, ("num_hidden_layers",))
+    dense = skipped = 0
+    groups: dict[str, int] = {}
+    for key, entry in index.tensors.items():
+        if _dropped_on_load(key, num_layers):
+            skipped += entry.nbytes
+            continue
+        m = _EXPERT_KEY.match(key)
+        if num_experts and m and entry.shape and entry.shape[0] == num_experts:
+            container = m.group("container")
+            groups[container] = groups.get(container, 0) + entry.nbytes
+        else:
+            dense += entry.nbytes
+    keys = sorted(groups, key=_layer_order)
+    top_k = 0
+    if num_experts:
+        if not keys:
+            raise CheckpointError(
+                f"{path}: config.json says {num_experts} experts, but no stacked expert "
+                "tensors (switch_mlp / mlp.experts) are in the checkpoint; convert it with mlx_lm"
+            )
+        top_k = int(_field(config, _TOP_K_FIELDS) or 0)
+        if not 1 <= top_k <= num_experts:
+            raise CheckpointError(
+                f"{path / 'config.json'}: no valid experts-per-token (num_experts_per_tok) "
+                f"for {num_experts} experts"
+            )
+    for key in keys:
+        if groups[key] % num_experts:
+            raise CheckpointError(f"{path}: expert tensors of {key!r} do not split into {num_experts} experts")
+    return Layout(
+        path=path,
+        config=config,
+        model_type=str(_field(config, ("model_type",)) or "?"),
+        num_experts=num_experts,
+        top_k=top_k,
+        dense_bytes=dense,
+        skipped_bytes=skipped,
+        layer_keys=keys,
+        expert_bytes=[groups[k] // num_experts for k in keys],
+    )
+
+
+# -- the KV cache --------------------------------------------------------------------
+
+
+def _activation_bytes(config: dict) -> int:
+    """2 (float16/bfloat16), or 4 when the checkpoint says float32 (mlx-lm then computes
+    in float32, and its caches hold float32)."""
+    dtype = str(_field(config, ("torch_dtype", "dtype")) or "bfloat16")
+    return 4 if dtype.replace("torch.", "") == "float32" else 2
+
+
+def _layer_kinds(config: dict, num_layers: int) -> list[str]:
+    """"full", "sliding" or "linear" per decoder layer, from the config.
+
+    `layer_types` (gpt_oss, newer Qwen3-Next configs) says it per layer. Otherwise a
+    linear-attention hybrid (a `full_attention_interval` next to `linear_*` fields, as
+    Qwen3-Next: layer i is full attention when (i + 1) % interval == 0, as mlx-lm builds
+    it) has only every interval-th layer holding a KV cache. Failing both, every layer
+    is counted as full attention (an over-estimate, never an under-estimate).
+    """
+    types = _field(config, ("layer_types",))
+    if isinstance(types, list) and len(types) == num_layers:
+        kinds = []
+        for t in types:
+            t = str(t)
+            kinds.append("sliding" if "sliding" in t else "linear" if "linear" in t else "full")
+        return kinds
+    interval = _field(config, ("full_attention_interval",))
+    if interval and _field(config, ("linear_num_value_heads",)):
+        return ["full" if (i + 1) % int(interval) == 0 else "linear" for i in range(num_layers)]
+    return ["full"] * num_layers
+
+
+def kv_cache_bytes(
+    config: dict, max_context: int, bytes_per_element: int | None = None
+) -> tuple[int, str]:
+    """(bytes, description) of the caches mlx-lm keeps for `max_context` tokens.
+
+    Per full-attention layer and token: 2 x kv_heads x head_dim elements (K and V); for
+    multi-head latent attention (deepseek_v3, `kv_lora_rank` in the config) mlx-lm
+    caches the latent instead, kv_lora_rank + qk_rope_head_dim elements. Token counts
+    are rounded up to mlx-lm's 256-token cache step. Sliding-window layers hold at most
+    `sliding_window` tokens. Linear-attention layers (Qwen3-Next's gated delta net)
+    hold a fixed state whatever the context: a conv state of (kernel - 1) x conv_dim
+    elements and a float32 recurrent state of value_heads x value_dim x key_dim.
+    """
+    if max_context < 0:
+        raise ValueError(f"max_context must not be negative, got {max_context}")
+    width = bytes_per_element or _activation_bytes(config)
+    num_layers = int(_field(config, ("num_hidden_layers",)) or 0)
+    heads = int(_field(config, ("num_attention_heads",)) or 1)
+    kv_lora = _field(config, ("kv_lora_rank",))
+    if kv_lora:
+        per_token = int(kv_lora) + int(_field(config, ("qk_rope_head_dim",)) or 0)
+    else:
+        kv_heads = int(_field(config, ("num_key_value_heads",)) or heads)
+        head_dim = _field(config, ("head_dim",)) or int(_field(config, ("hidden_size",)) or 0) // heads
+        per_token = 2 * kv_heads * int(head_dim)
+    tokens = -(-max_context // KV_STEP) * KV_STEP
+    window = _field(config, ("sliding_window",))
+    kinds = _layer_kinds(config, num_layers)
+    total = 0
+    for kind in kinds:
+        if kind == "full":
+            total += tokens * per_token * width
+        elif kind == "sliding":
+            total += min(tokens, int(window or tokens)) * per_token * width
+        else:
+            hk = int(_field(config, ("linear_num_key_heads",)) or 0)
+            hv = int(_field(config, ("linear_num_value_heads",)) or 0)
+            dk = int(_field(config, ("linear_key_head_dim",)) or 0)
+            dv = int(_field(config, ("linear_value_head_dim",)) or 0)
+            kernel = int(_field(config, ("linear_conv_kernel_dim",)) or 4)
+            conv = (kernel - 1) * (2 * hk * dk + hv * dv) * width
+            total += conv + hv * dv * dk * 4
+    counts = {k: kinds.count(k) for k in ("full", "sliding", "linear") if k in kinds}
+    if set(counts) <= {"full"}:
+        layers = f"{num_layers} layers"
+    else:
+        names = {"full": "full-attention", "sliding": f"sliding-window ({window})",
+                 "linear": "linear-attention"}
+        layers = ", ".join(f"{n} {names[k]}" for k, n in counts.items()) + " layers"
+    return total, f"{max_context} tokens, {layers}"
+
+
+# -- the plan ------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    """How a budget is spent. Byte counts are exact for the weights and the pool (the
+    pool arrays the engine allocates for `slots_per_layer` hold exactly `pool_bytes`),
+    estimates for the KV cache, and an allowance for the reserve."""
+
+    path: str
+    model_type: str
+    budget: int
+    dense_bytes: int
+    kv_bytes: int
+    reserve_bytes: int
+    expert_bytes_per_layer: list[int]  # bytes of ONE expert, per MoE layer
+    slots_per_layer: list[int]
+    whole_layers: list[int]  # MoE layer ordinals (0-based) holding every expert
+    pool_bytes: int
+    expected_peak_bytes: int  # dense + KV at max_context + reserve + pool
+    num_experts: int
+    top_k: int
+    num_moe_layers: int
+    max_context: int
+    kv_description: str = ""
+    min_slots: int = 0
+    whole_from: float = WHOLE_FROM
+    checkpoint_bytes: int = 0
+    skipped_bytes: int = 0
+    layer_keys: list[str] = field(default_factory=list)
+
+    @property
+    def unused_bytes(self) -> int:
+        """What the budget leaves over (less than a slot's worth, or everything is whole)."""
+        return self.budget - self.expected_peak_bytes
+
+    @property
+    def streamed_layers(self) -> list[int]:
+        whole = set(self.whole_layers)
+        return [i for i in range(self.num_moe_layers) if i not in whole]
+
+    def forecast_mb_per_token(self, hit_rate: float) -> float:
+        """MB read from disk per decoded token at `hit_rate`: every layer that is not
+        whole reads top_k x (1 - hit_rate) experts."""
+        if not 0.0 <= hit_rate <= 1.0:
+            raise ValueError(f"hit_rate must be in [0, 1], got {hit_rate}")
+        per_layer = sum(self.expert_bytes_per_layer[i] for i in self.streamed_layers)
+        return self.top_k * (1.0 - hit_rate) * per_layer / 1e6
+
+    def as_dict(self) -> dict:
+        """JSON-ready form (for `llm mlxs plan --json`)."""
+        d = asdict(self)
+        d["unused_bytes"] = self.unused_bytes
+        return d
+
+
+def plan_memory(
+    path: str | os.PathLike,
+    budget_bytes: int | str,
+    *,
+    max_context: int = 4096,
+    reserve_bytes: int | None = None,
+    kv_bytes_per_element: int | None = None,
+    min_slots: int | None = None,
+    whole_from: float = WHOLE_FROM,
+) -> Plan:
+    """The slot count of every MoE layer that fits `budget_bytes` (an int or "12GB").
+
+    `reserve_bytes` defaults to max(256 MiB, 5% of the budget). `min_slots` is the
+    fewest slots any layer may have (default top_k; speculative decoding of k draft
+    tokens wants (k + 1) x top_k). `whole_from`: every layer grows evenly up to this
+    share of its experts before any layer is made whole (1.0: never trade slots for a
+    whole layer; 0.0: make as many layers whole as the minimum of the others allows).
+
+    Raises PlanError (one line, naming the shortfall and the budget that would do)
+    when the budget cannot give every MoE layer `min_slots` slots, and CheckpointError
+    for a checkpoint that cannot be read.
+    """
+    budget = parse_size(budget_bytes)
+    if not 0.0 <= whole_from <= 1.0:
+        raise ValueError(f"whole_from must be in [0, 1], got {whole_from}")
+    layout = checkpoint_layout(path)
+    E, L = layout.num_experts, len(layout.layer_keys)
+    b = layout.expert_bytes
+    kv, kv_text = kv_cache_bytes(layout.config, max_context, kv_bytes_per_element)
+    reserve = default_reserve(budget) if reserve_bytes is None else parse_size(reserve_bytes)
+    m = min(E, max(1, min_slots if min_slots is not None else layout.top_k)) if L else 0
+    fixed = layout.dense_bytes + kv
+    floor_pool = m * sum(b)
+    available = budget - fixed - reserve
+    if available < floor_pool:
+        raise PlanError(_shortfall(budget, layout, kv, reserve, reserve_bytes, m, floor_pool))
+
+    slots = _allocate(available, b, E, m, whole_from)
+    pool = sum(s * x for s, x in zip(slots, b))
+    return Plan(
+        path=str(layout.path),
+        model_type=layout.model_type,
+        budget=budget,
+        dense_bytes=layout.dense_bytes,
+        kv_bytes=kv,
+        reserve_bytes=reserve,
+        expert_bytes_per_layer=list(b),
+        slots_per_layer=slots,
+        whole_layers=[i for i, s in enumerate(slots) if s == E],
+        pool_bytes=pool,
+        expected_peak_bytes=fixed + reserve + pool,
+        num_experts=E,
+        top_k=layout.top_k,
+        num_moe_layers=L,
+        max_context=max_context,
+        kv_description=kv_text,
+        min_slots=m,
+        whole_from=whole_from,
+        checkpoint_bytes=layout.checkpoint_bytes,
+        skipped_bytes=layout.skipped_bytes,
+        layer_keys=list(layout.layer_keys),
+    )
+
+
+def _allocate(available: int, b: list[int], E: int, m: int, whole_from: float) -> list[int]:
+    """Slots per layer for `available` bytes; every layer's count never decreases as
+    `available` grows (each phase only adds slots, in a fixed order).
+
+    1. every layer gets `m` slots;
+    2. all layers grow together up to K = max(m, ceil(whole_from x E)) slots; bytes
+       for less than one more slot everywhere give one more slot to the first layers;
+    3. once every layer has K, layers are made whole in order (MoE layer 0 first), and
+       what does not complete the next layer goes to that layer.
+    """
+    L = len(b)
+    if not L:
+        return []
+    per_round = sum(b)
+    K = min(E, max(m, math.ceil(whole_from * E)))
+    s = min(K, available // per_round)
+    slots = [s] * L
+    left = available - s * per_round
+    if s < K:
+        for i in range(L):  # a prefix, so a larger budget never takes one back
+            if left < b[i]:
+                break
+            slots[i] += 1
+            left -= b[i]
+        return slots
+    for i in range(L):
+        need = (E - slots[i]) * b[i]
+        if left >= need:
+            slots[i] = E
+            left -= need
+        else:
+            slots[i] += left // b[i]
+            break
+    return slots
+
+
+def _shortfall(budget, layout, kv, reserve, reserve_given, m, floor_pool) -> str:
+    """The one-line refusal: what the budget must cover, and the least budget that does."""
+    need = layout.dense_bytes + kv + reserve + floor_pool
+    fixed = layout.dense_bytes + kv + floor_pool
+    if reserve_given is None:  # the default reserve grows with the budget
+        least = max(fixed + RESERVE_FLOOR, math.ceil(fixed / (1 - RESERVE_FRACTION)))
+    else:
+        least = fixed + reserve
+    parts = [f"dense weights {format_size(layout.dense_bytes)}", f"KV cache {format_size(kv)}",
+             f"reserve {format_size(reserve)}"]
+    if layout.layer_keys:
+        parts.append(f"{m} slots x {len(layout.layer_keys)} layers {format_size(floor_pool)}")
+    return (
+        f"budget {format_size(budget)} is {format_size(need - budget)} short: "
+        + " + ".join(parts)
+        + f"; it takes at least {format_size(_round_up(least))} (or a smaller max_context)"
+    )
+
+
+def _round_up(n: int) -> int:
+    """Up to the next 0.1 of the unit format_size will print it in, so the suggested
+    budget, typed back in, is enough."""
+    for scale in (1e3, 1e6, 1e9, 1e12):
+        if n < scale * 1000 or scale == 1e12:
+            if n < 1000:
+                return n
+            step = scale / 10
+            return int(math.ceil(n / step) * step)
+    return n
+
+
+# -- presenting ------------------------------------------------------------------------
+
+
+def _ranges(items: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
+    out, start = [], None
+    for i, x in enumerate(items):
+        if start is None:
+            start = x
+        if i + 1 == len(items) or items[i + 1] != x + 1:
+            out.append(f"{start}" if start == x else f"{start}-{x}")
+            start = None
+    return ", ".join(out)
+
+
+def _slot_runs(slots: list[int], E: int) -> str:
+    """Runs of equal counts: "layers 0-11: 512 (whole); layer 12: 300; layers 13-47: 256"."""
+    runs, start = [], 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[start]:
+            where = f"layer {start}" if i - 1 == start else f"layers {start}-{i - 1}"
+            n = slots[start]
+            runs.append(f"{where}: {n}" + (" (whole)" if n == E else ""))
+            start = i
+    return "; ".join(runs)
+
+
+def format_plan(plan: Plan, hit_rate: float | None = None) -> str:
+    """The plan as terminal text: the budget split, slots per layer, whole layers,
+    expected peak, and MB read per token at `hit_rate` (or at 0.5, 0.8 and 0.9)."""
+    width = 17
+    reserve_note = (
+        "max(256 MiB, 5% of budget)"
+        if plan.reserve_bytes == default_reserve(plan.budget)
+        else "as given"
+    )
+    lines = [f"Memory plan for {plan.path} ({plan.model_type})"]
+    if plan.num_moe_layers:
+        b = plan.expert_bytes_per_layer
+        per_expert = format_size(b[0]) if len(set(b)) == 1 else f"{format_size(min(b))}-{format_size(max(b))}"
+        lines.append(
+            f"  {plan.num_moe_layers} MoE layers x {plan.num_experts} experts, top-{plan.top_k}, "
+            f"{per_expert} per expert; checkpoint {format_size(plan.checkpoint_bytes)}"
+        )
+    else:
+        lines.append("  no MoE layers: the model runs fully resident")
+
+    def row(label, n, note=""):
+        lines.append(f"  {label:<{width}}{format_size(n):>10}" + (f"  {note}" if note else ""))
+
+    row("budget", plan.budget)
+    row("dense weights", plan.dense_bytes)
+    row("KV cache", plan.kv_bytes, plan.kv_description)
+    row("reserve", plan.reserve_bytes, reserve_note)
+    if plan.num_moe_layers:
+        total_slots = sum(plan.slots_per_layer)
+        share = total_slots / (plan.num_experts * plan.num_moe_layers)
+        row("expert pool", plan.pool_bytes, f"{total_slots} slots, {share:.0%} of all experts")
+    row("expected peak", plan.expected_peak_bytes,
+        f"unused {format_size(plan.unused_bytes)}" if plan.unused_bytes >= 1000 else "")
+    if not plan.num_moe_layers:
+        return "\n".join(lines)
+    lines.append(f"  {'slots per layer':<{width}}{_slot_runs(plan.slots_per_layer, plan.num_experts)}")
+    whole = plan.whole_layers
+    if whole:
+        lines.append(
+            f"  {'whole layers':<{width}}{len(whole)} of {plan.num_moe_layers} "
+            f"({_ranges(whole)}): every expert resident, no host read of the router choice"
+        )
+    else:
+        lines.append(f"  {'whole layers':<{width}}none")
+    if len(whole) == plan.num_moe_layers:
+        lines.append(f"  {'disk reads':<{width}}none: every expert is resident")
+    else:
+        rates = DEFAULT_HIT_RATES if hit_rate is None else (hit_rate,)
+        forecast = ", ".join(f"{plan.forecast_mb_per_token(h):.1f} MB at hit rate {h:g}" for h in rates)
+        lines.append(f"  {'read per token':<{width}}{forecast}")
+    if plan.skipped_bytes:
+        lines.append(f"  (not counted: {format_size(plan.skipped_bytes)} of tensors mlx-lm drops on load, e.g. MTP heads)")
+    return "\n".join(lines)
