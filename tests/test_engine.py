@@ -246,8 +246,9 @@ def test_interrupt_during_an_expert_read_leaves_no_half_filled_slot(qwen, monkey
     def flaky_read(jobs):
         reads.append(1)
         if len(reads) == 5:
-            for _, _, dest in jobs:  # half a read has landed when the interrupt comes
-                dest[: dest.size // 2] = 0xAB
+            for _, _, buffers in jobs:  # half a read has landed when the interrupt comes
+                for dest in buffers:
+                    dest[: dest.size // 2] = 0xAB
             raise KeyboardInterrupt
         return real_read(jobs)
 
@@ -259,4 +260,25 @@ def test_interrupt_during_an_expert_read_leaves_no_half_filled_slot(qwen, monkey
     assert engine.verify() == 0
     assert sum(p.counters.unplaced for p in engine.loaded.pools) == 0
     assert [r.token for r in engine.generate(prompt, max_tokens=10)] == expected
+    engine.unload()
+
+
+def test_trace_records_each_layers_routing_for_the_simulator(qwen, tmp_path):
+    from llm_mlx_streaming.experts.simulate import load_trace, simulate
+
+    engine = EngineManager()
+    engine.load(qwen, expert_slots=16)  # whole layers: tracing must still see every step
+    engine.trace_path = tmp_path / "trace.jsonl"
+    prompt = prompt_tokens(vocab_size(qwen), n=20)
+    generated = len(list(engine.generate(prompt, max_tokens=12)))
+    (decode,) = load_trace(engine.trace_path, phase="decode")
+    assert decode.layers == len(engine.loaded.layers) and decode.experts == 16 and decode.top_k == 4
+    # one-token model calls: the prompt's last token, then every generated token
+    # (mlx-lm feeds each token it yields, to have the next ready)
+    assert all(len(steps) == generated + 1 for steps in decode.layer_seqs)
+    assert all(len(set(step)) == 4 for steps in decode.layer_seqs for step in steps)
+    (prefill,) = load_trace(engine.trace_path, phase="prefill")
+    assert all(len(steps) >= 1 for steps in prefill.layer_seqs)
+    rows = simulate(engine.trace_path, [4, 8])
+    assert rows[1]["belady"] >= rows[1]["hit_rate"]["lru"]
     engine.unload()

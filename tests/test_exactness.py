@@ -24,7 +24,7 @@ def stream(path, slots, policy="lfu"):
     loaded = load_streaming(path, expert_slots=slots, policy=policy)
     widest = []
     for module in loaded.layers:
-        module.observer = lambda layer, needed: widest.append(len(needed))
+        module.observer = lambda layer, needed, single: widest.append(len(needed))
     return loaded, widest
 
 

@@ -39,6 +39,7 @@ class EngineManager:
         self.expert_slots: int | None = None
         self.policy = DEFAULT_POLICY
         self.max_tokens = 256
+        self.trace_path: Path | None = None  # when set, routing is appended here per generation
         self.last_stats: dict | None = None
         self.last_decode_tps: float | None = None
         self._retired = PoolCounters()  # counters of pools replaced by a rebuild
@@ -143,6 +144,7 @@ class EngineManager:
             start = time.perf_counter()
             last = None
             generated: list[int] = []
+            recorder = self._recorder()
             try:
                 for response in stream_generate(
                     self.loaded.model, self.loaded.tokenizer, new_tokens,
@@ -157,11 +159,22 @@ class EngineManager:
                 raise
             finally:
                 mx.synchronize()  # nothing may still read a slot when the pools change
+                if recorder is not None:
+                    recorder.__exit__(None, None, None)
+            if recorder is not None:
+                recorder.write(self.trace_path, self.checkpoint.name)
             self.session.fed(new_tokens)
             self.session.fed(generated)
             self.last_stats = self._stats(before, last, len(prompt_tokens), reused, len(new_tokens),
                                           time.perf_counter() - start)
             self.last_decode_tps = self.last_stats["decode_tps"]
+
+    def _recorder(self):
+        if self.trace_path is None or not self.loaded.layers:
+            return None
+        from .trace import TraceRecorder
+
+        return TraceRecorder(self.loaded.layers, self.loaded.layers[0].spans.num_experts).__enter__()
 
     def _stats(self, before: PoolCounters, last, prompt: int, reused: int, prefilled: int, seconds: float) -> dict:
         import mlx.core as mx

@@ -26,7 +26,7 @@ class StreamingExperts(nn.Module):
         self.spans = spans  # where this layer's experts live on disk
         self.layer = layer  # ordinal among the model's MoE layers
         self.pool: ExpertPool | None = None  # set by the loader
-        self.observer = None  # called with (layer, needed expert ids) when tracing
+        self.observer = None  # called with (layer, needed ids, single token) when tracing
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         pool = self.pool
@@ -40,7 +40,7 @@ class StreamingExperts(nn.Module):
         unique, first = np.unique(ids, return_index=True)
         needed = unique[np.argsort(first)]  # in the order the router named them
         if self.observer is not None:
-            self.observer(self.layer, needed)
+            self.observer(self.layer, needed, single_token)
         if len(needed) <= pool.slots:
             pool.ensure(needed)
             if pool.unplaced(ids):
