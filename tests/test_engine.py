@@ -282,3 +282,16 @@ def test_trace_records_each_layers_routing_for_the_simulator(qwen, tmp_path):
     rows = simulate(engine.trace_path, [4, 8])
     assert rows[1]["belady"] >= rows[1]["hit_rate"]["lru"]
     engine.unload()
+
+
+def test_buffer_cache_stays_bounded_over_a_long_session(qwen):
+    engine = EngineManager()
+    mx.set_cache_limit(2**45)  # unbounded, as MLX starts
+    engine.load(qwen, expert_slots=5)
+    limit = mx.set_cache_limit(2**45)  # returns the limit the engine set
+    mx.set_cache_limit(limit)
+    assert limit == 256 * 2**20  # the floor, for a model this small
+    for seed in range(4):
+        list(engine.generate(prompt_tokens(vocab_size(qwen), n=200, seed=seed), max_tokens=4))
+        assert mx.get_cache_memory() <= limit
+    engine.unload()

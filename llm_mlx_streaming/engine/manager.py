@@ -87,6 +87,7 @@ class EngineManager:
             from .session import Session
 
             self.session = Session(self.loaded.model)
+            _limit_buffer_cache(self.loaded)
             self.expert_slots, self.policy = expert_slots, policy
             self.state = "loaded"
 
@@ -249,6 +250,22 @@ class EngineManager:
             "last_decode_tps": self.last_decode_tps,
             **counters,
         }
+
+
+def _limit_buffer_cache(loaded) -> None:
+    """Cap MLX's cache of freed buffers so long sessions do not grow.
+
+    Prefill and expert-major calls free many activation-sized buffers; MLX keeps them
+    for reuse, by default without bound. A quarter of the resident weights (at least
+    256 MiB) is plenty for reuse. The Metal wired limit needs nothing here: mlx-lm's
+    `stream_generate` raises it to cover the model's arrays, pools included, and does
+    nothing where there is no Metal.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_reduce
+
+    resident = tree_reduce(lambda acc, x: acc + x.nbytes, loaded.model.parameters(), 0)
+    mx.set_cache_limit(max(256 * 2**20, resident // 4))
 
 
 def _check_params(expert_slots, policy) -> None:
