@@ -23,6 +23,7 @@ import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 from ..experts.index import CheckpointError, CheckpointIndex
 
@@ -45,6 +46,7 @@ RESERVE_FLOOR = 256 * MiB  # fixed runtime overhead: MLX/Metal, tokenizer, Pytho
 RESERVE_FRACTION = 0.05  # scales with the working set (activations, allocator slack)
 WHOLE_FROM = 0.5  # every layer holds this share of its experts before any layer is whole
 KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens
+PREFILL_STEP = 2048  # mlx-lm's stream_generate prefills in chunks of this many tokens
 DEFAULT_HIT_RATES = (0.5, 0.8, 0.9)
 
 # Where the stacked expert tensors of a layer live: mlx-lm's SwitchGLU/SwitchMLP are
@@ -266,13 +268,19 @@ def kv_cache_bytes(
 ) -> tuple[int, str]:
     """(bytes, description) of the caches mlx-lm keeps for `max_context` tokens.
 
-    Per full-attention layer and token: 2 x kv_heads x head_dim elements (K and V); for
-    multi-head latent attention (deepseek_v3, `kv_lora_rank` in the config) mlx-lm
-    caches the latent instead, kv_lora_rank + qk_rope_head_dim elements. Token counts
-    are rounded up to mlx-lm's 256-token cache step. Sliding-window layers hold at most
-    `sliding_window` tokens. Linear-attention layers (Qwen3-Next's gated delta net)
-    hold a fixed state whatever the context: a conv state of (kernel - 1) x conv_dim
-    elements and a float32 recurrent state of value_heads x value_dim x key_dim.
+    An upper bound, checked against mlx-lm's caches in tests/test_planner.py:
+
+    - full attention: 2 x kv_heads x head_dim elements (K and V) per layer and token;
+      multi-head latent attention (deepseek_v3: `kv_lora_rank` in the config) caches
+      the latent instead, kv_lora_rank + qk_rope_head_dim elements. mlx-lm's KVCache
+      grows 256 tokens at a time, and a prompt that ends off a step boundary leaves up
+      to 255 positions unused, so a layer holds at most max_context + 255 positions.
+    - sliding window (`layer_types` says "sliding_attention"): mlx-lm's RotatingKVCache
+      holds `sliding_window` tokens, but right after a prefill chunk it holds
+      sliding_window - 1 + the chunk (up to 2048 tokens in stream_generate).
+    - linear attention (Qwen3-Next's gated delta net): a fixed state whatever the
+      context: a conv state of (kernel - 1) x conv_dim elements and a float32 recurrent
+      state of value_heads x value_dim x key_dim.
     """
     if max_context < 0:
         raise ValueError(f"max_context must not be negative, got {max_context}")
@@ -286,7 +294,7 @@ def kv_cache_bytes(
         kv_heads = int(_field(config, ("num_key_value_heads",)) or heads)
         head_dim = _field(config, ("head_dim",)) or int(_field(config, ("hidden_size",)) or 0) // heads
         per_token = 2 * kv_heads * int(head_dim)
-    tokens = -(-max_context // KV_STEP) * KV_STEP
+    tokens = max_context + KV_STEP - 1 if max_context else 0
     window = _field(config, ("sliding_window",))
     kinds = _layer_kinds(config, num_layers)
     total = 0
@@ -294,7 +302,8 @@ def kv_cache_bytes(
         if kind == "full":
             total += tokens * per_token * width
         elif kind == "sliding":
-            total += min(tokens, int(window or tokens)) * per_token * width
+            held = int(window) - 1 + PREFILL_STEP if window else tokens
+            total += min(tokens, held) * per_token * width
         else:
             hk = int(_field(config, ("linear_num_key_heads",)) or 0)
             hv = int(_field(config, ("linear_num_value_heads",)) or 0)
@@ -373,11 +382,12 @@ def plan_memory(
     path: str | os.PathLike,
     budget_bytes: int | str,
     *,
-    max_context: int = 4096,
-    reserve_bytes: int | None = None,
+    max_context: int | None = 4096,
+    reserve_bytes: int | str | None = None,
     kv_bytes_per_element: int | None = None,
     min_slots: int | None = None,
     whole_from: float = WHOLE_FROM,
+    whole_order: Sequence[int] | None = None,
 ) -> Plan:
     """The slot count of every MoE layer that fits `budget_bytes` (an int or "12GB").
 
@@ -386,12 +396,16 @@ def plan_memory(
     tokens wants (k + 1) x top_k). `whole_from`: every layer grows evenly up to this
     share of its experts before any layer is made whole (1.0: never trade slots for a
     whole layer; 0.0: make as many layers whole as the minimum of the others allows).
+    `whole_order`: the MoE layer ordinals in the order they are made whole (default
+    0, 1, 2, ...); e.g. layers sorted by a measured hit rate, worst first.
 
     Raises PlanError (one line, naming the shortfall and the budget that would do)
     when the budget cannot give every MoE layer `min_slots` slots, and CheckpointError
     for a checkpoint that cannot be read.
     """
     budget = parse_size(budget_bytes)
+    if max_context is None:
+        max_context = 4096
     if not 0.0 <= whole_from <= 1.0:
         raise ValueError(f"whole_from must be in [0, 1], got {whole_from}")
     layout = checkpoint_layout(path)
@@ -406,7 +420,10 @@ def plan_memory(
     if available < floor_pool:
         raise PlanError(_shortfall(budget, layout, kv, reserve, reserve_bytes, m, floor_pool))
 
-    slots = _allocate(available, b, E, m, whole_from)
+    order = list(range(L)) if whole_order is None else [int(i) for i in whole_order]
+    if sorted(order) != list(range(L)):
+        raise ValueError(f"whole_order must list each of the {L} MoE layers once, got {order}")
+    slots = _allocate(available, b, E, m, whole_from, order)
     pool = sum(s * x for s, x in zip(slots, b))
     return Plan(
         path=str(layout.path),
@@ -433,15 +450,18 @@ def plan_memory(
     )
 
 
-def _allocate(available: int, b: list[int], E: int, m: int, whole_from: float) -> list[int]:
+def _allocate(
+    available: int, b: list[int], E: int, m: int, whole_from: float, order: list[int]
+) -> list[int]:
     """Slots per layer for `available` bytes; every layer's count never decreases as
     `available` grows (each phase only adds slots, in a fixed order).
 
     1. every layer gets `m` slots;
     2. all layers grow together up to K = max(m, ceil(whole_from x E)) slots; bytes
        for less than one more slot everywhere give one more slot to the first layers;
-    3. once every layer has K, layers are made whole in order (MoE layer 0 first), and
-       what does not complete the next layer goes to that layer.
+    3. once every layer has K, layers are made whole in `order`, and what does not
+       complete the next layer goes to that layer.
+    Both "first layers" in 2 and 3 follow `order`.
     """
     L = len(b)
     if not L:
@@ -452,13 +472,13 @@ def _allocate(available: int, b: list[int], E: int, m: int, whole_from: float) -
     slots = [s] * L
     left = available - s * per_round
     if s < K:
-        for i in range(L):  # a prefix, so a larger budget never takes one back
+        for i in order:  # a prefix, so a larger budget never takes one back
             if left < b[i]:
                 break
             slots[i] += 1
             left -= b[i]
         return slots
-    for i in range(L):
+    for i in order:
         need = (E - slots[i]) * b[i]
         if left >= need:
             slots[i] = E
@@ -575,7 +595,9 @@ def format_plan(plan: Plan, hit_rate: float | None = None) -> str:
         lines.append(f"  {'disk reads':<{width}}none: every expert is resident")
     else:
         rates = DEFAULT_HIT_RATES if hit_rate is None else (hit_rate,)
-        forecast = ", ".join(f"{plan.forecast_mb_per_token(h):.1f} MB at hit rate {h:g}" for h in rates)
+        forecast = ", ".join(
+            f"{format_size(plan.forecast_mb_per_token(h) * 1e6)} at hit rate {h:g}" for h in rates
+        )
         lines.append(f"  {'read per token':<{width}}{forecast}")
     if plan.skipped_bytes:
         lines.append(f"  (not counted: {format_size(plan.skipped_bytes)} of tensors mlx-lm drops on load, e.g. MTP heads)")
