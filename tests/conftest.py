@@ -20,3 +20,27 @@ def build(tmp_path_factory):
         return built[key]
 
     return _build
+
+
+# -- llm plugin tests (tests/test_plugin_*.py) --------------------------------
+
+
+@pytest.fixture(scope="session")
+def plugin_checkpoint(build):
+    """The checkpoint the plugin tests serve: the default tiny qwen3_moe (8 experts)."""
+    return build("qwen3_moe")
+
+
+@pytest.fixture
+def llm_env(tmp_path, monkeypatch, plugin_checkpoint):
+    """An isolated llm user dir (LLM_USER_PATH) serving plugin_checkpoint as 'small'
+    (the default model, 4 expert slots), driven through llm's real CLI."""
+    from plugin_support import LlmEnv
+
+    monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "llm"))
+    env = LlmEnv(tmp_path / "llm", plugin_checkpoint)
+    env.write_settings(
+        default_model="small",
+        models={"small": {"path": str(plugin_checkpoint), "aliases": ["sm"], "expert_slots": 4}},
+    )
+    return env

@@ -1,0 +1,221 @@
+"""The ``llm.Model`` that serves ``mlx-stream`` and ``mlx-stream/<name>``.
+
+It turns llm's message chain into chat-template tokens (``prompting.py``),
+resolves options against the settings and streams the engine's text, with
+``<think>`` blocks as reasoning events. The engine (``engine.manager``) owns
+the loaded model, the expert pools and the KV cache and reuses the cache when
+a new prompt extends the last one, so each turn simply passes the *whole*
+conversation and ``llm chat`` turns prefill only what is new.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any, Optional
+
+import llm
+from pydantic import Field
+
+from . import registry
+from .settings import BUNDLED_NAME, MlxStreamError, Policy, Settings, load_settings
+
+
+class Options(llm.Options):
+    max_tokens: Optional[int] = Field(
+        None, ge=1, description="Most tokens to generate (default: `llm mlxs config` max_tokens)"
+    )
+    temperature: Optional[float] = Field(
+        None, ge=0, le=10, description="Sampling temperature; 0 (default) is greedy"
+    )
+    top_p: Optional[float] = Field(
+        None, gt=0, le=1, description="Nucleus sampling: keep the smallest set of tokens with this total probability"
+    )
+    min_p: Optional[float] = Field(
+        None, ge=0, le=1, description="Drop tokens below this fraction of the top token's probability"
+    )
+    top_k: Optional[int] = Field(
+        None, ge=0, description="Sample only from the k most likely tokens (0: no limit)"
+    )
+    seed: Optional[int] = Field(None, description="Random seed, for repeatable sampling")
+    expert_slots: Optional[int] = Field(
+        None, ge=1, description="Expert slots per MoE layer held in memory; fewer slots use less memory and read more from disk"
+    )
+    policy: Optional[Policy] = Field(
+        None, description="Expert eviction policy: lru, lfu or lfuda"
+    )
+
+
+# The engine iterator each thread is running, so a response abandoned
+# mid-stream (Ctrl-C caught by the caller, an iterator dropped half-way) is
+# closed before the next prompt instead of holding the engine (its lock, its
+# KV cache) while suspended.
+_active: dict[int, "_Run"] = {}
+_active_lock = threading.Lock()
+
+
+class _Run:
+    def __init__(self, results):
+        self.results = results
+        self.cut_off = False
+
+
+def _close_abandoned() -> None:
+    with _active_lock:
+        stale = _active.pop(threading.get_ident(), None)
+    if stale is not None:
+        stale.cut_off = True
+        try:
+            stale.results.close()
+        except Exception:  # already finished, or running in another thread
+            pass
+
+
+class MlxStreamModel(llm.Model):
+    can_stream = True
+    supports_schema = False
+    supports_tools = False
+    Options = Options
+
+    def __init__(self, name: Optional[str] = None):
+        """``name=None`` is the ``mlx-stream`` id: whichever model is the default."""
+        self.name = name
+        self.model_id = registry.MODEL_PREFIX if name is None else f"{registry.MODEL_PREFIX}/{name}"
+
+    def __str__(self) -> str:
+        return f"MLX streaming: {self.model_id}"
+
+    # -- resolution -------------------------------------------------------
+
+    def _resolve(self, options: Options, settings: Settings):
+        name = registry.default_name(settings) if self.name is None else self.name
+        if name != BUNDLED_NAME and name not in settings.models:
+            if self.name is None:
+                raise MlxStreamError(
+                    f"Default model '{name}' is not registered; "
+                    "run `llm mlxs default NAME` or `llm mlxs config --unset default_model`"
+                )
+            raise MlxStreamError(f"Unknown model '{name}'; see `llm mlxs models`")
+        path, entry = registry.checkpoint_for(name, settings)
+        slots = options.expert_slots or registry.effective_slots(name, entry, settings)
+        policy = options.policy or settings.policy
+        resolved = (entry.source if entry and entry.source else None) or str(path)
+        return name, path, slots, policy, resolved
+
+    # -- execution --------------------------------------------------------
+
+    def execute(self, prompt, stream, response, conversation):
+        yield from self._execute(prompt, response)
+
+    def _execute(self, prompt, response):
+        from .engine.manager import EngineError, get_manager
+        from .prompting import PromptError, render_prompt, reply_metadata
+        from .thinking import ThinkSplitter, opens_thinking
+
+        settings = load_settings()
+        options = prompt.options
+        name, path, slots, policy, resolved = self._resolve(options, settings)
+
+        _close_abandoned()
+        mgr = get_manager()
+        load_kwargs: dict[str, Any] = {"expert_slots": slots}
+        if policy:
+            load_kwargs["policy"] = policy
+        try:
+            mgr.load(path, **load_kwargs)
+        except EngineError as exc:
+            raise MlxStreamError(f"Could not load '{name}' ({path}): {exc}") from None
+
+        tokenizer = mgr.tokenizer
+        try:
+            tokens, generation_prompt = render_prompt(tokenizer, prompt)
+        except PromptError as exc:
+            raise MlxStreamError(str(exc)) from None
+        context = mgr.context_length
+        if context and len(tokens) >= context:
+            raise MlxStreamError(
+                f"Prompt is {len(tokens)} tokens, longer than the model's context of {context} tokens"
+            )
+        max_tokens = options.max_tokens or settings.max_tokens
+        if context:
+            max_tokens = max(1, min(max_tokens, context - len(tokens)))
+
+        start = getattr(tokenizer, "think_start", None)
+        end = getattr(tokenizer, "think_end", None)
+        splitter = ThinkSplitter(start, end, opens_thinking(generation_prompt, start, end))
+        sampler = _sampler(options)
+
+        try:
+            results = mgr.generate(tokens, max_tokens=max_tokens, sampler=sampler)
+        except EngineError as exc:
+            raise MlxStreamError(str(exc)) from None
+        eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+        generated: list[int] = []
+        tid, run = threading.get_ident(), _Run(results)
+        with _active_lock:
+            _active[tid] = run
+        try:
+            try:
+                for result in results:
+                    if result.token not in eos or result.finish_reason != "stop":
+                        generated.append(int(result.token))
+                    for kind, chunk in splitter.feed(result.text):
+                        yield _event(kind, chunk)
+            except EngineError as exc:
+                raise MlxStreamError(str(exc)) from None
+            if run.cut_off:
+                raise MlxStreamError(
+                    "This response was cut off: another prompt started before it was read to the end"
+                )
+            for kind, chunk in splitter.flush():
+                yield _event(kind, chunk)
+        finally:
+            with _active_lock:
+                if _active.get(tid) is run:
+                    del _active[tid]
+            close = getattr(results, "close", None)
+            if close is not None:
+                close()
+        # The reply's own token ids, logged with it, so a later turn can
+        # reuse the KV cache exactly (see prompting.py).
+        yield _event("text", "", reply_metadata(generated))
+
+        stats = _jsonable(dict(mgr.last_stats or {}))
+        response.set_usage(input=len(tokens), output=stats.get("generated_tokens"))
+        response.response_json = stats
+        response.set_resolved_model(resolved)
+
+
+def _sampler(options):
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_sampler
+
+    if options.seed is not None:
+        mx.random.seed(options.seed)
+    return make_sampler(
+        options.temperature or 0.0,
+        options.top_p or 0.0,
+        options.min_p or 0.0,
+        top_k=options.top_k or 0,
+    )
+
+
+def _event(kind: str, chunk: str, metadata: Optional[dict] = None):
+    from llm.parts import StreamEvent
+
+    return StreamEvent(type=kind, chunk=chunk, provider_metadata=metadata)
+
+
+def _jsonable(stats: dict) -> dict:
+    """Engine figures as plain JSON types (paths, numpy scalars -> str/float)."""
+    return json.loads(json.dumps(stats, default=_coerce))
+
+
+def _coerce(value):
+    for cast in (int, float):
+        try:
+            if cast(value) == value:
+                return cast(value)
+        except (TypeError, ValueError):
+            pass
+    return str(value)

@@ -1,0 +1,137 @@
+"""llm's message chain -> chat-template token ids.
+
+Why not just ``apply_chat_template(..., tokenize=True)``: re-encoding the
+text of an earlier reply does not always give back the tokens the model
+generated (byte-level BPE has many spellings of one string). The engine can
+only reuse its KV cache up to the first differing token, so a chat turn would
+prefill most of the previous reply again, and the model would see a
+conversation it did not write. So each reply carries the ids it was generated
+as (``provider_metadata``, logged with the message by llm), and the prompt is
+built by splicing those ids between the canonically encoded template pieces.
+Any process that gets the same messages (``llm chat``, ``llm -c``, Python's
+``conversation.prompt``) builds the same ids. Messages without ids, or a
+template that rewrites message content, fall back to plain encoding.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+METADATA_KEY = "mlx-stream"
+
+
+class PromptError(ValueError):
+    pass
+
+
+def reply_metadata(tokens: list[int]) -> dict:
+    return {METADATA_KEY: {"tokens": [int(t) for t in tokens]}}
+
+
+def _stored_tokens(message) -> Optional[list[int]]:
+    found = None
+    for part in message.parts:
+        meta = getattr(part, "provider_metadata", None) or {}
+        tokens = (meta.get(METADATA_KEY) or {}).get("tokens")
+        if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens):
+            found = tokens
+    return found
+
+
+def chat_messages(prompt, think_start=None, think_end=None) -> tuple[list[dict], dict[int, list[int]]]:
+    """Template dicts for the chain, and {message index: stored token ids}.
+
+    Earlier replies keep their reasoning inside the think tags, so the
+    rendered conversation is what the model generated.
+    """
+    from llm.parts import ReasoningPart, TextPart
+
+    messages = getattr(prompt, "messages", None)
+    if messages is None:  # llm before prompt.messages: single turn only
+        out = [{"role": "system", "content": prompt.system}] if prompt.system else []
+        return out + [{"role": "user", "content": prompt.prompt}], {}
+    out, stored = [], {}
+    for message in messages:
+        if message.role not in ("system", "user", "assistant"):
+            raise PromptError(f"mlx-stream cannot send '{message.role}' messages (no tool support)")
+        bits = []
+        for part in message.parts:
+            if isinstance(part, ReasoningPart):
+                if part.text and think_start and think_end:
+                    bits.append(f"{think_start}{part.text}{think_end}")
+            elif isinstance(part, TextPart):
+                bits.append(part.text)
+            else:
+                raise PromptError(f"mlx-stream supports text only, not {type(part).__name__}")
+        if message.role == "assistant":
+            tokens = _stored_tokens(message)
+            if tokens is not None:
+                stored[len(out)] = tokens
+        out.append({"role": message.role, "content": "".join(bits)})
+    return out, stored
+
+
+def render_prompt(tokenizer, prompt) -> tuple[list[int], str]:
+    """Token ids for the conversation, plus the text of the generation prompt."""
+    start = getattr(tokenizer, "think_start", None)
+    end = getattr(tokenizer, "think_end", None)
+    messages, stored = chat_messages(prompt, start, end)
+    if not getattr(tokenizer, "has_chat_template", False):
+        text = "\n\n".join(m["content"] for m in messages)
+        return _encode(tokenizer, text), ""
+
+    def render(msgs, generation=True):
+        return tokenizer.apply_chat_template(msgs, add_generation_prompt=generation, tokenize=False)
+
+    text = render(messages)
+    try:
+        head = render(messages, generation=False)
+        generation_prompt = text[len(head):] if text.startswith(head) else ""
+    except Exception:
+        generation_prompt = ""
+    stored = {i: ids for i, ids in stored.items() if _same_text(tokenizer.decode(ids), messages[i]["content"])}
+    tokens = _spliced(tokenizer, render, messages, stored, text) if stored else None
+    if tokens is None:
+        tokens = _encode(tokenizer, text)
+    return tokens, generation_prompt
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    """Encode without special tokens and without HF's "longer than the maximum
+    sequence length" warning (the context check gives a clearer error)."""
+    try:
+        return tokenizer.encode(text, add_special_tokens=False, verbose=False)
+    except TypeError:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _same_text(decoded: str, content: str) -> bool:
+    """Do the stored ids spell the message? (The streaming detokenizer drops
+    the leading space of a reply's first token, as mlx-lm's output does.)"""
+    return decoded == content or (decoded.startswith(" ") and decoded[1:] == content)
+
+
+def _spliced(tokenizer, render, messages, stored, text) -> Optional[list[int]]:
+    """Encode the template around each stored reply, keeping the reply's own ids."""
+    marks = {i: f"\x00mlx-stream-reply-{i}\x00" for i in stored}
+    marked = [
+        {**m, "content": marks[i]} if i in marks else m for i, m in enumerate(messages)
+    ]
+    try:
+        pieces = re.split("(" + "|".join(map(re.escape, marks.values())) + ")", render(marked))
+    except Exception:
+        return None
+    by_mark = {mark: i for i, mark in marks.items()}
+    seen = [by_mark[p] for p in pieces if p in by_mark]
+    if sorted(seen) != sorted(marks):  # a reply dropped or repeated by the template
+        return None
+    if "".join(messages[by_mark[p]]["content"] if p in by_mark else p for p in pieces) != text:
+        return None  # the template rewrites content (e.g. strips old reasoning)
+    tokens: list[int] = []
+    for piece in pieces:
+        if piece in by_mark:
+            tokens.extend(stored[by_mark[piece]])
+        elif piece:
+            tokens.extend(_encode(tokenizer, piece))
+    return tokens

@@ -1,0 +1,179 @@
+"""The models the plugin serves: the bundled demo plus user-added checkpoints.
+
+Names are resolved here (name, alias or ``mlx-stream/<name>``) so the llm model
+class, the CLI and ``config default_model`` all agree, and so a deleted
+checkpoint directory becomes a one-line error instead of a traceback deep in
+the loader.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from .settings import (
+    BUNDLED_NAME,
+    NAME_RE,
+    ModelEntry,
+    Settings,
+    SettingsError,
+    load_settings,
+    save_settings,
+)
+
+MODEL_PREFIX = "mlx-stream"
+# Keys that count routed experts, across the MoE families mlx-lm supports.
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+BUNDLED_EXPERT_SLOTS = 8
+
+
+def _strip_prefix(name: str) -> str:
+    if name.startswith(MODEL_PREFIX + "/"):
+        return name[len(MODEL_PREFIX) + 1 :]
+    return name
+
+
+def resolve_name(name: str, settings: Optional[Settings] = None) -> str:
+    """Canonical model name for a name or alias; raises SettingsError if unknown."""
+    settings = settings or load_settings()
+    key = _strip_prefix(name)
+    if key == BUNDLED_NAME or key in settings.models:
+        return key
+    for entry_name, entry in settings.models.items():
+        if key in entry.aliases:
+            return entry_name
+    known = ", ".join([BUNDLED_NAME, *settings.models])
+    raise SettingsError(f"Unknown model '{name}'. Known models: {known}")
+
+
+def default_name(settings: Optional[Settings] = None) -> str:
+    settings = settings or load_settings()
+    return settings.default_model or BUNDLED_NAME
+
+
+def read_config(path: Path) -> dict:
+    """Validate that ``path`` is an mlx-lm checkpoint directory; return its config."""
+    if not path.exists():
+        raise SettingsError(f"No such directory: {path}")
+    if not path.is_dir():
+        raise SettingsError(f"Not a directory: {path} (expected an mlx-lm checkpoint)")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise SettingsError(
+            f"{path} is not an mlx-lm checkpoint: config.json is missing"
+        )
+    if not any(path.glob("*.safetensors")):
+        raise SettingsError(
+            f"{path} is not an mlx-lm checkpoint: no *.safetensors weights"
+        )
+    try:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"{config_file} is not valid JSON ({exc})") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise SettingsError(f"{config_file} has no model_type: not an mlx-lm checkpoint")
+    return config
+
+
+def describe(config: dict) -> dict:
+    """Architecture, routed experts and layers, read from a config dict."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    merged = {**config, **text}
+    experts = next((merged[k] for k in EXPERT_KEYS if merged.get(k)), None)
+    return {
+        "architecture": config.get("model_type"),
+        "experts": experts,
+        "layers": merged.get("num_hidden_layers"),
+        "top_k": merged.get("num_experts_per_tok"),
+    }
+
+
+def dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def checkpoint_for(name: str, settings: Optional[Settings] = None) -> tuple[Path, Optional[ModelEntry]]:
+    """Checkpoint directory for a canonical name (building the bundled one if needed)."""
+    settings = settings or load_settings()
+    if name == BUNDLED_NAME:
+        from .checkpoints.default import default_checkpoint
+
+        return default_checkpoint(), None
+    entry = settings.models.get(name)
+    if entry is None:
+        raise SettingsError(f"Unknown model '{name}'; see `llm mlxs models`")
+    path = Path(entry.path)
+    if not path.is_dir():
+        raise SettingsError(
+            f"Checkpoint directory for '{name}' no longer exists: {path} "
+            f"(run `llm mlxs remove {name}` or add it again)"
+        )
+    return path, entry
+
+
+def effective_slots(name: str, entry: Optional[ModelEntry], settings: Settings) -> Optional[int]:
+    """Pool size when no -o expert_slots is given: the model's own setting, then
+    the global one, then 8 for the bundled demo; None lets the engine decide."""
+    if entry is not None and entry.expert_slots:
+        return entry.expert_slots
+    if settings.expert_slots:
+        return settings.expert_slots
+    if name == BUNDLED_NAME:
+        return BUNDLED_EXPERT_SLOTS
+    return None
+
+
+def taken_names(settings: Settings) -> set[str]:
+    names = {BUNDLED_NAME, *settings.models}
+    for entry in settings.models.values():
+        names.update(entry.aliases)
+    return names
+
+
+def add_model(
+    name: str, path: Path, source: str, aliases: list[str], expert_slots: Optional[int] = None
+) -> ModelEntry:
+    """Register a validated checkpoint directory under ``name``."""
+    settings = load_settings()
+    for candidate in [name, *aliases]:
+        if not NAME_RE.match(candidate):
+            raise SettingsError(
+                f"Invalid name '{candidate}': use letters, digits, '.', '_' or '-'"
+            )
+    taken = taken_names(settings)
+    if name in taken:
+        raise SettingsError(
+            f"A model called '{name}' already exists; remove it first or pass --name"
+        )
+    for alias in aliases:
+        if alias in taken or alias == name:
+            raise SettingsError(f"Alias '{alias}' is already in use")
+    if len(set(aliases)) != len(aliases):
+        raise SettingsError("Duplicate alias")
+    entry = ModelEntry(path=str(path), source=source, aliases=aliases, expert_slots=expert_slots)
+    settings.models[name] = entry
+    save_settings(settings)
+    return entry
+
+
+def remove_model(name: str) -> tuple[str, bool]:
+    """Unregister a model (files stay on disk). Returns (name, was_default)."""
+    settings = load_settings()
+    canonical = resolve_name(name, settings)
+    if canonical == BUNDLED_NAME:
+        raise SettingsError(f"'{BUNDLED_NAME}' is bundled with the plugin and cannot be removed")
+    del settings.models[canonical]
+    was_default = settings.default_model == canonical
+    if was_default:
+        settings.default_model = None
+    save_settings(settings)
+    return canonical, was_default
+
+
+def set_default(name: str) -> str:
+    settings = load_settings()
+    canonical = resolve_name(name, settings)
+    settings.default_model = None if canonical == BUNDLED_NAME else canonical
+    save_settings(settings)
+    return canonical

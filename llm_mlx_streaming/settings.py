@@ -1,0 +1,187 @@
+"""Plugin settings: one typed object, one JSON file under ``llm.user_dir()``.
+
+Why one file and no environment variables: the engine this project descends
+from was configured by a maze of env vars; here ``llm mlxs config`` shows every
+knob, validates it with pydantic and writes it back. The same file holds the
+registry of user-added models (``models``), which ``config`` does not list.
+Only keys the user set are written, so "is this the default?" is "is the key
+absent from the file?".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Literal, Optional
+
+import click
+import llm
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .experts.policies import DEFAULT_POLICY
+
+SETTINGS_FILENAME = "mlx-streaming.json"
+BUNDLED_NAME = "tiny-moe"
+POLICIES = ("lru", "lfu", "lfuda")
+Policy = Literal["lru", "lfu", "lfuda"]
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class MlxStreamError(llm.ModelError, click.ClickException):
+    """A one-line error for the user.
+
+    An ``llm.ModelError`` for Python callers and a ``click.ClickException`` so
+    every CLI path (``llm prompt``, ``llm chat``, which does not catch model
+    errors, and ``llm mlxs``) prints one ``Error: ...`` line, not a traceback.
+    """
+
+    def __init__(self, message: str):
+        click.ClickException.__init__(self, message)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class SettingsError(MlxStreamError):
+    """A problem with the settings file, a settings value or a model name."""
+
+
+class ModelEntry(BaseModel):
+    """One user-added model: where its checkpoint lives and what it is called."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    path: str = Field(description="Local mlx-lm checkpoint directory")
+    source: Optional[str] = Field(
+        None, description="What was passed to `llm mlxs add` (a path or HF repo id)"
+    )
+    aliases: list[str] = Field(default_factory=list)
+    expert_slots: Optional[int] = Field(
+        None, ge=1, description="Per-model pool size; overrides the global setting"
+    )
+
+
+class Settings(BaseModel):
+    """Everything the plugin can be told. Add new knobs here, with a description."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    default_model: Optional[str] = Field(
+        None,
+        description=(
+            "Model served by `-m mlx-stream`: a name from `llm mlxs models`. "
+            f"Unset: the bundled demo checkpoint '{BUNDLED_NAME}'."
+        ),
+    )
+    expert_slots: Optional[int] = Field(
+        None,
+        ge=1,
+        description=(
+            "Expert slots per MoE layer kept in memory (the rest stream from disk), "
+            "for models added without --expert-slots. "
+            f"Unset: 8 for '{BUNDLED_NAME}', all experts resident for other models."
+        ),
+    )
+    policy: Optional[Policy] = Field(
+        None,
+        description="Eviction policy when the pool is full: lru, lfu or lfuda. "
+        f"Unset: the engine's default ({DEFAULT_POLICY}).",
+    )
+    max_tokens: int = Field(
+        256, ge=1, description="Most tokens generated per response (-o max_tokens)."
+    )
+    models: dict[str, ModelEntry] = Field(
+        default_factory=dict,
+        description="User-added models (managed by `llm mlxs add/remove`).",
+    )
+
+
+# Settings shown and edited by `llm mlxs config` (the registry is managed by
+# its own commands).
+CONFIG_KEYS = tuple(k for k in Settings.model_fields if k != "models")
+
+
+def settings_path() -> Path:
+    return llm.user_dir() / SETTINGS_FILENAME
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err.get("loc", ())) or "value"
+    return f"{where}: {err.get('msg', 'invalid value')}"
+
+
+def load_settings() -> Settings:
+    """Read the settings file; a missing file means all defaults."""
+    path = settings_path()
+    if not path.exists():
+        return Settings()
+    try:
+        data = json.loads(path.read_text() or "{}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SettingsError(
+            f"Settings file {path} is not valid JSON ({exc}); fix or delete it"
+        ) from None
+    if not isinstance(data, dict):
+        raise SettingsError(f"Settings file {path} must hold a JSON object")
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as exc:
+        raise SettingsError(
+            f"Settings file {path} is invalid: {_first_error(exc)}"
+        ) from None
+
+
+def save_settings(settings: Settings) -> Path:
+    """Write only the keys that differ from the defaults, atomically."""
+    path = settings_path()
+    data = settings.model_dump(mode="json", exclude_defaults=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".mlx-streaming-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+def explicit_keys() -> set[str]:
+    """Keys present in the settings file (i.e. not at their default)."""
+    settings = load_settings()
+    return set(settings.model_dump(exclude_defaults=True))
+
+
+def set_value(key: str, raw: str) -> Settings:
+    """Validate ``raw`` (a command-line string) for ``key`` and save it."""
+    if key not in CONFIG_KEYS:
+        raise SettingsError(
+            f"Unknown setting '{key}'. Settings: {', '.join(CONFIG_KEYS)}"
+        )
+    settings = load_settings()
+    value: object = raw
+    if key == "default_model":
+        from .registry import resolve_name
+
+        value = resolve_name(raw, settings)
+    try:
+        setattr(settings, key, value)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise SettingsError(
+            f"Invalid value for {key}: {raw!r} ({err.get('msg', 'invalid')})"
+        ) from None
+    save_settings(settings)
+    return settings
+
+
+def unset_value(key: str) -> Settings:
+    if key not in CONFIG_KEYS:
+        raise SettingsError(
+            f"Unknown setting '{key}'. Settings: {', '.join(CONFIG_KEYS)}"
+        )
+    settings = load_settings()
+    setattr(settings, key, Settings.model_fields[key].get_default(call_default_factory=True))
+    save_settings(settings)
+    return settings

@@ -1,0 +1,148 @@
+"""`llm mlxs ...` commands and `llm models --options`, through llm's real CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from plugin_support import assert_ok, assert_one_line_error
+
+
+def test_models_options_lists_every_option(llm_env):
+    out = assert_ok(llm_env.run("models", "--options", "-m", "mlx-stream")).stdout
+    for option in ("max_tokens", "temperature", "top_p", "min_p", "top_k", "seed", "expert_slots", "policy"):
+        assert f"{option}:" in out
+    assert "greedy" in out  # descriptions are shown
+    listed = assert_ok(llm_env.run("models", "list")).stdout
+    assert "mlx-stream/small (aliases: sm)" in listed and "mlx-stream/tiny-moe" in listed
+
+
+def test_config_show_set_unset(llm_env):
+    out = assert_ok(llm_env.run("mlxs", "config")).stdout
+    lines = {line.split()[0]: line for line in out.splitlines()[2:]}
+    assert set(lines) == {"default_model", "expert_slots", "policy", "max_tokens"}
+    assert " set " in lines["default_model"] and " default " in lines["max_tokens"]
+
+    assert_ok(llm_env.run("mlxs", "config", "max_tokens", "7"))
+    assert_ok(llm_env.run("mlxs", "config", "policy", "lru"))
+    assert llm_env.read_settings()["max_tokens"] == 7
+    assert assert_ok(llm_env.run("mlxs", "config", "max_tokens")).stdout == "7\n"
+    data = json.loads(assert_ok(llm_env.run("mlxs", "config", "--json")).stdout)
+    assert {d["key"]: d["default"] for d in data}["max_tokens"] is False
+
+    # settings are the defaults for options
+    assert_ok(llm_env.run("-m", "mlx-stream", "hi"))
+    stats = llm_env.turns()[-1]["stats"]
+    assert stats["generated_tokens"] == 7 and stats["policy"] == "lru"
+
+    assert_ok(llm_env.run("mlxs", "config", "--unset", "max_tokens"))
+    assert "max_tokens" not in llm_env.read_settings()
+    assert "models" in llm_env.read_settings()  # the registry survives
+
+
+def test_config_rejects_bad_keys_and_values(llm_env):
+    before = llm_env.settings_file.read_text()
+    assert_one_line_error(llm_env.run("mlxs", "config", "nope", "1"), "Unknown setting 'nope'")
+    assert_one_line_error(llm_env.run("mlxs", "config", "max_tokens", "many"), "max_tokens")
+    assert_one_line_error(llm_env.run("mlxs", "config", "expert_slots", "0"), "expert_slots")
+    assert_one_line_error(llm_env.run("mlxs", "config", "policy", "fifo"), "policy")
+    assert_one_line_error(llm_env.run("mlxs", "config", "default_model", "ghost"), "Unknown model 'ghost'")
+    assert_one_line_error(llm_env.run("mlxs", "config", "--unset", "models"), "Unknown setting")
+    assert llm_env.settings_file.read_text() == before
+
+
+def test_models_add_remove_default(llm_env, tmp_path):
+    copy = tmp_path / "Other-MoE"
+    shutil.copytree(llm_env.checkpoint, copy)
+    added = assert_ok(llm_env.run("mlxs", "add", str(copy), "-a", "om", "-a", "other"))
+    assert "mlx-stream/Other-MoE" in added.stdout and "8 experts x 2 layers" in added.stdout
+
+    out = assert_ok(llm_env.run("mlxs", "models")).stdout
+    row = next(line for line in out.splitlines() if "Other-MoE" in line)
+    assert "om, other" in row and "qwen3_moe" in row and "8 x 2" in row and "KB" in row
+    assert next(line for line in out.splitlines() if "small" in line).startswith("*")
+
+    assert_ok(llm_env.run("-m", "om", "-o", "max_tokens", "3", "via alias"))
+    assert llm_env.turns()[-1]["model"] == "mlx-stream/Other-MoE"
+
+    assert_ok(llm_env.run("mlxs", "default", "other"))
+    assert llm_env.read_settings()["default_model"] == "Other-MoE"
+    assert assert_ok(llm_env.run("mlxs", "default")).stdout == "Other-MoE\n"
+    assert_ok(llm_env.run("-m", "mlx-stream", "-o", "max_tokens", "3", "default now"))
+    assert llm_env.turns()[-1]["resolved_model"] == str(copy)
+
+    assert_ok(llm_env.run("mlxs", "remove", "Other-MoE"))
+    assert "Other-MoE" not in llm_env.read_settings()["models"]
+    assert "default_model" not in llm_env.read_settings()  # back to the bundled demo
+    assert copy.exists()  # files are left alone
+
+
+def test_add_rejects_bad_sources(llm_env, tmp_path):
+    assert_one_line_error(llm_env.run("mlxs", "add", str(tmp_path / "missing")), "No such directory")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert_one_line_error(llm_env.run("mlxs", "add", str(empty)), "config.json is missing")
+    (empty / "config.json").write_text("{}")
+    assert_one_line_error(llm_env.run("mlxs", "add", str(empty)), "no *.safetensors")
+    assert_one_line_error(
+        llm_env.run("mlxs", "add", str(llm_env.checkpoint), "--name", "small"), "already exists"
+    )
+    assert_one_line_error(
+        llm_env.run("mlxs", "add", str(llm_env.checkpoint), "--name", "x", "-a", "sm"), "'sm'"
+    )
+    assert_one_line_error(llm_env.run("mlxs", "remove", "ghost"), "Unknown model 'ghost'")
+    assert_one_line_error(llm_env.run("mlxs", "remove", "tiny-moe"), "cannot be removed")
+    assert_one_line_error(llm_env.run("mlxs", "default", "ghost"), "Unknown model 'ghost'")
+
+
+def test_add_from_hugging_face(llm_env, monkeypatch):
+    """A repo id in the local HF cache is added offline; otherwise it is downloaded."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    calls = []
+    cached = {"mlx-community/Tiny-MoE-4bit"}
+
+    def fake_snapshot_download(repo_id, **kwargs):
+        calls.append((repo_id, kwargs.get("local_files_only", False)))
+        if kwargs.get("local_files_only") and repo_id not in cached:
+            raise LocalEntryNotFoundError("not cached")
+        if repo_id == "org/unreachable":
+            raise OSError("connection refused\n(retry later)")
+        return str(llm_env.checkpoint)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    out = assert_ok(llm_env.run("mlxs", "add", "mlx-community/Tiny-MoE-4bit")).stdout
+    assert "mlx-stream/Tiny-MoE-4bit" in out
+    assert calls == [("mlx-community/Tiny-MoE-4bit", True)]  # no network
+    entry = llm_env.read_settings()["models"]["Tiny-MoE-4bit"]
+    assert entry["source"] == "mlx-community/Tiny-MoE-4bit"
+
+    calls.clear()
+    added = assert_ok(llm_env.run("mlxs", "add", "org/Fresh-MoE", "-a", "fresh"))
+    assert calls == [("org/Fresh-MoE", True), ("org/Fresh-MoE", False)]
+    assert "Downloading org/Fresh-MoE" in added.stderr
+    failed = llm_env.run("mlxs", "add", "org/unreachable")
+    assert failed.exit_code == 1 and "Traceback" not in failed.output
+    assert failed.stderr.splitlines()[-1] == (
+        "Error: Could not download org/unreachable: connection refused (retry later)"
+    )
+
+
+def test_stats_after_two_prompts(llm_env):
+    assert_one_line_error(llm_env.run("mlxs", "stats"), "No mlx-stream responses")
+    assert_ok(llm_env.run("-m", "mlx-stream", "-o", "max_tokens", "5", "first"))
+    assert_ok(llm_env.run("-m", "sm", "-o", "max_tokens", "6", "second"))
+    table = assert_ok(llm_env.run("mlxs", "stats")).stdout
+    assert "Last response  mlx-stream/small" in table
+    assert "hit rate" in table and "decode" in table and "Last 2 responses" in table
+
+    data = json.loads(assert_ok(llm_env.run("mlxs", "stats", "--json")).stdout)
+    first, second = (t["stats"] for t in llm_env.turns())
+    assert data["last"]["stats"] == second
+    agg = data["aggregate"]
+    assert agg["responses"] == 2
+    assert agg["generated_tokens"] == first["generated_tokens"] + second["generated_tokens"] == 11
+    assert agg["hits"] == first["hits"] + second["hits"]
+    one = json.loads(assert_ok(llm_env.run("mlxs", "stats", "-n", "1", "--json")).stdout)
+    assert one["aggregate"]["responses"] == 1

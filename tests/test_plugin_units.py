@@ -1,0 +1,67 @@
+"""Fast checks of the plugin's pieces that need no engine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from llm_mlx_streaming.thinking import ThinkSplitter, opens_thinking
+
+
+def _run(splitter, segments):
+    out = []
+    for seg in segments:
+        out += splitter.feed(seg)
+    out += splitter.flush()
+    merged = []
+    for kind, chunk in out:
+        if merged and merged[-1][0] == kind:
+            merged[-1] = (kind, merged[-1][1] + chunk)
+        else:
+            merged.append((kind, chunk))
+    return merged
+
+
+@pytest.mark.parametrize("cut", range(1, 30))
+def test_think_splitter_handles_tags_split_anywhere(cut):
+    text = "<think>plan it</think>\n\nThe answer <b>ok"
+    got = _run(ThinkSplitter("<think>", "</think>"), [text[:cut], text[cut:]])
+    assert got == [("reasoning", "plan it"), ("text", "\n\nThe answer <b>ok")]
+
+
+def test_think_splitter_modes():
+    assert _run(ThinkSplitter(None, None), ["<think>x</think>y"]) == [("text", "<think>x</think>y")]
+    assert _run(ThinkSplitter("<think>", "</think>", reasoning=True), ["a</th", "ink>b"]) == [
+        ("reasoning", "a"), ("text", "b"),
+    ]
+    assert _run(ThinkSplitter("<think>", "</think>"), ["x <thi"]) == [("text", "x <thi")]
+    assert opens_thinking("<|im_start|>assistant\n<think>\n", "<think>", "</think>")
+    assert not opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n", "<think>", "</think>")
+    assert not opens_thinking("<|im_start|>assistant\n", "<think>", "</think>")
+
+
+def test_settings_roundtrip(tmp_path, monkeypatch):
+    from llm_mlx_streaming import settings as s
+
+    monkeypatch.setenv("LLM_USER_PATH", str(tmp_path))
+    assert s.load_settings() == s.Settings()
+    s.set_value("expert_slots", "6")
+    assert json.loads((tmp_path / s.SETTINGS_FILENAME).read_text()) == {"expert_slots": 6}
+    assert s.explicit_keys() == {"expert_slots"}
+    s.unset_value("expert_slots")
+    assert s.explicit_keys() == set()
+    with pytest.raises(s.SettingsError, match="Invalid value for max_tokens"):
+        s.set_value("max_tokens", "-3")
+
+
+def test_llm_help_does_not_import_mlx():
+    """Every llm command imports plugins: importing ours must stay light."""
+    code = (
+        "import sys, llm; llm.get_plugins(); from llm.cli import cli; "
+        "print(sorted(m for m in ('mlx', 'mlx_lm', 'mlx.core', 'llm_mlx_streaming.engine.manager') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
