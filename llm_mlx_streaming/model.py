@@ -11,7 +11,6 @@ conversation and ``llm chat`` turns prefill only what is new.
 from __future__ import annotations
 
 import json
-import threading
 from typing import Any, Optional
 
 import llm
@@ -44,31 +43,6 @@ class Options(llm.Options):
     policy: Optional[Policy] = Field(
         None, description="Expert eviction policy: lru, lfu or lfuda"
     )
-
-
-# The engine iterator each thread is running, so a response abandoned
-# mid-stream (Ctrl-C caught by the caller, an iterator dropped half-way) is
-# closed before the next prompt instead of holding the engine (its lock, its
-# KV cache) while suspended.
-_active: dict[int, "_Run"] = {}
-_active_lock = threading.Lock()
-
-
-class _Run:
-    def __init__(self, results):
-        self.results = results
-        self.cut_off = False
-
-
-def _close_abandoned() -> None:
-    with _active_lock:
-        stale = _active.pop(threading.get_ident(), None)
-    if stale is not None:
-        stale.cut_off = True
-        try:
-            stale.results.close()
-        except Exception:  # already finished, or running in another thread
-            pass
 
 
 class MlxStreamModel(llm.Model):
@@ -116,7 +90,6 @@ class MlxStreamModel(llm.Model):
         options = prompt.options
         name, path, slots, policy, resolved = self._resolve(options, settings)
 
-        _close_abandoned()
         mgr = get_manager()
         load_kwargs: dict[str, Any] = {"expert_slots": slots}
         if policy:
@@ -131,14 +104,7 @@ class MlxStreamModel(llm.Model):
             tokens, generation_prompt = render_prompt(tokenizer, prompt)
         except PromptError as exc:
             raise MlxStreamError(str(exc)) from None
-        context = mgr.context_length
-        if context and len(tokens) >= context:
-            raise MlxStreamError(
-                f"Prompt is {len(tokens)} tokens, longer than the model's context of {context} tokens"
-            )
         max_tokens = options.max_tokens or settings.max_tokens
-        if context:
-            max_tokens = max(1, min(max_tokens, context - len(tokens)))
 
         start = getattr(tokenizer, "think_start", None)
         end = getattr(tokenizer, "think_end", None)
@@ -151,31 +117,18 @@ class MlxStreamModel(llm.Model):
             raise MlxStreamError(str(exc)) from None
         eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
         generated: list[int] = []
-        tid, run = threading.get_ident(), _Run(results)
-        with _active_lock:
-            _active[tid] = run
         try:
-            try:
-                for result in results:
-                    if result.token not in eos or result.finish_reason != "stop":
-                        generated.append(int(result.token))
-                    for kind, chunk in splitter.feed(result.text):
-                        yield _event(kind, chunk)
-            except EngineError as exc:
-                raise MlxStreamError(str(exc)) from None
-            if run.cut_off:
-                raise MlxStreamError(
-                    "This response was cut off: another prompt started before it was read to the end"
-                )
-            for kind, chunk in splitter.flush():
-                yield _event(kind, chunk)
+            for result in results:
+                if result.token not in eos or result.finish_reason != "stop":
+                    generated.append(int(result.token))
+                for kind, chunk in splitter.feed(result.text):
+                    yield _event(kind, chunk)
+        except EngineError as exc:  # e.g. cut off by a newer prompt in this thread
+            raise MlxStreamError(str(exc)) from None
         finally:
-            with _active_lock:
-                if _active.get(tid) is run:
-                    del _active[tid]
-            close = getattr(results, "close", None)
-            if close is not None:
-                close()
+            results.close()
+        for kind, chunk in splitter.flush():
+            yield _event(kind, chunk)
         # The reply's own token ids, logged with it, so a later turn can
         # reuse the KV cache exactly (see prompting.py).
         yield _event("text", "", reply_metadata(generated))

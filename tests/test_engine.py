@@ -132,7 +132,7 @@ def test_prompt_longer_than_the_context_is_refused(qwen):
     engine = EngineManager()
     engine.load(qwen)
     limit = engine.context_length
-    with pytest.raises(EngineError, match=f"context is {limit}"):
+    with pytest.raises(EngineError, match=f"context of {limit} tokens"):
         next(engine.generate([1] * (limit + 5), max_tokens=4))
     engine.unload()
 
@@ -294,4 +294,20 @@ def test_buffer_cache_stays_bounded_over_a_long_session(qwen):
     for seed in range(4):
         list(engine.generate(prompt_tokens(vocab_size(qwen), n=200, seed=seed), max_tokens=4))
         assert mx.get_cache_memory() <= limit
+    engine.unload()
+
+
+def test_a_generation_abandoned_by_its_thread_is_closed_by_the_next(qwen):
+    engine = EngineManager()
+    engine.load(qwen, expert_slots=5)
+    prompt = prompt_tokens(vocab_size(qwen), n=20)
+    expected = list(engine.generate(prompt, max_tokens=8))
+    abandoned = engine.generate(prompt, max_tokens=8)
+    next(abandoned), next(abandoned)  # suspended while holding the engine
+    fresh = engine.generate(prompt, max_tokens=8)
+    assert [r.token for r in fresh] == [r.token for r in expected] == fresh.tokens
+    assert engine.last_stats["reused_tokens"] == 0  # the abandoned cache was not trusted
+    with pytest.raises(EngineError, match="cut off"):
+        next(abandoned)
+    assert engine.verify() == 0
     engine.unload()

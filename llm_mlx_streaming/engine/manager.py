@@ -22,6 +22,34 @@ class EngineError(Exception):
     """A problem the user can fix; the message is one line."""
 
 
+class Generation:
+    """The responses of one generation, with the token ids it produced."""
+
+    def __init__(self, responses: Iterator):
+        self._responses = responses
+        self.tokens: list[int] = []
+        self.done = False
+        self.cut_off = False
+
+    def __iter__(self) -> "Generation":
+        return self
+
+    def __next__(self):
+        if self.cut_off:
+            raise EngineError("this generation was cut off: another started before it was read to the end")
+        try:
+            response = next(self._responses)
+        except BaseException:
+            self.done = True
+            raise
+        self.tokens.append(response.token)
+        return response
+
+    def close(self) -> None:
+        self.done = True
+        self._responses.close()
+
+
 def peak_rss_bytes() -> int:
     """Peak resident set size: ru_maxrss is bytes on macOS, KiB on Linux."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -44,6 +72,7 @@ class EngineManager:
         self.last_decode_tps: float | None = None
         self._retired = PoolCounters()  # counters of pools replaced by a rebuild
         self._lock = threading.RLock()
+        self._active: dict[int, Generation] = {}  # the latest generation of each thread
 
     # -- loading -----------------------------------------------------------------
     @property
@@ -118,12 +147,22 @@ class EngineManager:
 
     # -- generation --------------------------------------------------------------
     def generate(self, prompt_tokens: list[int], *, max_tokens: int | None = None,
-                 sampler=None, logits_processors=None) -> Iterator:
+                 sampler=None, logits_processors=None) -> "Generation":
         """Stream mlx-lm GenerationResponses for `prompt_tokens`, reusing the KV cache.
 
-        Holds the engine lock until the iterator is exhausted or closed; a second
-        caller waits its turn.
+        The generation holds the engine lock until it is exhausted or closed; a caller
+        in another thread waits its turn. A generation that the same thread left
+        suspended is abandoned: it is closed (and reports being cut off if read again).
         """
+        stale = self._active.get(threading.get_ident())
+        if stale is not None and not stale.done:
+            stale.cut_off = True
+            stale.close()
+        generation = Generation(self._generate(prompt_tokens, max_tokens, sampler, logits_processors))
+        self._active[threading.get_ident()] = generation
+        return generation
+
+    def _generate(self, prompt_tokens, max_tokens, sampler, logits_processors) -> Iterator:
         import mlx.core as mx
         from mlx_lm.generate import stream_generate
 
@@ -135,7 +174,8 @@ class EngineManager:
                 raise EngineError("the prompt is empty")
             if limit and len(prompt_tokens) + 1 > limit:
                 raise EngineError(
-                    f"the prompt is {len(prompt_tokens)} tokens; the model's context is {limit}"
+                    f"the prompt is {len(prompt_tokens)} tokens, longer than the model's "
+                    f"context of {limit} tokens"
                 )
             if limit:
                 max_tokens = min(max_tokens, limit - len(prompt_tokens))
