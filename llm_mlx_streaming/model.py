@@ -11,13 +11,25 @@ conversation and ``llm chat`` turns prefill only what is new.
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
 
 import llm
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from . import registry
-from .settings import BUNDLED_NAME, MlxStreamError, Policy, Settings, load_settings
+from .settings import (
+    AUTO_BUDGET_SHARE,
+    BUNDLED_NAME,
+    MlxStreamError,
+    Policy,
+    Settings,
+    budget_bytes,
+    load_settings,
+    normalize_budget,
+    trace_file,
+)
 
 
 class Options(llm.Options):
@@ -43,6 +55,31 @@ class Options(llm.Options):
     policy: Optional[Policy] = Field(
         None, description="Expert eviction policy: lru, lfu or lfuda"
     )
+    memory_budget: Optional[str] = Field(
+        None,
+        description="Size the expert pools to this memory budget (e.g. 12GB, or auto); "
+        "-o expert_slots wins over it",
+    )
+
+    @field_validator("memory_budget")
+    @classmethod
+    def _check_budget(cls, value):
+        if value is None:
+            return value
+        return normalize_budget(value)
+
+
+@dataclass
+class Resolved:
+    """What one prompt runs on: the model, its checkpoint and how its pools are sized."""
+
+    name: str
+    path: Path
+    slots: Union[int, list[int], None]  # None: a slot per expert
+    slots_source: Optional[str]  # option | plan | model | setting | bundled
+    budget: Optional[int]  # bytes, when the pools come from a memory plan
+    policy: Optional[str]
+    resolved: str  # what response.resolved_model records
 
 
 class MlxStreamModel(llm.Model):
@@ -61,7 +98,7 @@ class MlxStreamModel(llm.Model):
 
     # -- resolution -------------------------------------------------------
 
-    def _resolve(self, options: Options, settings: Settings):
+    def _resolve(self, options: Options, settings: Settings) -> Resolved:
         name = registry.default_name(settings) if self.name is None else self.name
         if name != BUNDLED_NAME and name not in settings.models:
             if self.name is None:
@@ -71,10 +108,26 @@ class MlxStreamModel(llm.Model):
                 )
             raise MlxStreamError(f"Unknown model '{name}'; see `llm mlxs models`")
         path, entry = registry.checkpoint_for(name, settings)
-        slots = options.expert_slots or registry.effective_slots(name, entry, settings)
-        policy = options.policy or settings.policy
-        resolved = (entry.source if entry and entry.source else None) or str(path)
-        return name, path, slots, policy, resolved
+        budget = None
+        if options.expert_slots:
+            slots, source = options.expert_slots, "option"
+        elif options.memory_budget is None and registry.effective_slots(name, entry, settings):
+            slots = registry.effective_slots(name, entry, settings)
+            source = registry.slots_source(name, entry, settings)
+        else:
+            value = options.memory_budget or settings.memory_budget
+            budget = budget_bytes(value)
+            slots = plan_slots(name, path, value, budget, settings.max_context)
+            source = "plan"
+        return Resolved(
+            name=name,
+            path=path,
+            slots=slots,
+            slots_source=source,
+            budget=budget,
+            policy=options.policy or settings.policy,
+            resolved=(entry.source if entry and entry.source else None) or str(path),
+        )
 
     # -- execution --------------------------------------------------------
 
@@ -88,16 +141,22 @@ class MlxStreamModel(llm.Model):
 
         settings = load_settings()
         options = prompt.options
-        name, path, slots, policy, resolved = self._resolve(options, settings)
+        r = self._resolve(options, settings)
 
         mgr = get_manager()
-        load_kwargs: dict[str, Any] = {"expert_slots": slots}
-        if policy:
-            load_kwargs["policy"] = policy
+        load_kwargs: dict[str, Any] = {
+            "expert_slots": r.slots,
+            "threads": settings.threads,
+            "page_cache": settings.page_cache,
+            "packed": settings.packed != "off",
+        }
+        if r.policy:
+            load_kwargs["policy"] = r.policy
         try:
-            mgr.load(path, **load_kwargs)
+            mgr.load(r.path, **load_kwargs)
         except EngineError as exc:
-            raise MlxStreamError(f"Could not load '{name}' ({path}): {exc}") from None
+            raise MlxStreamError(f"Could not load '{r.name}' ({r.path}): {exc}") from None
+        mgr.trace_path = trace_file(r.name) if settings.trace else None
 
         tokenizer = mgr.tokenizer
         try:
@@ -105,6 +164,15 @@ class MlxStreamModel(llm.Model):
         except PromptError as exc:
             raise MlxStreamError(str(exc)) from None
         max_tokens = options.max_tokens or settings.max_tokens
+        max_context = settings.max_context
+        if not (mgr.context_length and mgr.context_length <= max_context):
+            # (a model whose own context is shorter is refused by the engine)
+            if len(tokens) + 1 > max_context:
+                raise MlxStreamError(
+                    f"the prompt is {len(tokens)} tokens, longer than the max_context of "
+                    f"{max_context} tokens (raise it with `llm mlxs config max_context N`)"
+                )
+            max_tokens = min(max_tokens, max_context - len(tokens))
 
         start = getattr(tokenizer, "think_start", None)
         end = getattr(tokenizer, "think_end", None)
@@ -133,10 +201,50 @@ class MlxStreamModel(llm.Model):
         # reuse the KV cache exactly (see prompting.py).
         yield _event("text", "", reply_metadata(generated))
 
-        stats = _jsonable(dict(mgr.last_stats or {}))
+        stats = _jsonable({**(mgr.last_stats or {}), **_read_figures(mgr, mgr.last_stats or {}, r)})
         response.set_usage(input=len(tokens), output=stats.get("generated_tokens"))
         response.response_json = stats
-        response.set_resolved_model(resolved)
+        response.set_resolved_model(r.resolved)
+
+
+def plan_slots(name: str, path, value: str, budget: int, max_context: int):
+    """Slots per MoE layer that fit `budget` bytes (None for a model without MoE layers).
+
+    A budget too small for the model is the planner's one-line error.
+    """
+    from .engine.planner import PlanError, plan_memory
+    from .experts.index import CheckpointError
+
+    try:
+        plan = plan_memory(path, budget, max_context=max_context)
+    except PlanError as exc:
+        if value == "auto":
+            raise MlxStreamError(
+                f"memory_budget auto ({AUTO_BUDGET_SHARE:.0%} of this machine's memory): {exc}"
+            ) from None
+        raise MlxStreamError(str(exc)) from None
+    except (CheckpointError, ValueError, OSError) as exc:
+        raise MlxStreamError(f"Could not plan '{name}' ({path}): {' '.join(str(exc).split())}") from None
+    return list(plan.slots_per_layer) or None
+
+
+def _read_figures(mgr, stats: dict, r: Resolved) -> dict:
+    """How the experts were read and where the pool size came from, for response_json
+    (the engine's own figures win when it reports the same keys)."""
+    out: dict[str, Any] = {"slots_from": r.slots_source}
+    if r.budget is not None:
+        out["memory_budget_bytes"] = r.budget
+    from .engine.manager import store_in_use
+
+    store = getattr(mgr.loaded, "store", None)
+    if store is not None:
+        out["store"] = store_in_use(mgr.loaded)
+        out["threads"] = getattr(store, "threads", None)
+        out["page_cache"] = getattr(store, "page_cache", None)
+    mb, seconds = stats.get("mb_read"), stats.get("read_seconds")
+    if isinstance(mb, (int, float)) and isinstance(seconds, (int, float)):
+        out["read_mb_per_s"] = round(mb / seconds, 1) if seconds else None
+    return {k: v for k, v in out.items() if k not in stats}
 
 
 def _sampler(options):

@@ -90,7 +90,13 @@ def describe(config: dict) -> dict:
 
 
 def dir_size(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    """Bytes of a checkpoint directory, not counting its packed store (a copy)."""
+    from .experts.packed import PACKED_DIR
+
+    packed = path / PACKED_DIR
+    return sum(
+        p.stat().st_size for p in path.rglob("*") if p.is_file() and packed not in p.parents
+    )
 
 
 def checkpoint_for(name: str, settings: Optional[Settings] = None) -> tuple[Path, Optional[ModelEntry]]:
@@ -114,13 +120,25 @@ def checkpoint_for(name: str, settings: Optional[Settings] = None) -> tuple[Path
 
 def effective_slots(name: str, entry: Optional[ModelEntry], settings: Settings) -> Optional[int]:
     """Pool size when no -o expert_slots is given: the model's own setting, then
-    the global one, then 8 for the bundled demo; None lets the engine decide."""
+    the global one, then 8 for the bundled demo; None: the pools are sized by the
+    memory_budget plan."""
     if entry is not None and entry.expert_slots:
         return entry.expert_slots
     if settings.expert_slots:
         return settings.expert_slots
     if name == BUNDLED_NAME:
         return BUNDLED_EXPERT_SLOTS
+    return None
+
+
+def slots_source(name: str, entry: Optional[ModelEntry], settings: Settings) -> Optional[str]:
+    """Which setting `effective_slots` took its count from: model, setting or bundled."""
+    if entry is not None and entry.expert_slots:
+        return "model"
+    if settings.expert_slots:
+        return "setting"
+    if name == BUNDLED_NAME:
+        return "bundled"
     return None
 
 

@@ -19,14 +19,19 @@ from typing import Literal, Optional
 
 import click
 import llm
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .experts.policies import DEFAULT_POLICY
+from .experts.store import DEFAULT_THREADS
 
 SETTINGS_FILENAME = "mlx-streaming.json"
 BUNDLED_NAME = "tiny-moe"
 POLICIES = ("lru", "lfu", "lfuda")
 Policy = Literal["lru", "lfu", "lfuda"]
+PageCache = Literal["keep", "bypass"]
+Packed = Literal["auto", "off"]
+AUTO_BUDGET_SHARE = 0.6  # memory_budget "auto": this share of physical memory
+DEFAULT_MAX_CONTEXT = 4096
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -64,6 +69,23 @@ class ModelEntry(BaseModel):
     )
 
 
+def normalize_budget(value) -> str:
+    """A memory_budget value as stored: "auto" or a size string; ValueError if neither."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ValueError("a size like 12GB, or auto")
+    from .engine.planner import parse_size
+
+    try:
+        size = parse_size(value)
+    except ValueError:
+        raise ValueError("not a size; use e.g. 12GB, 12G, 1.5GiB, 512MB, or auto") from None
+    if size <= 0:
+        raise ValueError("must be more than 0 bytes")
+    return str(value).strip()
+
+
 class Settings(BaseModel):
     """Everything the plugin can be told. Add new knobs here, with a description."""
 
@@ -82,7 +104,7 @@ class Settings(BaseModel):
         description=(
             "Expert slots per MoE layer kept in memory (the rest stream from disk), "
             "for models added without --expert-slots. "
-            f"Unset: 8 for '{BUNDLED_NAME}', all experts resident for other models."
+            f"Unset: 8 for '{BUNDLED_NAME}'; other models get what memory_budget allows."
         ),
     )
     policy: Optional[Policy] = Field(
@@ -93,10 +115,69 @@ class Settings(BaseModel):
     max_tokens: int = Field(
         256, ge=1, description="Most tokens generated per response (-o max_tokens)."
     )
+    memory_budget: str = Field(
+        "auto",
+        description=(
+            "Memory for the model when no expert_slots is set: dense weights, KV cache "
+            "for max_context tokens, a reserve and as many expert slots as fit "
+            "(`llm mlxs plan`). A size like 12GB, 12G, 1.5GiB, or auto: "
+            f"{AUTO_BUDGET_SHARE:.0%} of this machine's physical memory."
+        ),
+    )
+    max_context: int = Field(
+        DEFAULT_MAX_CONTEXT,
+        ge=1,
+        description=(
+            "Longest conversation (prompt + reply, in tokens) the KV cache is planned for; "
+            "longer prompts are refused and replies stop there."
+        ),
+    )
+    threads: int = Field(
+        DEFAULT_THREADS, ge=1, le=256, description="Threads reading experts from disk."
+    )
+    page_cache: PageCache = Field(
+        "keep",
+        description=(
+            "keep: expert reads go through the OS page cache (a free second tier); "
+            "bypass: keep them out of it (macOS F_NOCACHE, Linux fadvise DONTNEED)."
+        ),
+    )
+    trace: bool = Field(
+        False,
+        description=(
+            "Record each response's expert routing to "
+            "<llm user dir>/mlx-streaming/traces/<model>.jsonl, for `llm mlxs simulate`."
+        ),
+    )
+    packed: Packed = Field(
+        "auto",
+        description=(
+            "auto: read experts from the model's packed store (`llm mlxs pack`) when "
+            "one is present and valid; off: always read the safetensors."
+        ),
+    )
     models: dict[str, ModelEntry] = Field(
         default_factory=dict,
         description="User-added models (managed by `llm mlxs add/remove`).",
     )
+
+
+    @field_validator("memory_budget", mode="before")
+    @classmethod
+    def _check_budget(cls, value):
+        return normalize_budget(value)
+
+    @field_validator("trace", mode="before")
+    @classmethod
+    def _check_trace(cls, value):
+        if isinstance(value, str):
+            word = value.strip().lower()
+            if word in ("on", "true", "yes", "1"):
+                return True
+            if word in ("off", "false", "no", "0"):
+                return False
+            raise ValueError("use on or off")
+        return value
 
 
 # Settings shown and edited by `llm mlxs config` (the registry is managed by
@@ -104,14 +185,58 @@ class Settings(BaseModel):
 CONFIG_KEYS = tuple(k for k in Settings.model_fields if k != "models")
 
 
+def physical_memory() -> int | None:
+    """Bytes of physical memory (Linux and macOS), or None where unknown."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        pass
+    try:  # pragma: no cover - macOS without SC_PHYS_PAGES
+        import subprocess
+
+        out = subprocess.run(["sysctl", "-n", "hw.memsize"], capture_output=True, text=True)
+        return int(out.stdout.strip())
+    except (OSError, ValueError):
+        return None
+
+
+def budget_bytes(value: str) -> int:
+    """A memory_budget value in bytes ("auto": a share of physical memory)."""
+    if value == "auto":
+        total = physical_memory()
+        if not total:
+            raise SettingsError(
+                "Cannot tell this machine's memory size: set memory_budget, e.g. "
+                "`llm mlxs config memory_budget 12GB`"
+            )
+        return int(total * AUTO_BUDGET_SHARE)
+    from .engine.planner import parse_size
+
+    return parse_size(value)
+
+
+def traces_dir() -> Path:
+    return llm.user_dir() / "mlx-streaming" / "traces"
+
+
+def trace_file(name: str) -> Path:
+    """Where routing traces of model `name` are appended when `trace` is on."""
+    return traces_dir() / f"{name}.jsonl"
+
+
 def settings_path() -> Path:
     return llm.user_dir() / SETTINGS_FILENAME
+
+
+def _reason(exc: ValidationError) -> str:
+    msg = exc.errors()[0].get("msg", "invalid value")
+    return msg.removeprefix("Value error, ")
 
 
 def _first_error(exc: ValidationError) -> str:
     err = exc.errors()[0]
     where = ".".join(str(p) for p in err.get("loc", ())) or "value"
-    return f"{where}: {err.get('msg', 'invalid value')}"
+    return f"{where}: {_reason(exc)}"
 
 
 def load_settings() -> Settings:
@@ -168,10 +293,7 @@ def set_value(key: str, raw: str) -> Settings:
     try:
         setattr(settings, key, value)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        raise SettingsError(
-            f"Invalid value for {key}: {raw!r} ({err.get('msg', 'invalid')})"
-        ) from None
+        raise SettingsError(f"Invalid value for {key}: {raw!r} ({_reason(exc)})") from None
     save_settings(settings)
     return settings
 

@@ -10,7 +10,7 @@ from plugin_support import assert_ok, assert_one_line_error
 
 def test_models_options_lists_every_option(llm_env):
     out = assert_ok(llm_env.run("models", "--options", "-m", "mlx-stream")).stdout
-    for option in ("max_tokens", "temperature", "top_p", "min_p", "top_k", "seed", "expert_slots", "policy"):
+    for option in ("max_tokens", "temperature", "top_p", "min_p", "top_k", "seed", "expert_slots", "policy", "memory_budget"):
         assert f"{option}:" in out
     assert "greedy" in out  # descriptions are shown
     listed = assert_ok(llm_env.run("models", "list")).stdout
@@ -20,7 +20,10 @@ def test_models_options_lists_every_option(llm_env):
 def test_config_show_set_unset(llm_env):
     out = assert_ok(llm_env.run("mlxs", "config")).stdout
     lines = {line.split()[0]: line for line in out.splitlines()[2:]}
-    assert set(lines) == {"default_model", "expert_slots", "policy", "max_tokens"}
+    assert set(lines) == {
+        "default_model", "expert_slots", "policy", "max_tokens",
+        "memory_budget", "max_context", "threads", "page_cache", "trace", "packed",
+    }
     assert " set " in lines["default_model"] and " default " in lines["max_tokens"]
 
     assert_ok(llm_env.run("mlxs", "config", "max_tokens", "7"))

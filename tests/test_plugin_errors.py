@@ -20,7 +20,8 @@ def test_unknown_model(llm_env):
 
 @pytest.mark.parametrize(
     "option, value",
-    [("temperature", "-1"), ("max_tokens", "0"), ("expert_slots", "zero"), ("policy", "fifo"), ("top_p", "2"), ("colour", "red")],
+    [("temperature", "-1"), ("max_tokens", "0"), ("expert_slots", "zero"), ("policy", "fifo"), ("top_p", "2"), ("colour", "red"),
+     ("memory_budget", "lots")],
 )
 def test_bad_option_values(llm_env, option, value):
     assert_llm_option_error(llm_env.run("-m", "mlx-stream", "-o", option, value, "hi"), option)

@@ -66,6 +66,10 @@ class EngineManager:
         self.session = None
         self.expert_slots: int | None = None
         self.policy = DEFAULT_POLICY
+        self.threads: int | None = None  # expert reader threads
+        self.page_cache: str | None = None  # "keep" | "bypass"
+        self.packed: bool | None = None  # use the checkpoint's packed store when valid
+        self.packed_check: str | None = None  # "first" | "always"
         self.max_tokens = 256
         self.trace_path: Path | None = None  # when set, routing is appended here per generation
         self.last_stats: dict | None = None
@@ -93,20 +97,32 @@ class EngineManager:
         text = config.get("text_config", {})
         return config.get("max_position_embeddings") or text.get("max_position_embeddings")
 
-    def load(self, path, *, expert_slots: int | list[int] | None = None, policy: str = DEFAULT_POLICY, threads: int = 8) -> None:
-        """Load `path` (a no-op if loaded); new pool settings rebuild only the pools."""
+    def load(self, path, *, expert_slots: int | list[int] | None = None, policy: str = DEFAULT_POLICY,
+             threads: int | None = None, page_cache: str | None = None, packed: bool | None = None,
+             packed_check: str | None = None) -> None:
+        """Load `path` (a no-op if loaded); new pool settings rebuild only the pools.
+
+        `threads` (reader threads) and `page_cache` ("keep" or "bypass") apply to a loaded
+        model without reloading; `packed` (use the checkpoint's packed store when present
+        and valid) and `packed_check` ("first" or "always") reload it when they change.
+        None means the loader's default.
+        """
         _check_params(expert_slots, policy)
+        io = _io_params(threads, page_cache, packed, packed_check)
         path = Path(path).expanduser().resolve()
         with self._lock:
             if self.state == "loaded" and self.checkpoint == path:
-                self.configure(expert_slots=expert_slots, policy=policy)
-                return
+                if (io["packed"], io["packed_check"]) == (self.packed, self.packed_check):
+                    self.configure(expert_slots=expert_slots, policy=policy,
+                                   threads=io["threads"], page_cache=io["page_cache"])
+                    return
             self.unload()
             self.state, self.error = "loading", None
             from .loading import load_streaming
 
             try:
-                self.loaded = load_streaming(path, expert_slots=expert_slots, policy=policy, threads=threads)
+                self.loaded = load_streaming(path, expert_slots=expert_slots, policy=policy,
+                                             **_accepted(load_streaming, io))
             except (CheckpointError, ValueError, OSError) as e:
                 self.state, self.error = "error", _one_line(e)
                 raise EngineError(self.error) from None
@@ -118,13 +134,23 @@ class EngineManager:
             self.session = Session(self.loaded.model)
             _limit_buffer_cache(self.loaded)
             self.expert_slots, self.policy = expert_slots, policy
+            self.threads, self.page_cache = io["threads"], io["page_cache"]
+            self.packed, self.packed_check = io["packed"], io["packed_check"]
             self.state = "loaded"
 
-    def configure(self, *, expert_slots: int | list[int] | None = None, policy: str | None = None) -> None:
-        """Change pool size or policy at run time, keeping the dense weights."""
+    def configure(self, *, expert_slots: int | list[int] | None = None, policy: str | None = None,
+                  threads: int | None = None, page_cache: str | None = None) -> None:
+        """Change pool size or policy at run time, keeping the dense weights; change the
+        reader threads or page-cache mode (None: unchanged) without touching the pools."""
         policy = policy or self.policy
         _check_params(expert_slots, policy)
+        threads = self.threads if threads is None else threads
+        page_cache = self.page_cache if page_cache is None else page_cache
+        _io_params(threads, page_cache, None, None)
         with self._lock:
+            if (threads, page_cache) != (self.threads, self.page_cache):
+                self._require_loaded()
+                self._replace_store(threads, page_cache)
             if (expert_slots, policy) == (self.expert_slots, self.policy):
                 return
             self._require_loaded()
@@ -132,6 +158,22 @@ class EngineManager:
                 self._retired.add(pool.counters)
             self.loaded.build_pools(expert_slots, policy)
             self.expert_slots, self.policy = expert_slots, policy
+
+    def _replace_store(self, threads: int, page_cache: str) -> None:
+        """A new reader (threads, page-cache mode) for every pool; the slots stay as they are.
+
+        Called under the lock, so no generation, and so no read, is in flight.
+        """
+        from ..experts.store import ExpertStore
+
+        old = self.loaded.store
+        new = ExpertStore(threads, page_cache)
+        new.packed = getattr(old, "packed", None)
+        self.loaded.store = new
+        for pool in self.loaded.pools:
+            pool.store = new
+        old.close()
+        self.threads, self.page_cache = threads, page_cache
 
     def unload(self) -> None:
         with self._lock:
@@ -283,6 +325,9 @@ class EngineManager:
             "checkpoint": str(self.checkpoint) if self.checkpoint else None,
             "expert_slots": self.slots_per_layer(),
             "policy": self.policy,
+            "threads": self.threads,
+            "page_cache": self.page_cache,
+            "store": store_in_use(self.loaded),
             "max_tokens": self.max_tokens,
             "peak_rss_bytes": peak_rss_bytes(),
             "mlx_active_memory_bytes": int(mx.get_active_memory()),
@@ -315,6 +360,38 @@ def _check_params(expert_slots, policy) -> None:
             raise EngineError(f"expert_slots must be an integer of at least 1, got {n!r}")
     if policy not in POLICIES:
         raise EngineError(f"unknown policy {policy!r}: choose one of {', '.join(sorted(POLICIES))}")
+
+
+def _io_params(threads, page_cache, packed, packed_check) -> dict:
+    """The read settings with the loader's defaults filled in; a bad one is an EngineError."""
+    from ..experts.store import DEFAULT_THREADS, PAGE_CACHE_MODES
+
+    threads = DEFAULT_THREADS if threads is None else threads
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise EngineError(f"threads must be an integer of at least 1, got {threads!r}")
+    page_cache = page_cache or "keep"
+    if page_cache not in PAGE_CACHE_MODES:
+        raise EngineError(f"page_cache must be one of {', '.join(PAGE_CACHE_MODES)}, got {page_cache!r}")
+    return {"threads": threads, "page_cache": page_cache,
+            "packed": True if packed is None else bool(packed), "packed_check": packed_check or "first"}
+
+
+def store_in_use(loaded) -> str | None:
+    """Which copy of the experts reads come from: "packed", "safetensors" (None: no model)."""
+    if loaded is None:
+        return None
+    packed = getattr(loaded.store, "packed", None)
+    return "packed" if packed is not None and not getattr(packed, "disabled", None) else "safetensors"
+
+
+def _accepted(func, kwargs: dict) -> dict:
+    """The keyword arguments `func` takes (the loader's read options may be newer than it)."""
+    import inspect
+
+    params = inspect.signature(func).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return dict(kwargs)
+    return {k: v for k, v in kwargs.items() if k in params}
 
 
 def _one_line(e: BaseException) -> str:
