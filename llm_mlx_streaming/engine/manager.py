@@ -121,8 +121,7 @@ class EngineManager:
             from .loading import load_streaming
 
             try:
-                self.loaded = load_streaming(path, expert_slots=expert_slots, policy=policy,
-                                             **_accepted(load_streaming, io))
+                self.loaded = load_streaming(path, expert_slots=expert_slots, policy=policy, **io)
             except (CheckpointError, ValueError, OSError) as e:
                 self.state, self.error = "error", _one_line(e)
                 raise EngineError(self.error) from None
@@ -382,16 +381,6 @@ def store_in_use(loaded) -> str | None:
         return None
     packed = getattr(loaded.store, "packed", None)
     return "packed" if packed is not None and not getattr(packed, "disabled", None) else "safetensors"
-
-
-def _accepted(func, kwargs: dict) -> dict:
-    """The keyword arguments `func` takes (the loader's read options may be newer than it)."""
-    import inspect
-
-    params = inspect.signature(func).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return dict(kwargs)
-    return {k: v for k, v in kwargs.items() if k in params}
 
 
 def _one_line(e: BaseException) -> str:
