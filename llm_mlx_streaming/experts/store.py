@@ -1,60 +1,140 @@
-"""Reads experts' bytes from the checkpoint straight into pool slot buffers.
+"""Reads experts' bytes from disk straight into pool slot buffers.
 
-Every (expert, component) range is one `os.preadv` into a numpy view of the slot, so
-no intermediate copy is made; the ranges of one call are issued in ascending file
-offset on a thread pool, since the SSD (and the OS) serve parallel reads best.
+A read job is `(file, offset, [buffers])`: one contiguous file range that a single
+`os.preadv` scatters into several slot buffers (numpy views of the MLX pool arrays),
+so no intermediate copy is made. The jobs of one call are sorted by file offset,
+jobs that touch end to end are merged into one read, and the reads are issued in that
+ascending order by at most `threads` reader threads, so at most `threads` are in
+flight (SSDs serve a few parallel reads best; more only queue).
+
+`page_cache="keep"` lets reads go through the OS page cache, a free second tier of
+experts; `"bypass"` keeps them out of it (macOS `F_NOCACHE`; Linux no readahead
+(`POSIX_FADV_RANDOM`) and `posix_fadvise(DONTNEED)` on each range once read; elsewhere
+nothing), so the memory stays with the pools and the model.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
-DEFAULT_THREADS = 8
+DEFAULT_THREADS = 8  # see docs/benchmarks.md, "I/O"
+PAGE_CACHE_MODES = ("keep", "bypass")
+MAX_MERGED_BYTES = 16 << 20  # one merged read never grows past this
+MAX_IOV = 512  # buffers per preadv (IOV_MAX is 1024 on Linux and macOS)
+_PAGE = 4096
+_F_NOCACHE = 48  # <sys/fcntl.h> on macOS
+
+ReadJob = tuple[Path, int, Sequence[np.ndarray]]
+
+
+class ReadResult(NamedTuple):
+    nbytes: int
+    seconds: float
+    reads: int  # preadv calls after merging
+
+
+class ChecksumError(OSError):
+    """Bytes read into a slot do not match the checksum recorded for them."""
 
 
 class ExpertStore:
-    """Open shard files and a read thread pool, shared by every layer's pool."""
+    """Open files and a read thread pool, shared by every layer's pool.
 
-    def __init__(self, threads: int = DEFAULT_THREADS):
+    `packed` is the checkpoint's packed store (experts/packed.py) when one is in use;
+    the pools ask it for their layer's record file.
+    """
+
+    def __init__(self, threads: int = DEFAULT_THREADS, page_cache: str = "keep", packed=None):
+        if page_cache not in PAGE_CACHE_MODES:
+            raise ValueError(f"page_cache must be one of {', '.join(PAGE_CACHE_MODES)}, got {page_cache!r}")
         self.threads = max(1, int(threads))
+        self.page_cache = page_cache
+        self.packed = packed
         self._fds: dict[Path, int] = {}
+        self._fd_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="mlxs-read")
 
     def _fd(self, file: Path) -> int:
         fd = self._fds.get(file)
         if fd is None:
-            fd = self._fds[file] = os.open(file, os.O_RDONLY)
+            with self._fd_lock:
+                fd = self._fds.get(file)
+                if fd is None:
+                    fd = os.open(file, os.O_RDONLY)
+                    if self.page_cache == "bypass" and sys.platform == "darwin":
+                        import fcntl
+
+                        fcntl.fcntl(fd, getattr(fcntl, "F_NOCACHE", _F_NOCACHE), 1)
+                    elif self.page_cache == "bypass" and sys.platform.startswith("linux"):
+                        # no readahead either: it would cache bytes no one asked for
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                    self._fds[file] = fd
         return fd
 
-    def read(self, jobs: list[tuple[Path, int, np.ndarray]]) -> tuple[int, float]:
-        """Fill each destination buffer from (file, offset); returns (bytes, seconds).
+    def read(self, jobs: Sequence[ReadJob], verify: Callable[[ReadJob], bool] | None = None) -> ReadResult:
+        """Fill every job's buffers from its file range; returns bytes, seconds, reads.
 
-        Raises OSError if any read fails or comes up short (the file changed under us).
+        `verify(job)`, when given, runs in the reader thread once the job's bytes have
+        landed; a False raises ChecksumError. Raises OSError if a read fails or comes up
+        short (the file changed under us). When this raises, no read is still running.
         """
         if not jobs:
-            return 0, 0.0
-        jobs = sorted(jobs, key=lambda j: (str(j[0]), j[1]))
-        resolved = [(self._fd(file), offset, dest) for file, offset, dest in jobs]
+            return ReadResult(0, 0.0, 0)
+        runs = _merge(sorted(jobs, key=lambda j: (str(j[0]), j[1])))
+        planned = [(self._fd(run[0][0]), run) for run in runs]
         start = time.perf_counter()
-        if len(resolved) == 1:
-            _read_exact(*resolved[0])
+        if len(planned) == 1 or self.threads == 1:
+            for fd, run in planned:
+                self._read_run(fd, run, verify)
         else:
-            futures = [self._executor.submit(_read_exact, *job) for job in resolved]
-            try:
-                for future in futures:
-                    future.result()
-            finally:
-                # Even when interrupted, no read may still be writing into a slot
-                # that the pool is about to hand out again.
-                for future in futures:
-                    future.cancel()
-                wait(futures)
-        return sum(dest.nbytes for _, _, dest in resolved), time.perf_counter() - start
+            self._parallel(planned, verify)
+        nbytes = sum(b.nbytes for job in jobs for b in job[2])
+        return ReadResult(nbytes, time.perf_counter() - start, len(planned))
+
+    def _parallel(self, planned, verify) -> None:
+        """At most `threads` reads in flight, issued in ascending offset order."""
+        queue = iter(planned)
+        lock = threading.Lock()
+        stop = threading.Event()
+
+        def worker():
+            while not stop.is_set():
+                with lock:
+                    item = next(queue, None)
+                if item is None:
+                    return
+                self._read_run(*item, verify)
+
+        futures = [self._executor.submit(worker) for _ in range(min(self.threads, len(planned)))]
+        try:
+            for future in futures:
+                future.result()
+        finally:
+            # Even when interrupted, no read may still be writing into a slot that the
+            # pool is about to hand out again.
+            stop.set()
+            wait(futures)
+
+    def _read_run(self, fd: int, run: list[ReadJob], verify) -> None:
+        offset = run[0][1]
+        buffers = [memoryview(b).cast("B") for job in run for b in job[2]]
+        length = _read_exact(fd, offset, buffers)
+        if self.page_cache == "bypass" and sys.platform.startswith("linux"):
+            # whole pages only are dropped: widen the range to page boundaries
+            begin, end = offset // _PAGE * _PAGE, -(-(offset + length) // _PAGE) * _PAGE
+            os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_DONTNEED)
+        if verify is not None:
+            for job in run:
+                if not verify(job):
+                    raise ChecksumError(f"{job[0]}: bytes at offset {job[1]} fail their checksum")
 
     def read_bytes(self, file: Path, offset: int, length: int) -> bytes:
         """Plain read, for verification."""
@@ -67,11 +147,37 @@ class ExpertStore:
         self._fds.clear()
 
 
-def _read_exact(fd: int, offset: int, dest: np.ndarray) -> None:
-    view = memoryview(dest).cast("B")
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
+def _merge(jobs: list[ReadJob]) -> list[list[ReadJob]]:
+    """Group sorted jobs whose ranges touch end to end into runs (one preadv each)."""
+    runs: list[list[ReadJob]] = []
+    end = size = iovs = 0
+    for job in jobs:
+        file, offset, buffers = job
+        nbytes = sum(b.nbytes for b in buffers)
+        if (runs and file == runs[-1][0][0] and offset == end
+                and size + nbytes <= MAX_MERGED_BYTES and iovs + len(buffers) <= MAX_IOV):
+            runs[-1].append(job)
+            size += nbytes
+            iovs += len(buffers)
+        else:
+            runs.append([job])
+            size, iovs = nbytes, len(buffers)
+        end = offset + nbytes
+    return runs
+
+
+def _read_exact(fd: int, offset: int, buffers: list[memoryview]) -> int:
+    """preadv until every buffer is full (a read may stop short); returns the bytes."""
+    total = sum(len(b) for b in buffers)
+    done = first = 0
+    while done < total:
+        n = os.preadv(fd, buffers[first:first + MAX_IOV], offset + done)
         if n <= 0:
-            raise OSError(f"short read at offset {offset + done}: the checkpoint file changed")
+            raise OSError(f"short read at offset {offset + done}: the file changed")
         done += n
+        while first < len(buffers) and n >= len(buffers[first]):
+            n -= len(buffers[first])
+            first += 1
+        if n:
+            buffers[first] = buffers[first][n:]
+    return total
