@@ -346,7 +346,7 @@ def plan(name, budget, max_context, hit_rate, json_):
     llm mlxs plan q30 --budget 12GB
     llm mlxs plan ~/models/Qwen3-30B-A3B-4bit --budget 16GB --max-context 8192 --json
     """
-    from .engine.planner import PlanError, format_size, plan_memory
+    from .engine.planner import PlanError, plan_memory
     from .experts.index import CheckpointError
 
     settings = load_settings()

@@ -5,7 +5,6 @@ import threading
 import time
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm import generate as mlx_generate

@@ -163,23 +163,30 @@ def _olmoe(cfg, **_):
     cfg.update(norm_topk_prob=False, attention_bias=False, mlp_bias=False)
 
 
-def _deepseek_v3(cfg, *, num_layers, num_experts, top_k):
+def _grouped_routing(arch, num_layers, num_experts, top_k) -> dict:
+    """DeepSeek-style routing (shared by glm4_moe): a dense first layer, one shared
+    expert, and sigmoid scores picked group-first."""
     if num_layers < 2:
-        raise ValueError("deepseek_v3 needs num_layers >= 2 (layer 0 is dense)")
+        raise ValueError(f"{arch} needs num_layers >= 2 (layer 0 is dense)")
     n_group, topk_group = _expert_groups(num_experts, top_k)
-    heads = cfg["num_attention_heads"]
-    h = cfg["hidden_size"]
-    cfg.update(
-        num_key_value_heads=heads,
+    return dict(
         n_shared_experts=1,
         first_k_dense_replace=1,
-        moe_layer_freq=1,
         n_group=n_group,
         topk_group=topk_group,
         topk_method="noaux_tc",
         scoring_func="sigmoid",
         norm_topk_prob=True,
         routed_scaling_factor=2.5,
+    )
+
+
+def _deepseek_v3(cfg, *, num_layers, num_experts, top_k):
+    h = cfg["hidden_size"]
+    cfg.update(
+        _grouped_routing("deepseek_v3", num_layers, num_experts, top_k),
+        num_key_value_heads=cfg["num_attention_heads"],
+        moe_layer_freq=1,
         q_lora_rank=h // 2,
         kv_lora_rank=h // 2,
         qk_rope_head_dim=max(4, cfg["head_dim"] // 2),
@@ -227,18 +234,8 @@ def _qwen3_next(cfg, *, num_layers, **_):
 
 
 def _glm4_moe(cfg, *, num_layers, num_experts, top_k):
-    if num_layers < 2:
-        raise ValueError("glm4_moe needs num_layers >= 2 (layer 0 is dense)")
-    n_group, topk_group = _expert_groups(num_experts, top_k)
     cfg.update(
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        n_group=n_group,
-        topk_group=topk_group,
-        topk_method="noaux_tc",
-        scoring_func="sigmoid",
-        norm_topk_prob=True,
-        routed_scaling_factor=2.5,
+        _grouped_routing("glm4_moe", num_layers, num_experts, top_k),
         use_qk_norm=True,
         attention_bias=True,
         partial_rotary_factor=0.5,

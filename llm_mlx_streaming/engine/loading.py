@@ -8,7 +8,6 @@ embeddings) is evaluated once and stays resident.
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..experts.index import CheckpointError, CheckpointIndex, LayerExperts
+from ..experts.index import CheckpointError, CheckpointIndex, read_config
 from ..experts.policies import DEFAULT_POLICY
 from ..experts.pool import ExpertPool
 from ..experts.packed import CHECK_MODES, open_packed
@@ -69,15 +68,7 @@ class StreamingModel:
 
 def check_checkpoint(path: Path) -> dict:
     """The checkpoint's config, or a one-line error naming what is wrong."""
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: checkpoint directory not found")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise CheckpointError(f"{path}: no config.json (not an mlx-lm checkpoint)")
-    try:
-        config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{config_file}: not valid JSON ({e.msg})") from None
+    config = read_config(path)
     quant = config.get("quantization") or {}
     modes = [quant.get("mode", "affine")] + [
         v.get("mode", quant.get("mode", "affine")) for v in quant.values() if isinstance(v, dict)
@@ -85,7 +76,7 @@ def check_checkpoint(path: Path) -> dict:
     for mode in modes:
         if mode not in SUPPORTED_MODES:
             raise CheckpointError(
-                f"{config_file}: unsupported quantization mode {mode!r} "
+                f"{path / 'config.json'}: unsupported quantization mode {mode!r} "
                 f"(supported: {', '.join(SUPPORTED_MODES)})"
             )
     return config

@@ -17,7 +17,6 @@ reasons behind the defaults.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -25,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from ..experts.index import CheckpointError, CheckpointIndex
+from ..experts.index import CheckpointError, CheckpointIndex, read_config
 
 __all__ = [
     "DEFAULT_HIT_RATES",
@@ -150,18 +149,6 @@ def _field(config: dict, names) -> object:
     return None
 
 
-def _read_config(path: Path) -> dict:
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: checkpoint directory not found")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise CheckpointError(f"{path}: no config.json (not an mlx-lm checkpoint)")
-    try:
-        return json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{config_file}: not valid JSON ({e.msg})") from None
-
-
 def _dropped_on_load(key: str, num_layers: int | None) -> bool:
     """Tensors mlx-lm's sanitize() drops: multi-token-prediction heads (qwen3_next's
     `mtp.*`, deepseek_v3's extra decoder layer `model.layers.<num_hidden_layers>`)."""
@@ -185,7 +172,7 @@ def checkpoint_layout(path: str | os.PathLike) -> Layout:
     other tensor is dense.
     """
     path = Path(path).expanduser()
-    config = _read_config(path)
+    config = read_config(path)
     index = CheckpointIndex(path)
     num_experts = int(_field(config, _EXPERT_COUNT_FIELDS) or 0)
     num_layers = _field(config, ("num_hidden_layers",))

@@ -138,6 +138,19 @@ class CheckpointIndex:
         return LayerExperts(key, num_experts, tuple(found))
 
 
+def read_config(path: Path) -> dict:
+    """A checkpoint directory's config.json, or a one-line error naming what is wrong."""
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: checkpoint directory not found")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{path}: no config.json (not an mlx-lm checkpoint)")
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config_file}: not valid JSON ({e.msg})") from None
+
+
 def weight_files(path: Path) -> list[Path]:
     """The safetensors shards of an mlx-lm checkpoint, as mlx-lm itself finds them."""
     index = path / "model.safetensors.index.json"
