@@ -10,6 +10,7 @@ import resource
 import sys
 import threading
 import time
+from dataclasses import fields
 from pathlib import Path
 from typing import Iterator
 
@@ -261,8 +262,8 @@ class EngineManager:
     def _stats(self, before: PoolCounters, last, prompt: int, reused: int, prefilled: int, seconds: float) -> dict:
         import mlx.core as mx
 
-        now = self.counters().as_dict()
-        delta = {k: now[k] - getattr(before, k) for k in now if k != "hit_rate"}
+        now = self.counters()
+        delta = {f.name: getattr(now, f.name) - getattr(before, f.name) for f in fields(PoolCounters)}
         lookups = delta["hits"] + delta["misses"]
         generated = last.generation_tokens if last else 0
         return {
@@ -279,6 +280,9 @@ class EngineManager:
             "evictions": delta["evictions"],
             "mb_read": round(delta["bytes_read"] / 1e6, 3),
             "read_seconds": round(delta["read_seconds"], 4),
+            "reads": delta["reads"],
+            "read_mb_per_s": round(delta["bytes_read"] / delta["read_seconds"] / 1e6, 1)
+            if delta["read_seconds"] else None,
             "unplaced": delta["unplaced"],
             "gpu_fastpath": delta["gpu_fastpath"],
             "gpu_fallback": delta["gpu_fallback"],
