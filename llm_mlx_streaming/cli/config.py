@@ -1,0 +1,90 @@
+"""`llm mlxs config`: show, set and unset settings."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from ..settings import (
+    CONFIG_KEYS,
+    Settings,
+    SettingsError,
+    budget_bytes,
+    explicit_keys,
+    load_settings,
+    set_value,
+    settings_path,
+    unset_value,
+)
+
+from . import mlxs
+from .common import _table
+
+
+def _fmt(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "(unset)" if value is None else str(value)
+
+
+def _shown(key: str, value) -> str:
+    """A setting's value as `config` lists it ("auto" budgets with their size here)."""
+    if key == "memory_budget" and value == "auto":
+        from ..engine.planner import format_size
+
+        try:
+            return f"auto ({format_size(budget_bytes(value))})"
+        except SettingsError:
+            return "auto (unknown memory size)"
+    return _fmt(value)
+
+
+@mlxs.command()
+@click.argument("key", required=False)
+@click.argument("value", required=False)
+@click.option("--unset", "unset_key", metavar="KEY", help="Reset KEY to its default")
+@click.option("json_", "--json", is_flag=True, help="Output as JSON")
+def config(key, value, unset_key, json_):
+    """Show or change settings.
+
+    \b
+    llm mlxs config                 every setting, its value, default or set
+    llm mlxs config KEY             one setting
+    llm mlxs config KEY VALUE       validate and save
+    llm mlxs config --unset KEY     back to the default
+    """
+    if unset_key:
+        if key or value:
+            raise click.UsageError("--unset takes only the KEY")
+        unset_value(unset_key)
+        click.echo(f"{unset_key} reset to its default", err=True)
+        return
+    if key and value is not None:
+        settings = set_value(key, value)
+        click.echo(f"{key} = {_fmt(getattr(settings, key))}", err=True)
+        return
+    settings = load_settings()
+    explicit = explicit_keys()
+    if key:
+        if key not in CONFIG_KEYS:
+            raise SettingsError(f"Unknown setting '{key}'. Settings: {', '.join(CONFIG_KEYS)}")
+        click.echo(_fmt(getattr(settings, key)))
+        return
+    rows = [
+        {
+            "key": k,
+            "value": getattr(settings, k),
+            "default": k not in explicit,
+            "description": Settings.model_fields[k].description,
+        }
+        for k in CONFIG_KEYS
+    ]
+    if json_:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    click.echo(f"Settings file: {settings_path()}")
+    _table(
+        ["setting", "value", "", "description"],
+        [[r["key"], _shown(r["key"], r["value"]), "default" if r["default"] else "set", r["description"]] for r in rows],
+    )

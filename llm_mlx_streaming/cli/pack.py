@@ -1,0 +1,143 @@
+"""`llm mlxs pack`: write, verify or remove a checkpoint's packed store."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import click
+
+from ..settings import (
+    MlxStreamError,
+    load_settings,
+)
+
+from . import mlxs
+from .common import _line, _size
+from .resolve import _checkpoint, _has_packed
+
+
+@mlxs.command(short_help="Pack a model's experts: one read per expert; --verify, --remove.")
+@click.argument("name", required=False)
+@click.option("--verify", is_flag=True, help="Check the packed store (every record's checksum) instead of packing")
+@click.option("--remove", is_flag=True, help="Delete the packed store")
+def pack(name, verify, remove):
+    """Pack a model's experts into one contiguous record each (one read per expert).
+
+    The packed store is written beside the checkpoint (in mlxs-packed/) and used
+    when the packed setting is auto (the default) while it matches the checkpoint.
+    NAME as for `llm mlxs plan`.
+
+    \b
+    llm mlxs pack q30            write (or rewrite) the store
+    llm mlxs pack q30 --verify   check it: prints each problem, or ok
+    llm mlxs pack q30 --remove   delete it
+    """
+    from ..experts import packed as packed_mod
+
+    if verify and remove:
+        raise click.UsageError("--verify and --remove do not go together")
+    settings = load_settings()
+    label, path, _ = _checkpoint(name, settings)
+    folder = packed_mod.packed_dir(path)
+    if remove:
+        if not folder.exists():
+            raise MlxStreamError(f"{label} has no packed store ({folder})")
+        _forget_loaded(path)
+        shutil.rmtree(folder)
+        click.echo(f"Removed the packed store of {label} ({folder})")
+        return
+    if verify:
+        if not _has_packed(path):
+            command = f"llm mlxs pack {name}" if name else "llm mlxs pack"
+            raise MlxStreamError(f"{label} has no packed store; write one with `{command}`")
+        try:
+            problems = packed_mod.verify_packed(path)
+        except (ValueError, OSError, KeyError) as exc:
+            raise MlxStreamError(f"Cannot verify the packed store of {label}: {_line(exc)}") from None
+        for problem in problems:
+            click.echo(problem)
+        if problems:
+            raise MlxStreamError(
+                f"the packed store of {label} has {len(problems)} problem"
+                f"{'s' if len(problems) != 1 else ''}; run `llm mlxs pack` again to rewrite it"
+            )
+        click.echo("ok")
+        return
+    _check_space(path, folder)
+    report = _Progress()
+    try:
+        out = packed_mod.pack_checkpoint(path, progress=report)
+    except (ValueError, OSError, KeyError) as exc:
+        raise MlxStreamError(f"Cannot pack {label}: {_line(exc)}") from None
+    finally:
+        report.close()
+    _forget_loaded(path)
+    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    click.echo(f"Packed {label}: {report.layers} MoE layers, {_size(size)} in {out}")
+    if settings.packed == "off":
+        click.echo("Note: the packed setting is off; `llm mlxs config packed auto` uses the store", err=True)
+
+
+class _Progress:
+    """pack_checkpoint's progress: a bar on a terminal, a line per layer otherwise."""
+
+    def __init__(self):
+        self.bar = None
+        self.layers = 0
+        self.done = 0
+        self.total = 0
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, layer: int, layers: int, done: int, total: int) -> None:
+        if self.tty:
+            if self.bar is None:
+                self.bar = click.progressbar(length=total, label="packing", file=sys.stderr)
+                self.bar.__enter__()
+            self.bar.update(done - self.done)
+        elif layer != self.layers and self.layers:
+            self._line(self.layers, layers, self.done, total)
+        self.layers, self.done, self.total = layer, done, total
+        self._of = layers
+
+    def _line(self, layer, layers, done, total) -> None:
+        click.echo(f"layer {layer}/{layers} packed ({_size(done)} of {_size(total)})", err=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+        elif self.layers and self.done == self.total:
+            self._line(self.layers, self._of, self.done, self.total)
+
+
+def _check_space(path: Path, folder: Path) -> None:
+    """Refuse to start a pack the disk cannot hold (the store is about the experts' size)."""
+    from ..engine.planner import checkpoint_layout, format_size
+    from ..experts.index import CheckpointError
+    from ..experts.packed import record_size
+
+    try:
+        layout = checkpoint_layout(path)
+    except (CheckpointError, ValueError, OSError):
+        return  # pack_checkpoint reports it
+    need = sum(record_size(b) * layout.num_experts for b in layout.expert_bytes)
+    if folder.exists():
+        need -= sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+    free = shutil.disk_usage(path).free
+    if need > free:
+        raise MlxStreamError(
+            f"not enough disk space to pack: the store needs {format_size(need)}, "
+            f"{format_size(free)} is free on {path}"
+        )
+
+
+def _forget_loaded(path: Path) -> None:
+    """A model loaded in this process (Python callers, tests) reloads on its next
+    prompt, so it picks up (or drops) the packed store."""
+    manager = sys.modules.get("llm_mlx_streaming.engine.manager")
+    if manager is None:
+        return
+    mgr = manager.get_manager()
+    if mgr.checkpoint is not None and mgr.checkpoint == path.expanduser().resolve():
+        mgr.unload()

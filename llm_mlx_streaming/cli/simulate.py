@@ -1,0 +1,151 @@
+"""`llm mlxs simulate` and `traces`: eviction policies replayed on recorded routing."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import click
+
+from .. import registry
+from ..settings import (
+    MlxStreamError,
+    SettingsError,
+    load_settings,
+    trace_file,
+    traces_dir,
+)
+
+from . import mlxs
+from .common import _line, _size, _table
+
+
+def _trace_path(trace: str) -> tuple[Path, str]:
+    """A trace file, or the recorded trace of a model (name, alias or mlx-stream)."""
+    local = Path(trace).expanduser()
+    if local.is_file():
+        return local, str(local)
+    settings = load_settings()
+    try:
+        canonical = (
+            registry.default_name(settings)
+            if trace == registry.MODEL_PREFIX
+            else registry.resolve_name(trace, settings)
+        )
+    except SettingsError:
+        raise SettingsError(f"No such trace file or model: {trace}") from None
+    path = trace_file(canonical)
+    if not path.is_file():
+        raise SettingsError(
+            f"No trace recorded for {registry.MODEL_PREFIX}/{canonical} yet ({path}): "
+            "run `llm mlxs config trace on`, then some prompts"
+        )
+    return path, f"{registry.MODEL_PREFIX}/{canonical}"
+
+
+def _trace_shape(path: Path, phase: str) -> tuple[int, int]:
+    """(experts, top_k) of the first line of `phase` in a trace file, (0, 0) if none."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for line in fh:
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError:
+                    return 0, 0  # simulate() names the line
+                if isinstance(obj, dict) and obj.get("phase") == phase:
+                    return int(obj.get("experts") or 0), int(obj.get("top_k") or 0)
+    except (OSError, UnicodeDecodeError, TypeError, ValueError):
+        pass
+    return 0, 0
+
+
+def default_slot_sweep(experts: int, top_k: int) -> list[int]:
+    """Slot counts worth comparing: every count from top_k up on small models, else
+    top_k doubled up to the expert count, and half the experts."""
+    top_k = max(1, top_k)
+    if experts <= 1:
+        return [1]
+    if experts <= 16:
+        return list(range(min(top_k, experts - 1), experts))
+    counts = set()
+    n = top_k
+    while n < experts:
+        counts.add(n)
+        n *= 2
+    counts.add(experts // 2)
+    return sorted(counts)
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.replace(" ", "").split(",") if v]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise click.BadParameter(f"expected comma-separated counts of at least 1, like 8,16,32; got {text!r}", param_hint=what)
+    return values
+
+
+@mlxs.command(short_help="Replay a routing trace: hit rates of each policy and Belady.")
+@click.argument("trace")
+@click.option("--slots", help="Comma-separated slot counts, e.g. 8,16,32 (default: a sweep from top_k up)")
+@click.option("--policies", default="lru,lfu,lfuda", show_default=True, help="Comma-separated policies to compare with LRU and Belady")
+@click.option("--phase", type=click.Choice(["decode", "prefill"]), default="decode", show_default=True, help="Which recorded phase to replay")
+@click.option("json_", "--json", is_flag=True, help="Output as JSON")
+def simulate(trace, slots, policies, phase, json_):
+    """Replay a routing trace through each eviction policy and Belady's optimum.
+
+    TRACE is a trace file (JSON lines) or a model name, meaning the trace recorded
+    for it while the trace setting was on (see `llm mlxs traces`).
+
+    \b
+    llm mlxs simulate q30 --slots 16,32,64
+    llm mlxs simulate ../shared/traces/mixtral.jsonl --slots 2,4,6 --json
+    """
+    from ..experts.simulate import format_table
+    from ..experts.simulate import simulate as run_simulation
+
+    path, label = _trace_path(trace)
+    if slots:
+        counts = _int_list(slots, "--slots")
+    else:
+        experts, top_k = _trace_shape(path, phase)
+        counts = default_slot_sweep(experts, top_k) if experts else [1]
+    names = [p for p in policies.replace(" ", "").lower().split(",") if p]
+    try:
+        rows = run_simulation(path, counts, policies=names, phase=phase)
+    except ValueError as exc:
+        raise MlxStreamError(_line(exc)) from None
+    if json_:
+        click.echo(json.dumps({"trace": str(path), "phase": phase, "rows": rows}, indent=2))
+        return
+    click.echo(f"{label} ({phase})")
+    click.echo(format_table(rows))
+
+
+@mlxs.command()
+@click.option("json_", "--json", is_flag=True, help="Output as JSON")
+def traces(json_):
+    """List the routing traces recorded while the trace setting was on."""
+    folder = traces_dir()
+    rows = []
+    for path in sorted(folder.glob("*.jsonl")) if folder.is_dir() else []:
+        counts = {"decode": 0, "prefill": 0}
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                match = re.search(r'"phase":\s*"(\w+)"', line)
+                if match and match.group(1) in counts:
+                    counts[match.group(1)] += 1
+        rows.append({"model": path.stem, "path": str(path), "size_bytes": path.stat().st_size,
+                     "decode_sequences": counts["decode"], "prefill_sequences": counts["prefill"]})
+    if json_:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        click.echo(f"No traces in {folder} (turn recording on with `llm mlxs config trace on`)", err=True)
+        return
+    _table(["model", "decode", "prefill", "size", "file"],
+           [[r["model"], str(r["decode_sequences"]), str(r["prefill_sequences"]), _size(r["size_bytes"]), r["path"]] for r in rows])

@@ -1,0 +1,160 @@
+"""`llm mlxs stats`: engine figures read back from llm's logs.db.
+
+A new `llm` process has no engine in memory; the figures were stored per response
+(`response_json`) when it ran.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import click
+import llm
+
+from .. import registry
+
+from . import mlxs
+from .common import _size, _table
+
+
+def _logged(db_path: Path, limit: int) -> list[dict]:
+    if not db_path.exists():
+        return []
+    conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+    conn.row_factory = sqlite3.Row
+    try:
+        rows = conn.execute(
+            """select id, model, resolved_model, input_tokens, output_tokens,
+                      duration_ms, datetime_utc, response_json
+               from turns where model = ? or model like ?
+               order by datetime_utc desc, id desc limit ?""",
+            [registry.MODEL_PREFIX, registry.MODEL_PREFIX + "/%", limit],
+        ).fetchall()
+    except sqlite3.OperationalError:  # no turns table yet
+        return []
+    finally:
+        conn.close()
+    out = []
+    for row in rows:
+        item = dict(row)
+        try:
+            stats = json.loads(item.pop("response_json") or "{}")
+        except json.JSONDecodeError:
+            stats = {}
+        item["stats"] = stats if isinstance(stats, dict) else {}
+        out.append(item)
+    return out
+
+
+def _num(stats: dict, key: str) -> float:
+    value = stats.get(key)
+    return value if isinstance(value, (int, float)) else 0
+
+
+def aggregate(rows: list[dict]) -> dict:
+    """Totals over responses: rates are ratios of sums, not means of ratios."""
+    s = [r["stats"] for r in rows]
+    total = lambda k: sum(_num(x, k) for x in s)  # noqa: E731
+    decode_seconds = sum(
+        _num(x, "generated_tokens") / x["decode_tps"] for x in s if _num(x, "decode_tps")
+    )
+    prefill_seconds = sum(
+        _num(x, "prefilled_tokens") / x["prefill_tps"] for x in s if _num(x, "prefill_tps")
+    )
+    lookups = total("hits") + total("misses")
+    generated = total("generated_tokens")
+    return {
+        "responses": len(rows),
+        "prompt_tokens": total("prompt_tokens"),
+        "reused_tokens": total("reused_tokens"),
+        "prefilled_tokens": total("prefilled_tokens"),
+        "generated_tokens": generated,
+        "prefill_tps": round(total("prefilled_tokens") / prefill_seconds, 2) if prefill_seconds else None,
+        "decode_tps": round(generated / decode_seconds, 2) if decode_seconds else None,
+        "hits": total("hits"),
+        "misses": total("misses"),
+        "hit_rate": round(total("hits") / lookups, 4) if lookups else None,
+        "evictions": total("evictions"),
+        "mb_read": round(total("mb_read"), 3),
+        "mb_read_per_token": round(total("mb_read") / generated, 3) if generated else None,
+        "read_seconds": round(total("read_seconds"), 4),
+        "read_mb_per_s": round(total("mb_read") / total("read_seconds"), 1) if total("read_seconds") else None,
+        "unplaced": total("unplaced"),
+        "peak_memory_bytes": max((_num(x, "peak_memory_bytes") for x in s), default=0),
+    }
+
+
+def _slots_text(slots) -> str:
+    if isinstance(slots, list) and slots:
+        return str(slots[0]) if len(set(slots)) == 1 else f"{min(slots)}-{max(slots)}"
+    return "-" if slots is None else str(slots)
+
+
+def _stat_lines(st: dict) -> list[list[str]]:
+    def n(key, fmt="{}"):
+        v = st.get(key)
+        return "-" if v is None else fmt.format(v)
+
+    hit_rate = st.get("hit_rate")
+    lines = [
+        ["prompt tokens", f"{n('prompt_tokens')} (reused {n('reused_tokens')}, prefilled {n('prefilled_tokens')})"],
+        ["generated tokens", n("generated_tokens") + (f" (finish: {st['finish_reason']})" if isinstance(st.get("finish_reason"), str) else "")],
+        ["prefill", n("prefill_tps", "{} tok/s")],
+        ["decode", n("decode_tps", "{} tok/s")],
+        ["expert hits", f"{n('hits')} hits, {n('misses')} misses"
+         + (f" ({hit_rate * 100:.1f}% hit rate)" if isinstance(hit_rate, (int, float)) else "")],
+        ["evictions", n("evictions")],
+        ["read from disk", f"{n('mb_read', '{} MB')} in {n('read_seconds', '{} s')}"],
+        ["unplaced routes", n("unplaced")],
+        ["peak memory", _size(st.get("peak_memory_bytes")) if st.get("peak_memory_bytes") is not None else "-"],
+    ]
+    if st.get("read_mb_per_s") is not None:
+        lines[6][1] += f" ({n('read_mb_per_s', '{} MB/s')})"
+    if "mb_read_per_token" in st:
+        lines.insert(7, ["read per token", n("mb_read_per_token", "{} MB")])
+    if "expert_slots" in st or "policy" in st:
+        policy = st.get("policy") if isinstance(st.get("policy"), str) else "-"
+        source = {"plan": "memory plan", "model": "model's --expert-slots", "setting": "expert_slots setting",
+                  "bundled": "bundled default", "option": "-o expert_slots"}.get(st.get("slots_from"))
+        lines.append(["pool", f"{_slots_text(st.get('expert_slots'))} slots per layer, {policy}"
+                      + (f" ({source})" if source else "")])
+    if isinstance(st.get("store"), str):
+        extra = []
+        if st.get("threads"):
+            extra.append(f"{st['threads']} threads")
+        if isinstance(st.get("page_cache"), str):
+            extra.append(f"page cache {st['page_cache']}")
+        lines.append(["expert reads", st["store"] + (f" ({', '.join(extra)})" if extra else "")])
+    return lines
+
+
+@mlxs.command()
+@click.option("-n", "--count", "count", default=10, show_default=True, type=click.IntRange(1), help="Aggregate over the last N responses")
+@click.option("json_", "--json", is_flag=True, help="Output as JSON")
+@click.option("-d", "--database", type=click.Path(dir_okay=False, path_type=Path), help="Path to log database (default: llm's logs.db)")
+def stats(count, json_, database):
+    """Engine figures of the last mlx-stream response, and totals over the last N."""
+    db_path = database or (llm.user_dir() / "logs.db")
+    rows = _logged(db_path, count)
+    if not rows:
+        if json_:
+            click.echo(json.dumps({"last": None, "aggregate": None}))
+            return
+        raise click.ClickException(f"No mlx-stream responses logged yet in {db_path}")
+    last = rows[0]
+    agg = aggregate(rows)
+    if json_:
+        click.echo(json.dumps({"last": last, "aggregate": agg}, indent=2))
+        return
+    when = (last["datetime_utc"] or "")[:19].replace("T", " ")
+    click.echo(f"Last response  {last['model']}  {when} UTC  ({last['duration_ms']} ms)")
+    if last.get("resolved_model"):
+        click.echo(f"  checkpoint: {last['resolved_model']}")
+    _table(None, _stat_lines(last["stats"]), indent="  ")
+    click.echo(f"\nLast {agg['responses']} response{'s' if agg['responses'] != 1 else ''}")
+    _table(None, _stat_lines(agg), indent="  ")
+
+
+# -- output ----------------------------------------------------------------
