@@ -111,9 +111,8 @@ class MlxStreamModel(llm.Model):
         budget = None
         if options.expert_slots:
             slots, source = options.expert_slots, "option"
-        elif options.memory_budget is None and registry.effective_slots(name, entry, settings):
-            slots = registry.effective_slots(name, entry, settings)
-            source = registry.slots_source(name, entry, settings)
+        elif options.memory_budget is None and (stored := registry.effective_slots(name, entry, settings)):
+            slots, source = stored, registry.slots_source(name, entry, settings)
         else:
             value = options.memory_budget or settings.memory_budget
             budget = budget_bytes(value)
@@ -157,6 +156,7 @@ class MlxStreamModel(llm.Model):
         except EngineError as exc:
             raise MlxStreamError(f"Could not load '{r.name}' ({r.path}): {exc}") from None
         mgr.trace_path = trace_file(r.name) if settings.trace else None
+        mgr.max_context = settings.max_context
 
         tokenizer = mgr.tokenizer
         try:
@@ -164,15 +164,6 @@ class MlxStreamModel(llm.Model):
         except PromptError as exc:
             raise MlxStreamError(str(exc)) from None
         max_tokens = options.max_tokens or settings.max_tokens
-        max_context = settings.max_context
-        if not (mgr.context_length and mgr.context_length <= max_context):
-            # (a model whose own context is shorter is refused by the engine)
-            if len(tokens) + 1 > max_context:
-                raise MlxStreamError(
-                    f"the prompt is {len(tokens)} tokens, longer than the max_context of "
-                    f"{max_context} tokens (raise it with `llm mlxs config max_context N`)"
-                )
-            max_tokens = min(max_tokens, max_context - len(tokens))
 
         start = getattr(tokenizer, "think_start", None)
         end = getattr(tokenizer, "think_end", None)

@@ -72,6 +72,7 @@ class EngineManager:
         self.packed: bool | None = None  # use the checkpoint's packed store when valid
         self.packed_check: str | None = None  # "first" | "always"
         self.max_tokens = 256
+        self.max_context: int | None = None  # a user limit below the model's own context
         self.trace_path: Path | None = None  # when set, routing is appended here per generation
         self.last_stats: dict | None = None
         self.last_decode_tps: float | None = None
@@ -212,13 +213,15 @@ class EngineManager:
         with self._lock:
             self._require_loaded()
             limit = self.context_length
+            if self.max_context and (not limit or self.max_context < limit):
+                limit = self.max_context
+                what = f"the max_context of {limit} tokens (raise it with `llm mlxs config max_context N`)"
+            else:
+                what = f"the model's context of {limit} tokens"
             if not prompt_tokens:
                 raise EngineError("the prompt is empty")
             if limit and len(prompt_tokens) + 1 > limit:
-                raise EngineError(
-                    f"the prompt is {len(prompt_tokens)} tokens, longer than the model's "
-                    f"context of {limit} tokens"
-                )
+                raise EngineError(f"the prompt is {len(prompt_tokens)} tokens, longer than {what}")
             if limit:
                 max_tokens = min(max_tokens, limit - len(prompt_tokens))
             cache, new_tokens, reused = self.session.prepare(prompt_tokens)
