@@ -7,9 +7,13 @@ prompt tokens greedily through mlx-lm's `stream_generate`, on the checkpoint tha
 benchmarks/engine_bench.py builds (qwen3_moe shape, 128 experts x 4 layers, 4-bit,
 ~755 MB of experts), with the same share of each layer's experts resident (25% and 50%),
 cold (the checkpoint's pages dropped from the OS page cache, a fresh process, an empty
-pool) and warm (checkpoint in the page cache, one warm-up generation first).
+pool) and warm (checkpoint in the page cache, one warm-up generation first). Each engine
+that has a packed copy of the experts gets it first, made the way its own setup makes it
+(ours: `llm mlxs pack`'s `pack_checkpoint`; BigRig: the `ensure_packed` its CLI runs when it
+installs a model); boyle reads the safetensors. `--no-pack` skips that (remove
+`mlxs-packed/` and `benchmarks/.cache/bigrig-home` first to measure without them).
 
-    python benchmarks/peers.py [--tokens 64] [--runs 2] [--repeat 3] [--fractions 0.25,0.5] [--json F]
+    python benchmarks/peers.py [--tokens 64] [--runs 2] [--repeat 3] [--fractions 0.25,0.5] [--no-pack] [--json F]
     python benchmarks/peers.py --report F      # the table again, from a --json file
     python benchmarks/peers.py --large [--large-limit-gb 16] [--large-fractions 0.1,0.25]
 
@@ -57,6 +61,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(__file__).resolve().parent / ".cache"
 PEERS_VENV = CACHE / "peers-venv"
+BIGRIG_HOME = CACHE / "bigrig-home"
 PEERS = {"bigrig": ("bigrig", "0.9.1", "bigrig_engine"), "boyle": ("boyle", "0.2.1", "boyle")}
 SHAPE = dict(hidden_size=1024, moe_intermediate_size=768, num_experts=128, top_k=8, num_layers=4)
 PROMPT = list(range(3, 35))  # the prompt engine_bench.py uses: 32 token ids
@@ -395,9 +400,42 @@ def ensure_peers_venv() -> Path:
     return py
 
 
+def bigrig_blob(path: Path) -> Path:
+    """Where BigRig keeps its packed copy of a checkpoint's experts (its own default)."""
+    return BIGRIG_HOME / "data" / "blobs" / f"{path.name}.experts"
+
+
 def shard_files(path: Path) -> list[Path]:
-    """The checkpoint's weight files, and our packed store's layer files if there is one."""
-    return sorted(path.glob("*.safetensors")) + sorted(path.glob("mlxs-packed/*.bin"))
+    """The checkpoint's weight files and the packed copies of its experts that exist:
+    ours (`llm mlxs pack`) and BigRig's; a cold run drops them all from the page cache."""
+    blob = bigrig_blob(path)
+    return (sorted(path.glob("*.safetensors")) + sorted(path.glob("mlxs-packed/*.bin"))
+            + ([blob] if blob.exists() else []))
+
+
+def pack_all(path: Path, peers_py: str) -> None:
+    """Each engine's own packed copy, as its setup makes one: ours with `llm mlxs pack`'s
+    function, BigRig's with the function its CLI calls when it installs a model. boyle
+    has none: it reads the safetensors."""
+    from llm_mlx_streaming.experts.packed import INDEX_NAME, pack_checkpoint, packed_dir
+
+    if not (packed_dir(path) / INDEX_NAME).exists():  # a stale one: the engine says so and the table shows it
+        t = time.perf_counter()
+        pack_checkpoint(path)
+        print(f"packed ours in {time.perf_counter() - t:.1f}s", flush=True)
+    if not bigrig_blob(path).exists():
+        t = time.perf_counter()
+        subprocess.run([peers_py, str(Path(__file__).resolve()), "--pack-bigrig", "--path", str(path)],
+                       check=True, env={**os.environ, "BIGRIG_HOME": str(BIGRIG_HOME)}, capture_output=True)
+        print(f"packed BigRig's blob in {time.perf_counter() - t:.1f}s", flush=True)
+
+
+def pack_bigrig_main(args) -> None:
+    """Child side of pack_all, in the peers venv."""
+    _shim_bigrig()
+    from bigrig_engine import stream
+
+    stream.ensure_packed(args.path, "", verbose=False)
 
 
 def cached_fraction(files: list[Path]) -> float | None:
@@ -586,7 +624,9 @@ def normal_main(args) -> None:
     print(f"checkpoint {path} ({expert_mb:.0f} MB of experts)", flush=True)
     peers_py = str(ensure_peers_venv())
     ours_py = sys.executable
-    env = {"BIGRIG_HOME": str(CACHE / "bigrig-home")}
+    if not args.no_pack:
+        pack_all(path, peers_py)
+    env = {"BIGRIG_HOME": str(BIGRIG_HOME)}
     fractions = [float(f) for f in args.fractions.split(",")]
     T = args.timeout
     log: list[dict] = []
@@ -1006,6 +1046,8 @@ def main() -> None:
     parser.add_argument("--fractions", default="0.25,0.5", help="shares of experts resident")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per child (900; --large: 3600)")
     parser.add_argument("--no-shims", action="store_true", help="run the peers only as shipped")
+    parser.add_argument("--no-pack", action="store_true",
+                        help="no packed copies: every engine reads the safetensors (remove existing ones first)")
     parser.add_argument("--json", help="also write every measurement here")
     parser.add_argument("--report", metavar="JSON", help="print the table again from a --json file")
     parser.add_argument("--large", action="store_true", help="the bigger-than-memory checkpoint")
@@ -1017,6 +1059,7 @@ def main() -> None:
     # internal: the child processes
     parser.add_argument("--child", choices=sorted(ENGINES), help=argparse.SUPPRESS)
     parser.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--pack-bigrig", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     parser.add_argument("--fraction", type=float, default=0.25, help=argparse.SUPPRESS)
     parser.add_argument("--warmup", type=int, default=0, help=argparse.SUPPRESS)
@@ -1034,6 +1077,8 @@ def main() -> None:
         child_main(args)
     elif args.raw:
         raw_main(args)
+    elif args.pack_bigrig:
+        pack_bigrig_main(args)
     elif args.report:
         report(json.loads(Path(args.report).read_text()))
     elif args.large:

@@ -22,6 +22,7 @@ from . import registry
 from .settings import (
     AUTO_BUDGET_SHARE,
     BUNDLED_NAME,
+    POLICIES,
     MlxStreamError,
     Policy,
     Settings,
@@ -53,7 +54,7 @@ class Options(llm.Options):
         None, ge=1, description="Expert slots per MoE layer held in memory; fewer slots use less memory and read more from disk"
     )
     policy: Optional[Policy] = Field(
-        None, description="Expert eviction policy: lru, lfu or lfuda"
+        None, description=f"Expert eviction policy: {', '.join(POLICIES)}"
     )
     memory_budget: Optional[str] = Field(
         None,

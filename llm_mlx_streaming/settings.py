@@ -21,13 +21,13 @@ import click
 import llm
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .experts.policies import DEFAULT_POLICY
+from .experts.policies import DEFAULT_POLICY, POLICIES as POLICY_CLASSES
 from .experts.store import DEFAULT_THREADS
 
 SETTINGS_FILENAME = "mlx-streaming.json"
 BUNDLED_NAME = "tiny-moe"
-POLICIES = ("lru", "lfu", "lfuda")
-Policy = Literal["lru", "lfu", "lfuda"]
+POLICIES = tuple(POLICY_CLASSES)
+Policy = Literal[POLICIES]
 PageCache = Literal["keep", "bypass"]
 Packed = Literal["auto", "off"]
 AUTO_BUDGET_SHARE = 0.6  # memory_budget "auto": this share of physical memory
@@ -109,7 +109,7 @@ class Settings(BaseModel):
     )
     policy: Optional[Policy] = Field(
         None,
-        description="Eviction policy when the pool is full: lru, lfu or lfuda. "
+        description=f"Eviction policy when the pool is full: {', '.join(POLICIES)}. "
         f"Unset: the engine's default ({DEFAULT_POLICY}).",
     )
     max_tokens: int = Field(

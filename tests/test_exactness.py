@@ -12,6 +12,7 @@ from mlx_lm.utils import load_model
 from exactness import greedy_tokens, logits_trace, prompt_tokens, vocab_size
 from llm_mlx_streaming.checkpoints.factory import ARCHITECTURES, supported_quants
 from llm_mlx_streaming.engine.loading import load_streaming
+from llm_mlx_streaming.experts.policies import POLICIES
 
 EXPERTS, TOP_K = 16, 4
 MOE_ARCHS = [a for a in ARCHITECTURES if a != "qwen3"]
@@ -47,6 +48,7 @@ def test_decode_is_bit_identical_at_every_pool_size(build, arch, quant):
             if slots < EXPERTS:
                 assert sum(c.misses for c in counters) > 0
                 assert sum(c.evictions for c in counters) > 0
+                assert sum(c.overlapped for c in counters) > 0, "no decode call split hits from misses"
             if slots == TOP_K + 2:
                 assert max(widest) > slots, "the prompt must route to more experts than slots"
             assert tokens == expected, f"{slots} slots"
@@ -58,7 +60,7 @@ def test_decode_is_bit_identical_at_every_pool_size(build, arch, quant):
             loaded.store.close()
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "lfuda"])
+@pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_pool_size_and_policy_do_not_change_the_result(build, policy):
     path = build("qwen3_moe", quant="4bit", num_experts=EXPERTS, top_k=TOP_K, num_layers=3)
     prompt = prompt_tokens(vocab_size(path), n=64, seed=1)

@@ -24,7 +24,7 @@ from llm_mlx_streaming.experts.simulate import (
 )
 
 MIXTRAL = Path(__file__).parents[2] / "shared/traces/mixtral-8x7b-instruct-fp8_vllm.jsonl"
-POLICY_NAMES = ("lru", "lfu", "lfuda")
+POLICY_NAMES = tuple(policies.POLICIES)
 
 
 def write_trace(path: Path, lines: list[dict]) -> Path:
@@ -273,7 +273,7 @@ def test_simulate_clamps_and_aggregates(tmp_path):
     cold = sum(len({e for s in layer for e in s}) for ln in lines for layer in ln["layer_seqs"])
     assert rows[2]["accesses"] == 3 * 70 * 2
     assert rows[2]["belady"] == pytest.approx(1 - cold / rows[2]["accesses"])
-    assert rows[2]["gap_captured"] == {"lru": None, "lfu": None, "lfuda": None}
+    assert rows[2]["gap_captured"] == {name: None for name in POLICY_NAMES}
     # aggregation = all hits / all accesses, each sequence and layer cold
     h = n = 0
     for ln in lines:
@@ -350,6 +350,33 @@ def test_mixtral_readme_numbers_flat_access_model(monkeypatch):
         assert abs(tot["lru"] / n - lru) < 0.005, slots
         assert abs(tot["lfu_persistent"] / n - lfu) < 0.005, slots
         assert abs(tot["belady"] / n - opt) < 0.005, slots
+
+
+def test_decayed_lfu_remembers_evicted_experts_and_forgets_slowly():
+    # 2 slots. Expert 0 is used 3 times, then the call [1, 2] must evict it. It comes
+    # back (a miss, evicting 1), 2 is used once more, then 3 needs a slot: decayed-lfu
+    # still counts 0's earlier uses (4 > 2) and evicts 2, so the last [0] hits; lfu's
+    # count for 0 restarted at its reload (1 < 2), so it evicts 0 and misses it again.
+    steps = [[0], [0], [0], [1, 2], [0], [2], [3], [0]]
+    assert replay(steps, 2, "decayed-lfu") == (4, 9)
+    assert replay(steps, 2, "lfu") == (3, 9)
+    # halving: every HALF_LIFE x slots accesses all counts halve, so an old favourite is
+    # overtaken by an expert used steadily since
+    p = policies.make_policy("decayed-lfu", slots=1)
+    assert p.period == policies.DecayedLFU.HALF_LIFE
+    for _ in range(p.period - 1):
+        p.record(5)
+    p.record(6)  # the period's last access: every count halves
+    assert p.count[5] == (p.period - 1) / 2 and p.count[6] == 0.5
+
+
+@needs_mixtral
+def test_default_policy_measures_best_on_the_mixtral_trace():
+    # docs/policies.md: the default is the policy with the highest hit rate at every slot
+    # count where there is a choice (3..7 of 8).
+    for r in simulate(MIXTRAL, [3, 4, 5, 6, 7]):
+        best = max(r["hit_rate"], key=r["hit_rate"].get)
+        assert best == policies.DEFAULT_POLICY, r
 
 
 @needs_mixtral

@@ -289,6 +289,7 @@ class EngineManager:
             "unplaced": delta["unplaced"],
             "gpu_fastpath": delta["gpu_fastpath"],
             "gpu_fallback": delta["gpu_fallback"],
+            "overlapped": delta["overlapped"],
             "peak_memory_bytes": int(mx.get_peak_memory()),
             "expert_slots": self.slots_per_layer(),
             "policy": self.policy,

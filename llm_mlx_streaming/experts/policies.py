@@ -1,9 +1,10 @@
 """Eviction policies for the expert pool.
 
-One policy object per MoE layer. The pool (and the trace simulator) tell it about every
-access and every eviction, and ask it for a victim among the resident experts that the
-current call does not need. Keys are computed from a logical clock, so a policy behaves
-the same in the engine and in a replay of a routing trace.
+One policy object per MoE layer, made for that layer's slot count. The pool (and the
+trace simulator) tell it about every access and every eviction, and ask it for a victim
+among the resident experts that the current call does not need. Keys are computed from a
+logical clock, so a policy behaves the same in the engine and in a replay of a routing
+trace.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ class Policy:
 
     name = "base"
 
-    def __init__(self) -> None:
+    def __init__(self, slots: int = 1) -> None:
+        self.slots = slots
         self.clock = 0
         self.last_used: dict[int, int] = {}
 
@@ -64,8 +66,8 @@ class LFU(Policy):
 
     name = "lfu"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, slots: int = 1) -> None:
+        super().__init__(slots)
         self.count: dict[int, int] = {}
 
     def record(self, expert: int) -> None:
@@ -86,8 +88,8 @@ class LFUDA(LFU):
 
     name = "lfuda"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, slots: int = 1) -> None:
+        super().__init__(slots)
         self.age = 0
         self.priority: dict[int, int] = {}
 
@@ -103,16 +105,43 @@ class LFUDA(LFU):
         return (self.priority.get(expert, 0), self.last_used.get(expert, 0))
 
 
-POLICIES = {cls.name: cls for cls in (LRU, LFU, LFUDA)}
+class DecayedLFU(Policy):
+    """Most uses over the layer's whole history, in-pool or not, with old uses fading.
+
+    Counts survive eviction (an expert the router keeps coming back to is worth keeping
+    even after one unlucky eviction) and every count is halved each time the layer has
+    seen `HALF_LIFE` accesses per slot, so a shift in what the router wants wins within a
+    few pool turnovers. LRU breaks ties.
+    """
+
+    name = "decayed-lfu"
+    HALF_LIFE = 16  # accesses per slot between halvings (docs/policies.md)
+
+    def __init__(self, slots: int = 1) -> None:
+        super().__init__(slots)
+        self.count: dict[int, float] = {}
+        self.period = self.HALF_LIFE * max(1, slots)
+
+    def record(self, expert: int) -> None:
+        super().record(expert)
+        self.count[expert] = self.count.get(expert, 0) + 1
+        if self.clock % self.period == 0:
+            self.count = {e: c / 2 for e, c in self.count.items()}
+
+    def key(self, expert: int):
+        return (self.count.get(expert, 0), self.last_used.get(expert, 0))
+
+
+POLICIES = {cls.name: cls for cls in (LRU, LFU, LFUDA, DecayedLFU)}
 
 # What measured best on the real routing trace (docs/policies.md).
-DEFAULT_POLICY = "lfuda"
+DEFAULT_POLICY = "decayed-lfu"
 
 
-def make_policy(name: str) -> Policy:
-    """A fresh policy by name; a clear error for an unknown one."""
+def make_policy(name: str, slots: int = 1) -> Policy:
+    """A fresh policy by name for a layer of `slots` slots; a clear error for an unknown one."""
     try:
-        return POLICIES[name]()
+        return POLICIES[name](slots)
     except KeyError:
         raise ValueError(
             f"unknown policy {name!r}: choose one of {', '.join(sorted(POLICIES))}"

@@ -31,6 +31,7 @@ class PoolCounters:
     reads: int = 0  # preadv calls (contiguous jobs are merged into one)
     gpu_fastpath: int = 0  # layer calls whose experts were all resident: no load
     gpu_fallback: int = 0  # layer calls that had to load
+    overlapped: int = 0  # decode calls whose resident routes ran while the misses were read
     unplaced: int = 0  # routes without their own expert's slot: must stay 0
 
     def add(self, other: "PoolCounters") -> None:
@@ -71,7 +72,7 @@ class ExpertPool:
         self.num_experts = layer.num_experts
         self.slots = min(int(slots), self.num_experts)
         self.store = store
-        self.policy = make_policy(policy)
+        self.policy = make_policy(policy, self.slots)
         self.counters = PoolCounters()
         self.arrays: dict[str, mx.array] = {}
         self._views: dict[str, np.ndarray] = {}

@@ -35,7 +35,7 @@ import os
 from dataclasses import dataclass, field
 from typing import IO, Any, Iterable, Optional
 
-from .policies import make_policy
+from .policies import POLICIES, make_policy
 
 Step = Optional[list[int]]  # expert ids in router-rank order; None = not recorded
 PHASES = ("decode", "prefill")
@@ -232,7 +232,7 @@ def replay(steps: Iterable[Step], slots: int, policy_name: str) -> tuple[int, in
     the misses are recorded, in router order. Accesses are distinct experts per call.
     """
     slots = _check_slots(slots)
-    policy = make_policy(policy_name)
+    policy = make_policy(policy_name, slots)
     resident: set[int] = set()
     hits = accesses = 0
     for step in steps:
@@ -327,7 +327,7 @@ def _rate(h: int, n: int) -> float:
 def simulate(
     trace_path,
     slots: list[int],
-    policies: Iterable[str] = ("lru", "lfu", "lfuda"),
+    policies: Iterable[str] = tuple(POLICIES),
     phase: Optional[str] = "decode",
 ) -> list[dict]:
     """Hit rates of every policy and of Belady at each slot count, over every sequence and

@@ -42,11 +42,40 @@ class StreamingExperts(nn.Module):
         if self.observer is not None:
             self.observer(self.layer, needed, single_token)
         if len(needed) <= pool.slots:
+            if single_token and indices.size < SORT_THRESHOLD:
+                return self._overlapped(x, indices, ids, needed)
             pool.ensure(needed)
             if pool.unplaced(ids):
                 raise RuntimeError(f"layer {self.layer}: routes without a slot")
             return self.experts(x, pool.remap(indices))
         return self._expert_major(x, indices, ids, needed)
+
+    def _overlapped(self, x, indices, ids, needed) -> mx.array:
+        """A decode call: the resident routes are computed while the misses are read.
+
+        Each route's output is computed alone either way (below mlx-lm's sorting
+        threshold), so splitting the routes in two and putting them back in router order
+        gives the container's exact result. The misses' slots are never among the
+        resident routes' slots: `ensure` does not evict an expert the call needs.
+        """
+        pool = self.pool
+        resident = pool.slot_of[ids] >= 0
+        if resident.all() or not resident.any():
+            pool.ensure(needed)
+            if pool.unplaced(ids):
+                raise RuntimeError(f"layer {self.layer}: routes without a slot")
+            return self.experts(x, pool.remap(indices))
+        lead = indices.shape[:-1]
+        hit, miss = np.nonzero(resident)[0], np.nonzero(~resident)[0]
+        y_hit = self.experts(x, mx.array(pool.slot_of[ids[hit]]).reshape(*lead, -1))
+        mx.async_eval(y_hit)  # computes while the reader threads fill the misses' slots
+        pool.counters.overlapped += 1
+        pool.ensure(needed)
+        if pool.unplaced(ids):
+            raise RuntimeError(f"layer {self.layer}: routes without a slot")
+        y_miss = self.experts(x, mx.array(pool.slot_of[ids[miss]]).reshape(*lead, -1))
+        order = mx.array(np.argsort(np.concatenate([hit, miss])))
+        return mx.take(mx.concatenate([y_hit, y_miss], axis=-2), order, axis=-2)
 
     def _expert_major(self, x, indices, ids, needed) -> mx.array:
         """More distinct experts than slots: run the routes in chunks of at most S
