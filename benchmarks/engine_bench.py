@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from llm_mlx_streaming.checkpoints.factory import build_checkpoint  # noqa: E402
 from llm_mlx_streaming.engine.manager import EngineManager  # noqa: E402
 from llm_mlx_streaming.experts.index import CheckpointIndex  # noqa: E402
+from llm_mlx_streaming.experts.policies import DEFAULT_POLICY  # noqa: E402
 
 CACHE = Path(__file__).resolve().parent / ".cache"
 SHAPE = dict(hidden_size=1024, moe_intermediate_size=768, num_experts=128, top_k=8, num_layers=4)
@@ -73,6 +74,7 @@ def main() -> None:
     index = CheckpointIndex(path)
     expert_mb = sum(e.nbytes for k, e in index.tensors.items() if "switch_mlp" in k) / 1e6
     print(f"checkpoint {path} ({expert_mb:.0f} MB of experts, ready in {time.perf_counter() - start:.1f}s)")
+    print(f"policy {DEFAULT_POLICY}; experts read from {'the packed store' if (path / 'mlxs-packed').exists() else 'the safetensors'}")
     prompt = list(range(3, 35))
     E = SHAPE["num_experts"]
 
@@ -84,7 +86,7 @@ def main() -> None:
     engine = EngineManager()
     for fraction in (float(f) for f in args.fractions.split(",")):
         slots = max(1, round(E * fraction))
-        engine.load(path, expert_slots=slots, policy="lfu")
+        engine.load(path, expert_slots=slots)  # the default policy
         engine_decode(engine, prompt, 8)  # warm-up: fills the pool, compiles kernels
         runs = [engine_decode(engine, prompt, args.tokens) for _ in range(args.runs)]
         assert all(r["unplaced"] == 0 for r in runs)

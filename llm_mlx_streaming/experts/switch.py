@@ -7,6 +7,8 @@ stay mlx-lm's own: the only difference is that expert ids are remapped to slot i
 
 from __future__ import annotations
 
+import threading
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -15,6 +17,15 @@ from .index import LayerExperts
 from .pool import ExpertPool
 
 SORT_THRESHOLD = 64  # mlx-lm's SwitchGLU sorts routes by expert from this many on
+_local = threading.local()  # MLX streams belong to the thread that made them
+
+
+def side_stream():
+    """A second CPU stream, so a decode call's routes run on two cores; None on a GPU,
+    where one stream already uses the whole device."""
+    if not hasattr(_local, "side"):
+        _local.side = mx.new_stream(mx.cpu) if mx.default_device() == mx.cpu else None
+    return _local.side
 
 
 class StreamingExperts(nn.Module):
@@ -35,7 +46,7 @@ class StreamingExperts(nn.Module):
             # Every expert resident: no need to read the router's choice back.
             pool.counters.hits += indices.size
             pool.counters.gpu_fastpath += 1
-            return self.experts(x, pool.remap(indices))
+            return self._two_ways(x, pool.remap(indices))
         ids = np.array(indices).reshape(-1)
         unique, first = np.unique(ids, return_index=True)
         needed = unique[np.argsort(first)]  # in the order the router named them
@@ -49,6 +60,16 @@ class StreamingExperts(nn.Module):
                 raise RuntimeError(f"layer {self.layer}: routes without a slot")
             return self.experts(x, pool.remap(indices))
         return self._expert_major(x, indices, ids, needed)
+
+    def _two_ways(self, x, slots: mx.array) -> mx.array:
+        """The container over a decode call's routes, the first half on the side stream
+        (when there is one) and the second on the default stream, at the same time."""
+        side, k = side_stream(), slots.shape[-1]
+        if side is None or k < 2:
+            return self.experts(x, slots)
+        with mx.stream(side):
+            first = self.experts(x, slots[..., : k // 2])
+        return mx.concatenate([first, self.experts(x, slots[..., k // 2 :])], axis=-2)
 
     def _overlapped(self, x, indices, ids, needed) -> mx.array:
         """A decode call: the resident routes are computed while the misses are read.
@@ -64,16 +85,17 @@ class StreamingExperts(nn.Module):
             pool.ensure(needed)
             if pool.unplaced(ids):
                 raise RuntimeError(f"layer {self.layer}: routes without a slot")
-            return self.experts(x, pool.remap(indices))
+            return self._two_ways(x, pool.remap(indices))
         lead = indices.shape[:-1]
         hit, miss = np.nonzero(resident)[0], np.nonzero(~resident)[0]
-        y_hit = self.experts(x, mx.array(pool.slot_of[ids[hit]]).reshape(*lead, -1))
+        with mx.stream(side_stream() or mx.default_stream(mx.default_device())):
+            y_hit = self.experts(x, mx.array(pool.slot_of[ids[hit]]).reshape(*lead, -1))
         mx.async_eval(y_hit)  # computes while the reader threads fill the misses' slots
         pool.counters.overlapped += 1
         pool.ensure(needed)
         if pool.unplaced(ids):
             raise RuntimeError(f"layer {self.layer}: routes without a slot")
-        y_miss = self.experts(x, mx.array(pool.slot_of[ids[miss]]).reshape(*lead, -1))
+        y_miss = self._two_ways(x, mx.array(pool.slot_of[ids[miss]]).reshape(*lead, -1))
         order = mx.array(np.argsort(np.concatenate([hit, miss])))
         return mx.take(mx.concatenate([y_hit, y_miss], axis=-2), order, axis=-2)
 
