@@ -54,7 +54,7 @@ class StreamingExperts(nn.Module):
             self.observer(self.layer, needed, single_token)
         if len(needed) <= pool.slots:
             if single_token and indices.size < SORT_THRESHOLD:
-                return self._overlapped(x, indices, ids, needed)
+                return self._decode_call(x, indices, ids, needed)
             pool.ensure(needed)
             if pool.unplaced(ids):
                 raise RuntimeError(f"layer {self.layer}: routes without a slot")
@@ -71,8 +71,11 @@ class StreamingExperts(nn.Module):
             first = self.experts(x, slots[..., : k // 2])
         return mx.concatenate([first, self.experts(x, slots[..., k // 2 :])], axis=-2)
 
-    def _overlapped(self, x, indices, ids, needed) -> mx.array:
-        """A decode call: the resident routes are computed while the misses are read.
+    def _decode_call(self, x, indices, ids, needed) -> mx.array:
+        """A decode call: on a GPU the resident routes are computed while the misses are
+        read; on the CPU backend the misses are read first and both streams then share
+        the routes, because there reads and compute compete for the same cores, and
+        overlapping them measured slower (docs/benchmarks.md).
 
         Each route's output is computed alone either way (below mlx-lm's sorting
         threshold), so splitting the routes in two and putting them back in router order
@@ -81,21 +84,20 @@ class StreamingExperts(nn.Module):
         """
         pool = self.pool
         resident = pool.slot_of[ids] >= 0
-        if resident.all() or not resident.any():
+        if side_stream() is not None or resident.all() or not resident.any():
             pool.ensure(needed)
             if pool.unplaced(ids):
                 raise RuntimeError(f"layer {self.layer}: routes without a slot")
             return self._two_ways(x, pool.remap(indices))
         lead = indices.shape[:-1]
         hit, miss = np.nonzero(resident)[0], np.nonzero(~resident)[0]
-        with mx.stream(side_stream() or mx.default_stream(mx.default_device())):
-            y_hit = self.experts(x, mx.array(pool.slot_of[ids[hit]]).reshape(*lead, -1))
+        y_hit = self.experts(x, mx.array(pool.slot_of[ids[hit]]).reshape(*lead, -1))
         mx.async_eval(y_hit)  # computes while the reader threads fill the misses' slots
         pool.counters.overlapped += 1
         pool.ensure(needed)
         if pool.unplaced(ids):
             raise RuntimeError(f"layer {self.layer}: routes without a slot")
-        y_miss = self._two_ways(x, mx.array(pool.slot_of[ids[miss]]).reshape(*lead, -1))
+        y_miss = self.experts(x, mx.array(pool.slot_of[ids[miss]]).reshape(*lead, -1))
         order = mx.array(np.argsort(np.concatenate([hit, miss])))
         return mx.take(mx.concatenate([y_hit, y_miss], axis=-2), order, axis=-2)
 
