@@ -55,17 +55,21 @@ class StreamingExperts(nn.Module):
         if len(needed) <= pool.slots:
             if single_token and indices.size < SORT_THRESHOLD:
                 return self._decode_call(x, indices, ids, needed)
-            pool.ensure(needed)
-            if pool.unplaced(ids):
-                raise RuntimeError(f"layer {self.layer}: routes without a slot")
+            self._load(needed, ids)
             return self.experts(x, pool.remap(indices))
         return self._expert_major(x, indices, ids, needed)
+
+    def _load(self, needed, ids) -> None:
+        """Make `needed` resident; every route in `ids` must then have its slot."""
+        self.pool.ensure(needed)
+        if self.pool.unplaced(ids):
+            raise RuntimeError(f"layer {self.layer}: routes without a slot")
 
     def _two_ways(self, x, slots: mx.array) -> mx.array:
         """The container over a decode call's routes, the first half on the side stream
         (when there is one) and the second on the default stream, at the same time."""
         side, k = side_stream(), slots.shape[-1]
-        if side is None or k < 2:
+        if side is None or not 2 <= k < SORT_THRESHOLD:  # halves must not change mlx-lm's sorting
             return self.experts(x, slots)
         with mx.stream(side):
             first = self.experts(x, slots[..., : k // 2])
@@ -85,18 +89,14 @@ class StreamingExperts(nn.Module):
         pool = self.pool
         resident = pool.slot_of[ids] >= 0
         if side_stream() is not None or resident.all() or not resident.any():
-            pool.ensure(needed)
-            if pool.unplaced(ids):
-                raise RuntimeError(f"layer {self.layer}: routes without a slot")
+            self._load(needed, ids)
             return self._two_ways(x, pool.remap(indices))
         lead = indices.shape[:-1]
         hit, miss = np.nonzero(resident)[0], np.nonzero(~resident)[0]
         y_hit = self.experts(x, mx.array(pool.slot_of[ids[hit]]).reshape(*lead, -1))
         mx.async_eval(y_hit)  # computes while the reader threads fill the misses' slots
         pool.counters.overlapped += 1
-        pool.ensure(needed)
-        if pool.unplaced(ids):
-            raise RuntimeError(f"layer {self.layer}: routes without a slot")
+        self._load(needed, ids)
         y_miss = self.experts(x, mx.array(pool.slot_of[ids[miss]]).reshape(*lead, -1))
         order = mx.array(np.argsort(np.concatenate([hit, miss])))
         return mx.take(mx.concatenate([y_hit, y_miss], axis=-2), order, axis=-2)
