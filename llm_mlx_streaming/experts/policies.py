@@ -18,7 +18,7 @@ class Policy:
     name = "base"
 
     def __init__(self, slots: int = 1) -> None:
-        self.slots = slots
+        del slots  # only policies that scale with the pool use it
         self.clock = 0
         self.last_used: dict[int, int] = {}
 

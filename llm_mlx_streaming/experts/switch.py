@@ -87,8 +87,8 @@ class StreamingExperts(nn.Module):
         resident routes' slots: `ensure` does not evict an expert the call needs.
         """
         pool = self.pool
-        resident = pool.slot_of[ids] >= 0
-        if side_stream() is not None or resident.all() or not resident.any():
+        resident = None if side_stream() is not None else pool.slot_of[ids] >= 0
+        if resident is None or resident.all() or not resident.any():
             self._load(needed, ids)
             return self._two_ways(x, pool.remap(indices))
         lead = indices.shape[:-1]
