@@ -20,8 +20,9 @@ installs a model); boyle reads the safetensors. `--no-pack` skips that (remove
 This machine is shared and small, so tok/s is noisy: `--repeat` interleaves whole cycles
 and pools their runs, and the CPU ms/tok column (user+sys per decoded token) is the
 steadier comparison. The I/O-efficiency line compares the engine's decode reads
-(bytes_read / read_seconds) with raw `preadv` of the same expert ranges from the tier
-those bytes came from (page cache or disk, judged by /proc/self/io).
+(bytes_read / read_seconds) with raw `preadv` of exactly the same read calls, replayed
+without the engine from the same page-cache state (`--reads` records them, `--replay`
+replays them).
 
 Columns: decode tok/s (mlx-lm's generation_tps), time to first token (prefill included,
 load excluded), MB read per decoded token as each engine counts it (`engine MB/tok`:
@@ -146,10 +147,24 @@ class _Ours:
         self.policy = self.engine.policy
         store = self.engine.loaded.store
         self.packed = getattr(store, "packed", None) is not None  # one read per expert
+        # Every read call's start time and byte ranges, tagged with its run and phase, for --replay
+        self.reads: list[dict] = []
+        self._where = {"run": -1, "phase": "load"}
+        read = store.read
+
+        def recorded(jobs, verify=None):
+            self.reads.append({**self._where, "t": time.perf_counter(),
+                               "ranges": [(str(f), off, sum(b.nbytes for b in bufs)) for f, off, bufs in jobs]})
+            return read(jobs, verify)
+
+        store.read = recorded
 
     def generate(self, prompt, max_tokens):
         self.engine.session.reset()  # no KV reuse between runs: every run prefills
-        return self.engine.generate(prompt, max_tokens=max_tokens)
+        self._where = {"run": self._where["run"] + 1, "phase": "prefill"}
+        for r in self.engine.generate(prompt, max_tokens=max_tokens):
+            yield r
+            self._where["phase"] = "decode"  # what follows the first token
 
     def counters(self):
         c = self.engine.counters()
@@ -303,11 +318,26 @@ def child_main(args) -> None:
         for _ in range(args.warmup):
             _one_run(eng, prompt, args.tokens)
         result["runs"] = [_one_run(eng, prompt, args.tokens) for _ in range(args.runs)]
+        if args.reads and hasattr(eng, "reads"):
+            Path(args.reads).write_text(json.dumps({"warmup": args.warmup, "calls": eng.reads}))
     except BaseException as e:  # noqa: BLE001 -- reported in the table, not raised
         result["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
         result["where"] = _where(e, package)
     result["peak_rss"] = _peak_rss()
     print(MARK + json.dumps(result), flush=True)
+
+
+def read_ranges(pool, fds: dict, ranges: list, bufs: list) -> int:
+    """Each (file, offset, length) range into its buffer with plain os.preadv, on `pool`."""
+    def read(job):
+        (file, off, length), buf = job
+        view = memoryview(buf)[:length]
+        got = 0
+        while got < length:
+            got += os.preadv(fds[file], [view[got:]], off + got)
+        return length
+
+    return sum(pool.map(read, zip(ranges, bufs)))
 
 
 def raw_main(args) -> None:
@@ -351,24 +381,59 @@ def raw_main(args) -> None:
     bufs = [np.empty(biggest, np.uint8) for _ in range(args.batch * 16)]
     pool = ThreadPoolExecutor(args.threads)
 
-    def read(job):
-        (file, off, length), buf = job
-        view = memoryview(buf)[:length]
-        got = 0
-        while got < length:
-            got += os.preadv(fds[file], [view[got:]], off + got)
-        return length
-
     total, seconds = 0, 0.0
     for i in range(0, len(experts), args.batch):
         ranges = sorted((r for ex in experts[i:i + args.batch] for r in ex), key=lambda r: (str(r[0]), r[1]))
         t = time.perf_counter()
-        total += sum(pool.map(read, zip(ranges, bufs)))
+        total += read_ranges(pool, fds, ranges, bufs)
         seconds += time.perf_counter() - t
     print(MARK + json.dumps({"bytes": total, "seconds": seconds, "mb_s": total / seconds / 1e6,
                              "experts": len(experts), "ranges": len(experts[0]), "batch": args.batch,
                              "source": args.source,
                              "threads": args.threads}), flush=True)
+
+
+def replay_main(args) -> None:
+    """Raw preadv of exactly the reads one of our runs made, from the same cache state.
+
+    The parent leaves the page cache as it was before that run (dropped, or warm); this
+    replays every recorded read call in order -- the ones before the measured decode
+    unmeasured, so the page cache ends up as the engine's did -- and times the measured
+    runs' decode calls: each call's ranges in ascending offset, one preadv per range, on
+    a pool of `threads` threads into pre-touched buffers. Same bytes, same order, same
+    tier as the engine's decode misses, with no engine around them.
+
+    `--paced` starts each call as long after the previous one as the engine did (it
+    computed in between), instead of back to back: idle reader threads, and on a VM idle
+    vCPUs, take longer to wake than busy ones, so pacing is part of what a read costs.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    log = json.loads(Path(args.replay).read_text())
+    calls = log["calls"]
+    fds = {f: os.open(f, os.O_RDONLY) for f in {r[0] for c in calls for r in c["ranges"]}}
+    biggest = max(r[2] for c in calls for r in c["ranges"])
+    bufs = [np.ones(biggest, np.uint8) for _ in range(max(len(c["ranges"]) for c in calls))]
+    pool = ThreadPoolExecutor(args.threads)
+
+    total, seconds, measured = 0, 0.0, 0
+    previous = None  # (recorded start, replayed start) of the call before
+    for call in calls:
+        ranges = sorted(map(tuple, call["ranges"]), key=lambda r: (r[0], r[1]))
+        timed = call["phase"] == "decode" and call["run"] >= log["warmup"]
+        if args.paced and timed and previous:
+            time.sleep(max(0.0, previous[1] + (call["t"] - previous[0]) - time.perf_counter()))
+        t = time.perf_counter()
+        previous = (call["t"], t)
+        n = read_ranges(pool, fds, ranges, bufs)
+        if timed:
+            seconds += time.perf_counter() - t
+            total += n
+            measured += 1
+    print(MARK + json.dumps({"bytes": total, "seconds": seconds, "mb_s": total / seconds / 1e6 if seconds else None,
+                             "calls": measured, "threads": args.threads, "paced": args.paced}), flush=True)
 
 
 # =====================================================================================
@@ -403,6 +468,11 @@ def ensure_peers_venv() -> Path:
 def bigrig_blob(path: Path) -> Path:
     """Where BigRig keeps its packed copy of a checkpoint's experts (its own default)."""
     return BIGRIG_HOME / "data" / "blobs" / f"{path.name}.experts"
+
+
+def reads_file(cache: str) -> Path:
+    """Where our run at the first residency records its read calls (--reads, --replay)."""
+    return CACHE / f"reads-{cache}.json"
 
 
 def shard_files(path: Path) -> list[Path]:
@@ -626,6 +696,8 @@ def normal_main(args) -> None:
     ours_py = sys.executable
     if not args.no_pack:
         pack_all(path, peers_py)
+    for cache in ("cold", "warm"):
+        reads_file(cache).unlink(missing_ok=True)  # an earlier run's
     env = {"BIGRIG_HOME": str(BIGRIG_HOME)}
     fractions = [float(f) for f in args.fractions.split(",")]
     T = args.timeout
@@ -639,8 +711,10 @@ def normal_main(args) -> None:
         runs, warmup = (1, 0) if cache == "cold" else (args.runs, 1)
         t = time.perf_counter()
         load0 = os.getloadavg()[0]
-        res = run_child(py, child_argv(engine, path, fraction, args.tokens, runs, warmup, shims),
-                        T, {**env, **VARIANTS.get(variant, {})})
+        argv = child_argv(engine, path, fraction, args.tokens, runs, warmup, shims)
+        if engine == "ours" and fraction == fractions[0]:  # its reads, for the I/O-efficiency replay
+            argv += ["--reads", str(reads_file(cache))]
+        res = run_child(py, argv, T, {**env, **VARIANTS.get(variant, {})})
         res.update(cache=cache, prep=prep, engine=engine, fraction=fraction, variant=variant,
                    loadavg=(load0, os.getloadavg()[0]))
         loads.extend(res["loadavg"])
@@ -656,6 +730,7 @@ def normal_main(args) -> None:
     shipped = {}
     miss_batch = 6  # about a decode layer call's misses at 25% (top-8, hit rate ~0.25)
     raw: dict = {"cold": [], "warm": []}
+    replay: dict = {"cold": [], "warm": []}
     for cycle in range(args.repeat):
         if args.repeat > 1:
             print(f"cycle {cycle + 1} of {args.repeat}", flush=True)
@@ -682,12 +757,23 @@ def normal_main(args) -> None:
                                     "--threads", "8", "--source", source], T)
             r["prep"] = prep
             raw[cache].append(r)
+        # 5. raw preadv of exactly our decode reads, from the cache state our run started in,
+        #    paced as the engine's were and back to back
+        for cache in ("cold", "warm"):
+            for paced in (True, False):
+                if reads_file(cache).exists():
+                    files = shard_files(path)
+                    prep = drop_cache(files) if cache == "cold" else warm_cache(files)
+                    r = run_child(ours_py, ["--replay", str(reads_file(cache)), "--threads", "8"]
+                                  + (["--paced"] if paced else []), T)
+                    r["prep"] = prep
+                    replay[cache].append(r)
 
     meta = {"fractions": fractions, "engines": engines, "miss_batch": miss_batch, "tokens": args.tokens,
             "repeat": args.repeat, "runs": args.runs, "seconds": time.perf_counter() - t_all,
             "cpus": os.cpu_count()}
     saved = {"found": {"|".join(map(str, k)): v for k, v in found.items()}, "shipped": shipped, "raw": raw,
-             "loads": loads, "meta": meta}
+             "replay": replay, "loads": loads, "meta": meta}
     if args.json:
         Path(args.json).write_text(json.dumps(saved, indent=1, default=str))
     report(saved)
@@ -729,26 +815,25 @@ def report(saved: dict) -> list[str]:
     for cache in ("cold", "warm"):
         ours_runs = [run for r in found.get(("ours", fractions[0], cache), []) for run in r.get("runs", [])]
         read_s = sum(run.get("decode_read_seconds") or 0 for run in ours_runs)
-        if not read_s:
-            extra.append(f"I/O efficiency ({cache}): n/a (no reads during decode)")
+        replays = {paced: [r for r in saved.get("replay", {}).get(cache, []) if r.get("mb_s") and r["paced"] == paced]
+                   for paced in (True, False)}
+        if not read_s or not replays[True]:
+            why = "no reads during decode" if not read_s else "no replay of its reads"
+            extra.append(f"I/O efficiency ({cache}): n/a ({why})")
             continue
         eng_mb_s = sum(run["decode_bytes"] for run in ours_runs) / read_s / 1e6
-        # Where the engine's miss bytes came from: the disk, or the page cache (a cold run's
-        # prefill reads most of this small checkpoint, so its decode misses are mostly cached)
+        # How much of the decode misses' bytes the disk served (a cold run's prefill reads
+        # most of this small checkpoint into the page cache, so most of its misses are cached)
         disk = sum(run.get("disk_mb_tok") or 0 for run in ours_runs) / max(sum(run["mb_tok"] for run in ours_runs), 1e-9)
-        against = "cold" if disk >= 0.5 else "warm"
-        raws = [r for r in raw[against] if "error" not in r]
-        if not raws:
-            extra.append(f"I/O efficiency ({cache}): n/a (raw {against} run failed: {raw[against][0].get('error')})")
-            continue
-        rw = dict(raws[0], mb_s=statistics.median(r["mb_s"] for r in raws))
-        ratio = eng_mb_s / rw["mb_s"]
+        paced, packed = (statistics.median(r["mb_s"] for r in replays[k]) if replays[k] else math.nan
+                         for k in (True, False))
+        ratio = eng_mb_s / paced
         extra.append(f"I/O efficiency ({cache} run, {fractions[0]:.0%} resident, decode misses, {disk:.0%} of their "
-                     f"bytes from disk): engine {eng_mb_s:.0f} MB/s (bytes_read / read_seconds) vs raw preadv "
-                     f"{against} {rw['mb_s']:.0f} MB/s ({rw['source']}: {miss_batch} experts x {rw['ranges']} ranges "
-                     f"per batch, 8 threads, {rw['experts']} experts once each) = {ratio:.2f}x "
-                     f"[target >= 0.8: {'PASS' if ratio >= 0.8 else 'FAIL'}]")
-    extra.append("raw preadv, same files and pattern: " + ", ".join(
+                     f"bytes from disk): engine {eng_mb_s:.0f} MB/s (bytes_read / read_seconds) vs raw preadv of the "
+                     f"same {replays[True][0]['calls']} read calls from the same cache state, paced as the engine's "
+                     f"{paced:.0f} MB/s = {ratio:.2f}x [target >= 0.8: {'PASS' if ratio >= 0.8 else 'FAIL'}]; "
+                     f"back to back {packed:.0f} MB/s = {eng_mb_s / packed:.2f}x")
+    extra.append(f"raw preadv, every expert once in shuffled batches of {miss_batch}, 8 threads: " + ", ".join(
         f"{c} {statistics.median(r['mb_s'] for r in raw[c] if 'error' not in r):.0f} MB/s"
         for c in ("cold", "warm") if any('error' not in r for r in raw[c])))
     f0 = fractions[0]
@@ -1059,6 +1144,9 @@ def main() -> None:
     # internal: the child processes
     parser.add_argument("--child", choices=sorted(ENGINES), help=argparse.SUPPRESS)
     parser.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--replay", help=argparse.SUPPRESS)
+    parser.add_argument("--reads", help=argparse.SUPPRESS)
+    parser.add_argument("--paced", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--pack-bigrig", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     parser.add_argument("--fraction", type=float, default=0.25, help=argparse.SUPPRESS)
@@ -1077,6 +1165,8 @@ def main() -> None:
         child_main(args)
     elif args.raw:
         raw_main(args)
+    elif args.replay:
+        replay_main(args)
     elif args.pack_bigrig:
         pack_bigrig_main(args)
     elif args.report:

@@ -60,12 +60,13 @@ def test_reads_are_issued_in_ascending_offset_with_bounded_concurrency(data_file
 
     path, _ = data_file
     store = ExpertStore(3)
-    order, live, peak = [], [0], [0]
+    order, live, peak, readers = [], [0], [0], set()
     lock = threading.Lock()
     real = os.preadv
 
     def slow(fd, buffers, offset):
         with lock:
+            readers.add(threading.current_thread())
             order.append(offset)
             live[0] += 1
             peak[0] = max(peak[0], live[0])
@@ -79,6 +80,7 @@ def test_reads_are_issued_in_ascending_offset_with_bounded_concurrency(data_file
     offsets = [50_000 * i for i in (7, 2, 9, 4, 1, 3, 8, 5)]
     store.read([(path, o, [np.empty(100, np.uint8)]) for o in offsets])
     assert peak[0] == 3
+    assert threading.current_thread() in readers  # the caller reads too, not only waits
     # issued in ascending order (the first `threads` may start in any order)
     assert sorted(order[:3]) == sorted(offsets)[:3] and order[3:] == sorted(offsets)[3:]
     store.close()
