@@ -825,14 +825,14 @@ def report(saved: dict) -> list[str]:
         # How much of the decode misses' bytes the disk served (a cold run's prefill reads
         # most of this small checkpoint into the page cache, so most of its misses are cached)
         disk = sum(run.get("disk_mb_tok") or 0 for run in ours_runs) / max(sum(run["mb_tok"] for run in ours_runs), 1e-9)
-        paced, packed = (statistics.median(r["mb_s"] for r in replays[k]) if replays[k] else math.nan
-                         for k in (True, False))
+        paced, back_to_back = (statistics.median(r["mb_s"] for r in replays[k]) if replays[k] else math.nan
+                               for k in (True, False))
         ratio = eng_mb_s / paced
         extra.append(f"I/O efficiency ({cache} run, {fractions[0]:.0%} resident, decode misses, {disk:.0%} of their "
                      f"bytes from disk): engine {eng_mb_s:.0f} MB/s (bytes_read / read_seconds) vs raw preadv of the "
                      f"same {replays[True][0]['calls']} read calls from the same cache state, paced as the engine's "
                      f"{paced:.0f} MB/s = {ratio:.2f}x [target >= 0.8: {'PASS' if ratio >= 0.8 else 'FAIL'}]; "
-                     f"back to back {packed:.0f} MB/s = {eng_mb_s / packed:.2f}x")
+                     f"back to back {back_to_back:.0f} MB/s = {eng_mb_s / back_to_back:.2f}x")
     extra.append(f"raw preadv, every expert once in shuffled batches of {miss_batch}, 8 threads: " + ", ".join(
         f"{c} {statistics.median(r['mb_s'] for r in raw[c] if 'error' not in r):.0f} MB/s"
         for c in ("cold", "warm") if any('error' not in r for r in raw[c])))

@@ -68,12 +68,18 @@ def test_decode_through_the_packed_store_is_bit_identical(build, tmp_path, arch,
 def test_the_safetensors_path_reads_each_component_separately(build, tmp_path):
     path = packed_copy(build, tmp_path)
     loaded = load_streaming(path, expert_slots=TOP_K + 1, packed=False)
+    jobs = []
+    read = loaded.store.read
+    loaded.store.read = lambda js, verify=None: jobs.extend(js) or read(js, verify)
     try:
         assert loaded.store.packed is None
         greedy_tokens(loaded.model, prompt_tokens(1000, n=20), 8)
-        c = loaded.pools[0].counters
+        misses = sum(pool.counters.misses for pool in loaded.pools)
         comps = len(loaded.pools[0].layer.components)
-        assert comps == 9 and c.reads > 0.5 * comps * c.misses  # neighbours may merge
+        # one job per component of each expert read (neighbouring ranges may then
+        # share a preadv: tests/test_store.py)
+        assert comps == 9 and misses > 0 and len(jobs) == comps * misses
+        c = loaded.pools[0].counters
         assert c.bytes_read > 0 and c.read_mb_per_s > 0
     finally:
         loaded.store.close()

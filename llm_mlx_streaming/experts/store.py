@@ -92,20 +92,17 @@ class ExpertStore:
         runs = _merge(sorted(jobs, key=lambda j: (str(j[0]), j[1])))
         planned = [(self._fd(run[0][0]), run) for run in runs]
         start = time.perf_counter()
-        if len(planned) == 1 or self.threads == 1:
-            for fd, run in planned:
-                self._read_run(fd, run, verify)
-        else:
-            self._parallel(planned, verify)
+        self._parallel(planned, verify)
         nbytes = sum(b.nbytes for job in jobs for b in job[2])
         return ReadResult(nbytes, time.perf_counter() - start, len(planned))
 
     def _parallel(self, planned, verify) -> None:
         """At most `threads` reads in flight, issued in ascending offset order.
 
-        The calling thread reads too rather than only waiting: one thread handoff fewer
-        per call, which on a small machine is a tenth of a page-cache read's time
-        (docs/benchmarks.md, "I/O efficiency")."""
+        The calling thread reads too rather than only waiting, so a call's first read
+        starts at once instead of after a pool thread wakes (on a VM that wake costs
+        about as much as copying an expert from the page cache; docs/benchmarks.md,
+        "I/O efficiency"). With one thread, or one read, no pool thread is involved."""
         queue = iter(planned)
         lock = threading.Lock()
         stop = threading.Event()
