@@ -149,11 +149,11 @@ class _Ours:
         self.packed = getattr(store, "packed", None) is not None  # one read per expert
         # Every read call's start time and byte ranges, tagged with its run and phase, for --replay
         self.reads: list[dict] = []
-        self._where = {"run": -1, "phase": "load"}
+        self._phase = {"run": -1, "phase": "load"}
         read = store.read
 
         def recorded(jobs, verify=None):
-            self.reads.append({**self._where, "t": time.perf_counter(),
+            self.reads.append({**self._phase, "t": time.perf_counter(),
                                "ranges": [(str(f), off, sum(b.nbytes for b in bufs)) for f, off, bufs in jobs]})
             return read(jobs, verify)
 
@@ -161,10 +161,10 @@ class _Ours:
 
     def generate(self, prompt, max_tokens):
         self.engine.session.reset()  # no KV reuse between runs: every run prefills
-        self._where = {"run": self._where["run"] + 1, "phase": "prefill"}
+        self._phase = {"run": self._phase["run"] + 1, "phase": "prefill"}
         for r in self.engine.generate(prompt, max_tokens=max_tokens):
             yield r
-            self._where["phase"] = "decode"  # what follows the first token
+            self._phase["phase"] = "decode"  # what follows the first token
 
     def counters(self):
         c = self.engine.counters()

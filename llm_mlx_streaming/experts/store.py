@@ -60,7 +60,7 @@ class ExpertStore:
         self.packed = packed
         self._fds: dict[Path, int] = {}
         self._fd_lock = threading.Lock()
-        # the calling thread is one of the `threads` readers (see _parallel)
+        # the calling thread is one of the `threads` readers (see _read_runs)
         self._executor = ThreadPoolExecutor(max(1, self.threads - 1), thread_name_prefix="mlxs-read")
 
     def _fd(self, file: Path) -> int:
@@ -92,11 +92,11 @@ class ExpertStore:
         runs = _merge(sorted(jobs, key=lambda j: (str(j[0]), j[1])))
         planned = [(self._fd(run[0][0]), run) for run in runs]
         start = time.perf_counter()
-        self._parallel(planned, verify)
+        self._read_runs(planned, verify)
         nbytes = sum(b.nbytes for job in jobs for b in job[2])
         return ReadResult(nbytes, time.perf_counter() - start, len(planned))
 
-    def _parallel(self, planned, verify) -> None:
+    def _read_runs(self, planned, verify) -> None:
         """At most `threads` reads in flight, issued in ascending offset order.
 
         The calling thread reads too rather than only waiting, so a call's first read
