@@ -11,6 +11,7 @@ conversation and ``llm chat`` turns prefill only what is new.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -19,6 +20,8 @@ import llm
 from pydantic import Field, field_validator
 
 from . import registry
+from .engine.request import LoadSpec, Request
+from .experts.policies import DEFAULT_POLICY
 from .settings import (
     AUTO_BUDGET_SHARE,
     BUNDLED_NAME,
@@ -82,6 +85,16 @@ class Resolved:
     policy: Optional[str]
     resolved: str  # what response.resolved_model records
 
+    def load_spec(self, settings: Settings) -> LoadSpec:
+        return LoadSpec(
+            path=self.path,
+            expert_slots=self.slots,
+            policy=self.policy or DEFAULT_POLICY,
+            threads=settings.threads,
+            page_cache=settings.page_cache,
+            packed=settings.packed != "off",
+        )
+
 
 class MlxStreamModel(llm.Model):
     can_stream = True
@@ -135,68 +148,71 @@ class MlxStreamModel(llm.Model):
         yield from self._execute(prompt, response)
 
     def _execute(self, prompt, response):
-        from .engine.manager import EngineError, get_manager
-        from .prompting import PromptError, render_prompt, reply_metadata
+        from .engine.manager import get_manager
+        from .prompting import render_prompt, reply_metadata
         from .thinking import ThinkSplitter, opens_thinking
 
         settings = load_settings()
         options = prompt.options
         r = self._resolve(options, settings)
+        rendered = {}
 
-        mgr = get_manager()
-        load_kwargs: dict[str, Any] = {
-            "expert_slots": r.slots,
-            "threads": settings.threads,
-            "page_cache": settings.page_cache,
-            "packed": settings.packed != "off",
-        }
-        if r.policy:
-            load_kwargs["policy"] = r.policy
-        try:
-            mgr.load(r.path, **load_kwargs)
-        except EngineError as exc:
-            raise MlxStreamError(f"Could not load '{r.name}' ({r.path}): {exc}") from None
-        mgr.trace_path = trace_file(r.name) if settings.trace else None
-        mgr.max_context = settings.max_context
+        def render(tokenizer):
+            tokens, rendered["generation_prompt"] = render_prompt(tokenizer, prompt)
+            return tokens
 
-        tokenizer = mgr.tokenizer
-        try:
-            tokens, generation_prompt = render_prompt(tokenizer, prompt)
-        except PromptError as exc:
-            raise MlxStreamError(str(exc)) from None
-        max_tokens = options.max_tokens or settings.max_tokens
-
-        start = getattr(tokenizer, "think_start", None)
-        end = getattr(tokenizer, "think_end", None)
-        splitter = ThinkSplitter(start, end, opens_thinking(generation_prompt, start, end))
-        sampler = _sampler(options)
-
-        try:
-            results = mgr.generate(tokens, max_tokens=max_tokens, sampler=sampler)
-        except EngineError as exc:
-            raise MlxStreamError(str(exc)) from None
-        eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+        generation = get_manager().run(r.load_spec(settings), Request(
+            prompt=render,
+            max_tokens=options.max_tokens or settings.max_tokens,
+            temperature=options.temperature or 0.0,
+            top_p=options.top_p or 0.0,
+            min_p=options.min_p or 0.0,
+            top_k=options.top_k or 0,
+            seed=options.seed,
+            max_context=settings.max_context,
+            trace_path=trace_file(r.name) if settings.trace else None,
+        ))
         generated: list[int] = []
-        try:
-            for result in results:
+        with generation, _one_line_errors(r):
+            tokenizer = generation.tokenizer
+            start = getattr(tokenizer, "think_start", None)
+            end = getattr(tokenizer, "think_end", None)
+            splitter = ThinkSplitter(start, end, opens_thinking(rendered["generation_prompt"], start, end))
+            eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+            for result in generation:
                 if result.token not in eos or result.finish_reason != "stop":
                     generated.append(int(result.token))
                 for kind, chunk in splitter.feed(result.text):
                     yield _event(kind, chunk)
-        except EngineError as exc:  # e.g. cut off by a newer prompt in this thread
-            raise MlxStreamError(str(exc)) from None
-        finally:
-            results.close()
         for kind, chunk in splitter.flush():
             yield _event(kind, chunk)
         # The reply's own token ids, logged with it, so a later turn can
         # reuse the KV cache exactly (see prompting.py).
         yield _event("text", "", reply_metadata(generated))
 
-        stats = _jsonable({**(mgr.last_stats or {}), **_read_figures(mgr, mgr.last_stats or {}, r)})
-        response.set_usage(input=len(tokens), output=stats.get("generated_tokens"))
+        stats = _jsonable({**generation.stats, **_plan_figures(generation.stats, r)})
+        response.set_usage(input=len(generation.started.prompt_tokens), output=stats.get("generated_tokens"))
         response.response_json = stats
         response.set_resolved_model(r.resolved)
+
+
+@contextmanager
+def _one_line_errors(r: Resolved):
+    """Whatever loading, rendering or generating raises reaches the user as one line
+    (KeyboardInterrupt passes through: the generation is closed and the engine stays usable)."""
+    from .engine.manager import EngineError, LoadError
+    from .prompting import PromptError
+
+    try:
+        yield
+    except MlxStreamError:
+        raise
+    except LoadError as exc:
+        raise MlxStreamError(f"Could not load '{r.name}' ({r.path}): {exc}") from None
+    except (EngineError, PromptError) as exc:
+        raise MlxStreamError(str(exc)) from None
+    except Exception as exc:  # template errors, OSError from a changed file, mlx errors
+        raise MlxStreamError(f"{type(exc).__name__}: {_one_line(exc)}") from None
 
 
 def plan_slots(name: str, path, value: str, budget: int, max_context: int):
@@ -220,37 +236,16 @@ def plan_slots(name: str, path, value: str, budget: int, max_context: int):
     return list(plan.slots_per_layer) or None
 
 
-def _read_figures(mgr, stats: dict, r: Resolved) -> dict:
-    """How the experts were read and where the pool size came from, for response_json
-    (the engine's own figures win when it reports the same keys)."""
+def _plan_figures(stats: dict, r: Resolved) -> dict:
+    """Where the pool size came from, for response_json."""
     out: dict[str, Any] = {"slots_from": r.slots_source}
     if r.budget is not None:
         out["memory_budget_bytes"] = r.budget
-    from .engine.manager import store_in_use
-
-    store = getattr(mgr.loaded, "store", None)
-    if store is not None:
-        out["store"] = store_in_use(mgr.loaded)
-        out["threads"] = getattr(store, "threads", None)
-        out["page_cache"] = getattr(store, "page_cache", None)
-    mb, seconds = stats.get("mb_read"), stats.get("read_seconds")
-    if isinstance(mb, (int, float)) and isinstance(seconds, (int, float)):
-        out["read_mb_per_s"] = round(mb / seconds, 1) if seconds else None
     return {k: v for k, v in out.items() if k not in stats}
 
 
-def _sampler(options):
-    import mlx.core as mx
-    from mlx_lm.sample_utils import make_sampler
-
-    if options.seed is not None:
-        mx.random.seed(options.seed)
-    return make_sampler(
-        options.temperature or 0.0,
-        options.top_p or 0.0,
-        options.min_p or 0.0,
-        top_k=options.top_k or 0,
-    )
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _event(kind: str, chunk: str, metadata: Optional[dict] = None):

@@ -85,24 +85,27 @@ def test_a_second_caller_waits_its_turn(qwen):
     engine = EngineManager()
     engine.load(qwen, expert_slots=8)
     prompt = prompt_tokens(vocab_size(qwen), n=20)
-    spans = {}
+    steps = []  # (caller, time) of every sampling step, as the engine ran them
+    results = {}
 
     def run(name, delay):
         time.sleep(delay)
-        start = time.perf_counter()
-        tokens = []
-        for r in engine.generate(prompt, max_tokens=6):
-            tokens.append(r.token)
-            time.sleep(0.05)
-        spans[name] = (start, time.perf_counter(), tokens)
+
+        def note(tokens, logits):
+            steps.append(name)
+            time.sleep(0.01)  # long enough for the other caller to run if it could
+            return logits
+
+        results[name] = [r.token for r in engine.generate(prompt, max_tokens=6, logits_processors=[note])]
 
     threads = [threading.Thread(target=run, args=("a", 0)), threading.Thread(target=run, args=("b", 0.02))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert spans["a"][2] == spans["b"][2]
-    assert spans["b"][1] - spans["a"][1] >= 6 * 0.05  # b ran after a, not alongside
+    assert results["a"] == results["b"]
+    n = steps.count("a")
+    assert n >= 6 and steps == ["a"] * n + ["b"] * n  # b ran after a, not alongside
     engine.unload()
 
 
@@ -267,18 +270,18 @@ def test_trace_records_each_layers_routing_for_the_simulator(qwen, tmp_path):
 
     engine = EngineManager()
     engine.load(qwen, expert_slots=16)  # whole layers: tracing must still see every step
-    engine.trace_path = tmp_path / "trace.jsonl"
+    trace = tmp_path / "trace.jsonl"
     prompt = prompt_tokens(vocab_size(qwen), n=20)
-    generated = len(list(engine.generate(prompt, max_tokens=12)))
-    (decode,) = load_trace(engine.trace_path, phase="decode")
+    generated = len(list(engine.generate(prompt, max_tokens=12, trace_path=trace)))
+    (decode,) = load_trace(trace, phase="decode")
     assert decode.layers == len(engine.loaded.layers) and decode.experts == 16 and decode.top_k == 4
     # one-token model calls: the prompt's last token, then every generated token
     # (mlx-lm feeds each token it yields, to have the next ready)
     assert all(len(steps) == generated + 1 for steps in decode.layer_seqs)
     assert all(len(set(step)) == 4 for steps in decode.layer_seqs for step in steps)
-    (prefill,) = load_trace(engine.trace_path, phase="prefill")
+    (prefill,) = load_trace(trace, phase="prefill")
     assert all(len(steps) >= 1 for steps in prefill.layer_seqs)
-    rows = simulate(engine.trace_path, [4, 8])
+    rows = simulate(trace, [4, 8])
     assert rows[1]["belady"] >= rows[1]["hit_rate"]["lru"]
     engine.unload()
 
@@ -296,17 +299,72 @@ def test_buffer_cache_stays_bounded_over_a_long_session(qwen):
     engine.unload()
 
 
-def test_a_generation_abandoned_by_its_thread_is_closed_by_the_next(qwen):
+def test_a_suspended_generation_blocks_no_other_caller(qwen):
+    """A stream that its reader stops reading (not closed, still referenced) must not
+    hold the engine: another thread's generation runs to the end meanwhile."""
     engine = EngineManager()
     engine.load(qwen, expert_slots=5)
     prompt = prompt_tokens(vocab_size(qwen), n=20)
-    expected = list(engine.generate(prompt, max_tokens=8))
-    abandoned = engine.generate(prompt, max_tokens=8)
-    next(abandoned), next(abandoned)  # suspended while holding the engine
-    fresh = engine.generate(prompt, max_tokens=8)
-    assert [r.token for r in fresh] == [r.token for r in expected] == fresh.tokens
-    assert engine.last_stats["reused_tokens"] == 0  # the abandoned cache was not trusted
-    with pytest.raises(EngineError, match="cut off"):
-        next(abandoned)
+    expected = [r.token for r in engine.generate(prompt, max_tokens=8)]
+    suspended = engine.generate(prompt, max_tokens=8)
+    next(suspended)
+    other = {}
+    worker = threading.Thread(target=lambda: other.update(tokens=[r.token for r in engine.generate(prompt, max_tokens=8)]))
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "the suspended generation blocked the engine"
+    assert other["tokens"] == expected
+    assert [expected[0]] + [r.token for r in suspended] == expected  # and it can still be read
+    assert engine.verify() == 0
+    engine.unload()
+
+
+def test_a_generation_outlives_its_thread(qwen):
+    """A generation handed on by a thread that has exited is not cut off by a later
+    thread (thread ids are reused by the OS)."""
+    engine = EngineManager()
+    engine.load(qwen, expert_slots=5)
+    prompt = prompt_tokens(vocab_size(qwen), n=20)
+    handed = {}
+
+    def start():
+        handed["gen"] = engine.generate(prompt, max_tokens=8)
+        next(handed["gen"])
+
+    for _ in range(3):  # the later threads are likely to get the first one's id
+        t = threading.Thread(target=start)
+        t.start()
+        t.join()
+        first = handed["gen"]
+        later = threading.Thread(target=lambda: list(engine.generate(prompt, max_tokens=4)))
+        later.start()
+        later.join()
+        assert len([first.tokens[0]] + [r.token for r in first]) == 8
+    engine.unload()
+
+
+def test_a_closed_or_dropped_generation_stops_at_the_next_token(qwen):
+    engine = EngineManager()
+    engine.load(qwen, expert_slots=5)
+    prompt = prompt_tokens(vocab_size(qwen), n=20)
+    steps = []
+
+    def count(tokens, logits):
+        steps.append(1)
+        time.sleep(0.02)
+        return logits
+
+    gen = engine.generate(prompt, max_tokens=200, logits_processors=[count])
+    next(gen)
+    gen.close()
+    stopped_at = len(steps)
+    assert stopped_at < 20
+    gen = engine.generate(prompt, max_tokens=200, logits_processors=[count])
+    next(gen)
+    del gen  # garbage-collected: the engine notices at the next token
+    after = engine.generate(prompt, max_tokens=3)
+    assert len(list(after)) == 3
+    assert len(steps) < stopped_at + 40
+    assert engine.session.tokens == prompt + after.tokens[:len(engine.session.tokens) - len(prompt)]
     assert engine.verify() == 0
     engine.unload()

@@ -124,13 +124,13 @@ def _forcing_sampler(schedule):
 
 
 def test_think_blocks_stream_as_reasoning(llm_env, monkeypatch):
-    from llm_mlx_streaming import model as model_module
     from llm_mlx_streaming.engine.manager import get_manager
+    from llm_mlx_streaming.engine.request import Request
 
     get_manager().load(llm_env.checkpoint, expert_slots=4)
     tok = get_manager().tokenizer
     schedule = [tok.think_start_id, None, None, None, tok.think_end_id]
-    monkeypatch.setattr(model_module, "_sampler", lambda options: _forcing_sampler(schedule))
+    monkeypatch.setattr(Request, "make_sampler", lambda self: _forcing_sampler(schedule))
 
     result = assert_ok(llm_env.run("-m", "mlx-stream", "-o", "max_tokens", "10", "think first"))
     assert "<think>" not in result.output and "</think>" not in result.output
@@ -161,12 +161,12 @@ class _Interrupt:
 
 
 def test_keyboard_interrupt_leaves_engine_usable(llm_env, monkeypatch):
-    from llm_mlx_streaming import model as model_module
     from llm_mlx_streaming.engine.manager import get_manager
+    from llm_mlx_streaming.engine.request import Request
 
     baseline = assert_ok(llm_env.run("-m", "mlx-stream", "-o", "max_tokens", "8", "interrupt me")).stdout
     with monkeypatch.context() as m:
-        m.setattr(model_module, "_sampler", lambda options: _Interrupt(4))
+        m.setattr(Request, "make_sampler", lambda self: _Interrupt(4))
         result = llm_env.run("-m", "mlx-stream", "-o", "max_tokens", "8", "interrupt me")
     assert result.exit_code == 1 and "Aborted" in result.output
     assert len(llm_env.turns()) == 1  # nothing logged for the interrupted prompt
@@ -176,18 +176,18 @@ def test_keyboard_interrupt_leaves_engine_usable(llm_env, monkeypatch):
     assert get_manager().verify() == 0
 
 
-def test_abandoned_stream_is_closed_by_the_next_prompt(llm_env):
-    """A caller that stops iterating (Ctrl-C caught, break) must not wedge the engine."""
+def test_an_abandoned_stream_does_not_wedge_the_engine(llm_env):
+    """A caller that stops iterating (Ctrl-C caught, break) holds nothing: the next
+    prompt runs, and the abandoned stream can still be read to its end."""
     from llm_mlx_streaming.engine.manager import get_manager
 
     model = llm.get_model("mlx-stream")
     full = model.prompt("abandon", max_tokens=8).text()
     stream = iter(model.prompt("abandon", max_tokens=8))
-    next(stream)  # engine now mid-generation, holding its lock
+    first = next(stream)  # the engine has started this generation
     assert model.prompt("abandon", max_tokens=8).text() == full
     assert get_manager().verify() == 0
-    with pytest.raises(llm.ModelError, match="cut off"):
-        list(stream)  # the abandoned one says so rather than ending early
+    assert first + "".join(stream) == full
 
 
 def test_bundled_default_builds_on_first_use(tmp_path, monkeypatch):

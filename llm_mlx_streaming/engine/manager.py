@@ -2,10 +2,18 @@
 
 `llm chat` and Python code that keep a conversation hold on to the same manager, so
 the dense weights, the expert pools and the KV cache survive between turns.
+
+Every generation runs on one engine thread, as one operation under the engine lock:
+load the request's checkpoint if it is not loaded, render its prompt with that
+model's tokenizer, generate. Callers, whichever thread or server request they come
+from, queue their requests and read the responses from their own `Generation`, so a
+response always runs on, and reports, the checkpoint it asked for, and a caller that
+stops reading never blocks the others.
 """
 
 from __future__ import annotations
 
+import queue
 import resource
 import sys
 import threading
@@ -17,38 +25,16 @@ from typing import Iterator
 from ..experts.index import CheckpointError
 from ..experts.pool import PoolCounters
 from ..experts.policies import DEFAULT_POLICY, POLICIES
+from .generation import Cancelled, Channel, Generation, Started
+from .request import LoadSpec, Request
 
 
 class EngineError(Exception):
     """A problem the user can fix; the message is one line."""
 
 
-class Generation:
-    """The responses of one generation, with the token ids it produced."""
-
-    def __init__(self, responses: Iterator):
-        self._responses = responses
-        self.tokens: list[int] = []
-        self.done = False
-        self.cut_off = False
-
-    def __iter__(self) -> "Generation":
-        return self
-
-    def __next__(self):
-        if self.cut_off:
-            raise EngineError("this generation was cut off: another started before it was read to the end")
-        try:
-            response = next(self._responses)
-        except BaseException:
-            self.done = True
-            raise
-        self.tokens.append(response.token)
-        return response
-
-    def close(self) -> None:
-        self.done = True
-        self._responses.close()
+class LoadError(EngineError):
+    """The requested checkpoint could not be loaded."""
 
 
 def peak_rss_bytes() -> int:
@@ -65,20 +51,20 @@ class EngineManager:
         self.error: str | None = None
         self.loaded = None  # StreamingModel
         self.session = None
-        self.expert_slots: int | None = None
+        self.expert_slots: int | list[int] | None = None
         self.policy = DEFAULT_POLICY
         self.threads: int | None = None  # expert reader threads
         self.page_cache: str | None = None  # "keep" | "bypass"
         self.packed: bool | None = None  # use the checkpoint's packed store when valid
-        self.packed_check: str | None = None  # "first" | "always"
-        self.max_tokens = 256
-        self.max_context: int | None = None  # a user limit below the model's own context
-        self.trace_path: Path | None = None  # when set, routing is appended here per generation
+        self.max_tokens = 256  # when a request names none
         self.last_stats: dict | None = None
         self.last_decode_tps: float | None = None
+        self.served = 0  # generations run to the end
+        self.queued = 0  # requests waiting for the engine thread
         self._retired = PoolCounters()  # counters of pools replaced by a rebuild
         self._lock = threading.RLock()
-        self._active: dict[int, Generation] = {}  # the latest generation of each thread
+        self._count_lock = threading.Lock()
+        self._warned: set[str] = set()  # warnings already printed once
 
     # -- loading -----------------------------------------------------------------
     @property
@@ -100,21 +86,19 @@ class EngineManager:
         return config.get("max_position_embeddings") or text.get("max_position_embeddings")
 
     def load(self, path, *, expert_slots: int | list[int] | None = None, policy: str = DEFAULT_POLICY,
-             threads: int | None = None, page_cache: str | None = None, packed: bool | None = None,
-             packed_check: str | None = None) -> None:
+             threads: int | None = None, page_cache: str | None = None, packed: bool | None = None) -> None:
         """Load `path` (a no-op if loaded); new pool settings rebuild only the pools.
 
         `threads` (reader threads) and `page_cache` ("keep" or "bypass") apply to a loaded
         model without reloading; `packed` (use the checkpoint's packed store when present
-        and valid) and `packed_check` ("first" or "always") reload it when they change.
-        None means the loader's default.
+        and valid) reloads it when it changes. None means the loader's default.
         """
         _check_params(expert_slots, policy)
-        io = _io_params(threads, page_cache, packed, packed_check)
+        io = _io_params(threads, page_cache, packed)
         path = Path(path).expanduser().resolve()
         with self._lock:
             if self.state == "loaded" and self.checkpoint == path:
-                if (io["packed"], io["packed_check"]) == (self.packed, self.packed_check):
+                if io["packed"] == self.packed:
                     self.configure(expert_slots=expert_slots, policy=policy,
                                    threads=io["threads"], page_cache=io["page_cache"])
                     return
@@ -136,8 +120,12 @@ class EngineManager:
             _limit_buffer_cache(self.loaded)
             self.expert_slots, self.policy = expert_slots, policy
             self.threads, self.page_cache = io["threads"], io["page_cache"]
-            self.packed, self.packed_check = io["packed"], io["packed_check"]
+            self.packed = io["packed"]
             self.state = "loaded"
+
+    def _load_spec(self, spec: LoadSpec) -> None:
+        self.load(spec.path, expert_slots=spec.expert_slots, policy=spec.policy,
+                  threads=spec.threads, page_cache=spec.page_cache, packed=spec.packed)
 
     def configure(self, *, expert_slots: int | list[int] | None = None, policy: str | None = None,
                   threads: int | None = None, page_cache: str | None = None) -> None:
@@ -147,7 +135,7 @@ class EngineManager:
         _check_params(expert_slots, policy)
         threads = self.threads if threads is None else threads
         page_cache = self.page_cache if page_cache is None else page_cache
-        _io_params(threads, page_cache, None, None)
+        _io_params(threads, page_cache, None)
         with self._lock:
             if (threads, page_cache) != (self.threads, self.page_cache):
                 self._require_loaded()
@@ -189,74 +177,111 @@ class EngineManager:
             raise EngineError(self.error or "no model is loaded")
 
     # -- generation --------------------------------------------------------------
-    def generate(self, prompt_tokens: list[int], *, max_tokens: int | None = None,
-                 sampler=None, logits_processors=None) -> "Generation":
-        """Stream mlx-lm GenerationResponses for `prompt_tokens`, reusing the KV cache.
+    def run(self, load: LoadSpec | None, request: Request) -> Generation:
+        """Queue "load `load` if needed (None: whatever is loaded), then generate `request`".
 
-        The generation holds the engine lock until it is exhausted or closed; a caller
-        in another thread waits its turn. A generation that the same thread left
-        suspended is abandoned: it is closed (and reports being cut off if read again).
+        Returns at once; the handle yields mlx-lm GenerationResponses as the engine
+        thread produces them, raises what the load, the prompt or the generation raised,
+        and then holds the figures in `stats`. Requests run one at a time, in order.
         """
-        stale = self._active.get(threading.get_ident())
-        if stale is not None and not stale.done:
-            stale.cut_off = True
-            stale.close()
-        generation = Generation(self._generate(prompt_tokens, max_tokens, sampler, logits_processors))
-        self._active[threading.get_ident()] = generation
+        generation = Generation()
+        with self._count_lock:
+            self.queued += 1
+        channel = generation.channel  # the engine thread gets the channel, never the handle
+        _engine_thread().submit(lambda: self._serve(load, request, channel), channel)
         return generation
 
-    def _generate(self, prompt_tokens, max_tokens, sampler, logits_processors) -> Iterator:
+    def generate(self, prompt_tokens: list[int], *, max_tokens: int | None = None, sampler=None,
+                 logits_processors=None, max_context: int | None = None, trace_path=None) -> Generation:
+        """Generate from token ids on the loaded model (see `run`)."""
+        return self.run(None, Request(prompt=list(prompt_tokens), max_tokens=max_tokens, sampler=sampler,
+                                      logits_processors=list(logits_processors or []),
+                                      max_context=max_context, trace_path=trace_path))
+
+    def _serve(self, load: LoadSpec | None, request: Request, out: Channel) -> None:
+        """One request, on the engine thread, under the lock."""
+        with self._count_lock:
+            self.queued -= 1
+        with self._lock:
+            out.check_cancelled()
+            if load is not None:
+                try:
+                    self._load_spec(load)
+                except EngineError as e:
+                    raise LoadError(str(e)) from None
+            self._require_loaded()
+            tokenizer = self.loaded.tokenizer
+            prompt = request.prompt(tokenizer) if callable(request.prompt) else request.prompt
+            prompt = [int(t) for t in prompt]
+            max_tokens = self._token_budget(prompt, request)
+            cache, new_tokens, reused = self.session.prepare(prompt)
+            out.put("started", Started(tokenizer, self.checkpoint, prompt, reused))
+            self._generate(request, out, cache, prompt, new_tokens, reused, max_tokens)
+
+    def _token_budget(self, prompt: list[int], request: Request) -> int:
+        """Tokens this request may generate; a prompt that cannot fit is an EngineError."""
+        max_tokens = self.max_tokens if request.max_tokens is None else request.max_tokens
+        limit = self.context_length
+        if request.max_context and (not limit or request.max_context < limit):
+            limit = request.max_context
+            what = f"the max_context of {limit} tokens (raise it with `llm mlxs config max_context N`)"
+        else:
+            what = f"the model's context of {limit} tokens"
+        if not prompt:
+            raise EngineError("the prompt is empty")
+        if limit and len(prompt) + 1 > limit:
+            raise EngineError(f"the prompt is {len(prompt)} tokens, longer than {what}")
+        return min(max_tokens, limit - len(prompt)) if limit else max_tokens
+
+    def _generate(self, request: Request, out: Channel, cache, prompt, new_tokens, reused, max_tokens) -> None:
         import mlx.core as mx
         from mlx_lm.generate import stream_generate
 
-        max_tokens = self.max_tokens if max_tokens is None else max_tokens
-        with self._lock:
-            self._require_loaded()
-            limit = self.context_length
-            if self.max_context and (not limit or self.max_context < limit):
-                limit = self.max_context
-                what = f"the max_context of {limit} tokens (raise it with `llm mlxs config max_context N`)"
-            else:
-                what = f"the model's context of {limit} tokens"
-            if not prompt_tokens:
-                raise EngineError("the prompt is empty")
-            if limit and len(prompt_tokens) + 1 > limit:
-                raise EngineError(f"the prompt is {len(prompt_tokens)} tokens, longer than {what}")
-            if limit:
-                max_tokens = min(max_tokens, limit - len(prompt_tokens))
-            cache, new_tokens, reused = self.session.prepare(prompt_tokens)
-            before = self.counters()
-            mx.reset_peak_memory()
-            start = time.perf_counter()
-            last = None
-            generated: list[int] = []
-            recorder = self._recorder()
-            try:
-                for response in stream_generate(
-                    self.loaded.model, self.loaded.tokenizer, new_tokens,
-                    max_tokens=max_tokens, sampler=sampler,
-                    logits_processors=logits_processors, prompt_cache=cache,
-                ):
-                    generated.append(response.token)
-                    last = response
-                    yield response
-            except BaseException:
-                self.session.reset()  # the cache may hold a half-fed step
-                raise
-            finally:
-                mx.synchronize()  # nothing may still read a slot when the pools change
-                if recorder is not None:
-                    recorder.__exit__(None, None, None)
+        before = self.counters()
+        mx.reset_peak_memory()
+        start = time.perf_counter()
+        last = None
+        generated: list[int] = []
+        recorder = self._recorder(request.trace_path)
+        try:
+            for response in stream_generate(
+                self.loaded.model, self.loaded.tokenizer, new_tokens,
+                max_tokens=max_tokens, sampler=request.make_sampler(),
+                logits_processors=request.logits_processors or None, prompt_cache=cache,
+            ):
+                out.check_cancelled()
+                generated.append(response.token)
+                last = response
+                out.put("response", response)
+        except BaseException:
+            self.session.reset()  # the cache may hold a half-fed step
+            raise
+        finally:
+            mx.synchronize()  # nothing may still read a slot when the pools change
             if recorder is not None:
-                recorder.write(self.trace_path, self.checkpoint.name)
-            self.session.fed(new_tokens)
-            self.session.fed(generated)
-            self.last_stats = self._stats(before, last, len(prompt_tokens), reused, len(new_tokens),
-                                          time.perf_counter() - start)
-            self.last_decode_tps = self.last_stats["decode_tps"]
+                recorder.__exit__(None, None, None)
+        self.session.fed(new_tokens)
+        self.session.fed(generated)
+        stats = self._stats(before, last, len(prompt), reused, len(new_tokens), time.perf_counter() - start)
+        if recorder is not None:
+            self._write_trace(recorder, request.trace_path, stats)
+        self.last_stats, self.last_decode_tps = stats, stats["decode_tps"]
+        self.served += 1
+        out.put("done", stats)
 
-    def _recorder(self):
-        if self.trace_path is None or not self.loaded.layers:
+    def _write_trace(self, recorder, path: Path, stats: dict) -> None:
+        """Telemetry never fails a response: a trace that cannot be written is a warning
+        (once per path) and a `trace_error` figure."""
+        try:
+            recorder.write(path, self.checkpoint.name)
+        except OSError as e:
+            stats["trace_error"] = _one_line(e)
+            if str(path) not in self._warned:
+                self._warned.add(str(path))
+                print(f"mlx-stream: warning: routing trace not written: {_one_line(e)}", file=sys.stderr)
+
+    def _recorder(self, trace_path):
+        if trace_path is None or not self.loaded.layers:
             return None
         from .trace import TraceRecorder
 
@@ -293,6 +318,9 @@ class EngineManager:
             "peak_memory_bytes": int(mx.get_peak_memory()),
             "expert_slots": self.slots_per_layer(),
             "policy": self.policy,
+            "store": store_in_use(self.loaded),
+            "threads": self.threads,
+            "page_cache": self.page_cache,
             "checkpoint": str(self.checkpoint),
             "finish_reason": last.finish_reason if last else None,
         }
@@ -312,9 +340,6 @@ class EngineManager:
         for pool in self.loaded.pools if self.loaded else []:
             total.add(pool.counters)
         return total
-
-    def layer_counters(self) -> list[dict]:
-        return [pool.counters.as_dict() for pool in (self.loaded.pools if self.loaded else [])]
 
     def verify(self) -> int:
         """Bad slots over every pool (0 when every resident expert matches the disk)."""
@@ -340,6 +365,8 @@ class EngineManager:
             "mlx_active_memory_bytes": int(mx.get_active_memory()),
             "mlx_peak_memory_bytes": int(mx.get_peak_memory()),
             "last_decode_tps": self.last_decode_tps,
+            "requests_served": self.served,
+            "requests_queued": self.queued,
             **counters,
         }
 
@@ -369,7 +396,7 @@ def _check_params(expert_slots, policy) -> None:
         raise EngineError(f"unknown policy {policy!r}: choose one of {', '.join(sorted(POLICIES))}")
 
 
-def _io_params(threads, page_cache, packed, packed_check) -> dict:
+def _io_params(threads, page_cache, packed) -> dict:
     """The read settings with the loader's defaults filled in; a bad one is an EngineError."""
     from ..experts.store import DEFAULT_THREADS, PAGE_CACHE_MODES
 
@@ -379,8 +406,7 @@ def _io_params(threads, page_cache, packed, packed_check) -> dict:
     page_cache = page_cache or "keep"
     if page_cache not in PAGE_CACHE_MODES:
         raise EngineError(f"page_cache must be one of {', '.join(PAGE_CACHE_MODES)}, got {page_cache!r}")
-    return {"threads": threads, "page_cache": page_cache,
-            "packed": True if packed is None else bool(packed), "packed_check": packed_check or "first"}
+    return {"threads": threads, "page_cache": page_cache, "packed": True if packed is None else bool(packed)}
 
 
 def store_in_use(loaded) -> str | None:
@@ -393,6 +419,47 @@ def store_in_use(loaded) -> str | None:
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
+
+
+class _EngineThread:
+    """The one thread that runs every generation in the process, in submission order.
+
+    One thread, because MLX computes one thing at a time anyway and the CPU backend's
+    side stream belongs to the thread that made it; a job never waits on another job.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="mlx-stream-engine", daemon=True).start()
+
+    def submit(self, job, channel: Channel) -> None:
+        self._jobs.put((job, channel))
+
+    def _loop(self) -> None:
+        while True:
+            job, channel = self._jobs.get()
+            channel.running.set()
+            try:
+                job()
+            except Cancelled:
+                pass  # the caller has gone
+            except BaseException as e:  # the caller re-raises it, KeyboardInterrupt included
+                channel.put("error", e)
+            finally:
+                channel.finished.set()
+                del job, channel
+
+
+_thread: _EngineThread | None = None
+_thread_lock = threading.Lock()
+
+
+def _engine_thread() -> _EngineThread:
+    global _thread
+    with _thread_lock:
+        if _thread is None:
+            _thread = _EngineThread()
+        return _thread
 
 
 _manager: EngineManager | None = None

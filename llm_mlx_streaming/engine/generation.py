@@ -1,0 +1,108 @@
+"""A caller's handle on one generation that the engine thread runs.
+
+The engine thread produces the responses and the caller reads them from a queue, so
+no engine lock is ever held across a `yield` to code the engine does not control: a
+caller that stops reading (an abandoned stream, a slow client, a suspended chat turn)
+holds nothing, and the next queued request still runs. `close()`, or the handle being
+garbage-collected, cancels the generation at its next token.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+
+class Cancelled(Exception):
+    """Raised inside the engine thread when the caller closed its generation."""
+
+
+@dataclass(frozen=True)
+class Started:
+    """What a generation runs on, known once its model is loaded and its prompt rendered."""
+
+    tokenizer: Any
+    checkpoint: Path
+    prompt_tokens: list[int]
+    reused_tokens: int
+
+
+class Channel:
+    """The engine thread's end: events out, cancellation in. It holds no reference to
+    the caller's handle, so dropping the handle is enough to cancel."""
+
+    def __init__(self) -> None:
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.cancel = threading.Event()
+        self.running = threading.Event()
+        self.finished = threading.Event()
+
+    def check_cancelled(self) -> None:
+        if self.cancel.is_set():
+            raise Cancelled
+
+    def put(self, kind: str, value) -> None:
+        self.events.put((kind, value))
+
+
+class Generation:
+    """Iterates mlx-lm `GenerationResponse`s; then `stats` holds the engine's figures."""
+
+    def __init__(self) -> None:
+        self.channel = Channel()
+        self.started: Optional[Started] = None
+        self.stats: Optional[dict] = None
+        self.tokens: list[int] = []
+        self.done = False
+        weakref.finalize(self, self.channel.cancel.set)
+
+    @property
+    def tokenizer(self):
+        return self.start().started.tokenizer
+
+    def start(self) -> "Generation":
+        """Wait until the model is loaded and the prompt rendered (raising their errors)."""
+        while self.started is None:
+            self._handle(self.channel.events.get())
+        return self
+
+    def __iter__(self) -> "Generation":
+        return self
+
+    def __next__(self):
+        while True:
+            response = self._handle(self.channel.events.get())
+            if response is not None:
+                return response
+
+    def _handle(self, event):
+        kind, value = event
+        if kind == "started":
+            self.started = value
+            return None
+        if kind == "response":
+            self.tokens.append(int(value.token))
+            return value
+        self.done = True
+        if kind == "done":
+            self.stats = value
+            raise StopIteration
+        raise value  # "error": what the engine thread raised, as it was raised
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Stop the generation at its next token; if it is running, wait until the
+        engine has let go of it (a queued one is simply skipped when its turn comes)."""
+        if not self.done:
+            self.channel.cancel.set()
+        if self.channel.running.is_set():
+            self.channel.finished.wait(timeout)
+
+    def __enter__(self) -> "Generation":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

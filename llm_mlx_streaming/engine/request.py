@@ -1,0 +1,61 @@
+"""What a caller asks the engine for: a checkpoint to have loaded, and one generation.
+
+A request is complete in itself, so "load if needed, then generate" is a single locked
+operation on the engine: nothing about a response depends on engine state that
+another thread could change between two calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence, Union
+
+from ..experts.policies import DEFAULT_POLICY
+
+Slots = Union[int, Sequence[int], None]  # one count, one per MoE layer, or a slot per expert
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """The checkpoint and how its experts are pooled and read (None: the loader's default)."""
+
+    path: Path
+    expert_slots: Slots = None
+    policy: str = DEFAULT_POLICY
+    threads: Optional[int] = None
+    page_cache: Optional[str] = None
+    packed: Optional[bool] = None
+
+
+@dataclass
+class Request:
+    """One generation.
+
+    `prompt` is token ids, or a function of the loaded tokenizer that returns them (it
+    runs under the engine lock, so it sees the tokenizer the generation will use).
+    Sampling is built inside the engine from the fields below, so a seed applies to
+    this generation alone; `sampler` replaces them when given.
+    """
+
+    prompt: Union[Sequence[int], Callable[[Any], Sequence[int]]]
+    max_tokens: Optional[int] = None
+    temperature: float = 0.0
+    top_p: float = 0.0
+    min_p: float = 0.0
+    top_k: int = 0
+    seed: Optional[int] = None
+    sampler: Optional[Callable] = None
+    logits_processors: list = field(default_factory=list)
+    max_context: Optional[int] = None  # a user limit below the model's own context
+    trace_path: Optional[Path] = None  # when set, this generation's routing is appended here
+
+    def make_sampler(self):
+        import mlx.core as mx
+        from mlx_lm.sample_utils import make_sampler
+
+        if self.sampler is not None:
+            return self.sampler
+        if self.seed is not None:
+            mx.random.seed(self.seed)
+        return make_sampler(self.temperature, self.top_p, self.min_p, top_k=self.top_k)
