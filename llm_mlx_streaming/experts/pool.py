@@ -114,35 +114,54 @@ class ExpertPool:
             c.gpu_fastpath += 1
             return 0
         c.gpu_fallback += 1
-        targets = []
-        for e in misses:
-            if self._free:
-                slot = self._free.pop()
-            else:
-                victim = self.policy.victim(self._resident(), protected)
-                slot = int(self.slot_of[victim])
-                self.slot_of[victim] = -1
-                self.expert_in[slot] = -1
-                self.policy.forget(victim)
-                c.evictions += 1
-            targets.append((e, slot))
         try:
+            targets = [(e, self._take_slot(protected)) for e in misses]
             result = self._read(targets)
-        except BaseException:
-            # Nothing half-read may ever be used: the target slots stay empty.
-            self._free.extend(slot for _, slot in targets)
+            for e, slot in targets:
+                self.slot_of[e] = slot
+                self.expert_in[slot] = e
+                self.policy.record(e)
             self._publish_map()
+        except BaseException:
+            # Whatever step was interrupted (an eviction half done, a read, the
+            # publishing), nothing half-read may ever be used and no slot may be lost.
+            self._reconcile()
             raise
-        for e, slot in targets:
-            self.slot_of[e] = slot
-            self.expert_in[slot] = e
-            self.policy.record(e)
         c.misses += len(targets)
         c.bytes_read += result.nbytes
         c.read_seconds += result.seconds
         c.reads += result.reads
-        self._publish_map()
         return len(targets)
+
+    def _take_slot(self, protected: set[int]) -> int:
+        """A free slot, else the slot of the policy's victim (never one in `protected`),
+        left empty until its new expert's bytes have landed."""
+        if self._free:
+            return self._free.pop()
+        victim = self.policy.victim(self._resident(), protected)
+        slot = int(self.slot_of[victim])
+        self.slot_of[victim] = -1
+        self.expert_in[slot] = -1
+        self.policy.forget(victim)
+        self.counters.evictions += 1
+        return slot
+
+    def _reconcile(self) -> None:
+        """After a failed or interrupted `ensure`: a slot holds an expert only when both
+        maps agree; every other slot is free again, and the device map says so."""
+        occupied = set()
+        for slot, e in enumerate(self.expert_in):
+            if e >= 0 and self.slot_of[e] == slot:
+                occupied.add(slot)
+            elif e >= 0:
+                self.expert_in[slot] = -1
+                self.policy.forget(int(e))
+        for e, slot in enumerate(self.slot_of):
+            if slot >= 0 and slot not in occupied:
+                self.slot_of[e] = -1
+                self.policy.forget(e)
+        self._free = [s for s in range(self.slots - 1, -1, -1) if s not in occupied]
+        self._publish_map()
 
     def fill(self) -> None:
         """Load every expert (a pool with a slot per expert), slot i = expert i."""
