@@ -8,23 +8,13 @@ the loader.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
-from .settings import (
-    BUNDLED_NAME,
-    NAME_RE,
-    ModelEntry,
-    Settings,
-    SettingsError,
-    load_settings,
-    save_settings,
-)
+from .errors import SettingsError
+from .settings import BUNDLED_NAME, NAME_RE, ModelEntry, Settings, load_settings, save_settings
 
 MODEL_PREFIX = "mlx-stream"
-# Keys that count routed experts, across the MoE families mlx-lm supports.
-EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 BUNDLED_EXPERT_SLOTS = 8
 
 
@@ -50,43 +40,6 @@ def resolve_name(name: str, settings: Optional[Settings] = None) -> str:
 def default_name(settings: Optional[Settings] = None) -> str:
     settings = settings or load_settings()
     return settings.default_model or BUNDLED_NAME
-
-
-def read_config(path: Path) -> dict:
-    """Validate that ``path`` is an mlx-lm checkpoint directory; return its config."""
-    if not path.exists():
-        raise SettingsError(f"No such directory: {path}")
-    if not path.is_dir():
-        raise SettingsError(f"Not a directory: {path} (expected an mlx-lm checkpoint)")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise SettingsError(
-            f"{path} is not an mlx-lm checkpoint: config.json is missing"
-        )
-    if not any(path.glob("*.safetensors")):
-        raise SettingsError(
-            f"{path} is not an mlx-lm checkpoint: no *.safetensors weights"
-        )
-    try:
-        config = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise SettingsError(f"{config_file} is not valid JSON ({exc})") from None
-    if not isinstance(config, dict) or "model_type" not in config:
-        raise SettingsError(f"{config_file} has no model_type: not an mlx-lm checkpoint")
-    return config
-
-
-def describe(config: dict) -> dict:
-    """Architecture, routed experts and layers, read from a config dict."""
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    merged = {**config, **text}
-    experts = next((merged[k] for k in EXPERT_KEYS if merged.get(k)), None)
-    return {
-        "architecture": config.get("model_type"),
-        "experts": experts,
-        "layers": merged.get("num_hidden_layers"),
-        "top_k": merged.get("num_experts_per_tok"),
-    }
 
 
 def dir_size(path: Path) -> int:
@@ -165,7 +118,7 @@ def add_model(
             f"A model called '{name}' already exists; remove it first or pass --name"
         )
     for alias in aliases:
-        if alias in taken or alias == name:
+        if alias in taken:
             raise SettingsError(f"Alias '{alias}' is already in use")
     if len(set(aliases)) != len(aliases):
         raise SettingsError("Duplicate alias")
@@ -192,6 +145,8 @@ def remove_model(name: str) -> tuple[str, bool]:
 def set_default(name: str) -> str:
     settings = load_settings()
     canonical = resolve_name(name, settings)
+    if canonical != BUNDLED_NAME:
+        checkpoint_for(canonical, settings)  # its directory must still be there
     settings.default_model = None if canonical == BUNDLED_NAME else canonical
     save_settings(settings)
     return canonical

@@ -1,11 +1,10 @@
 """Plugin settings: one typed object, one JSON file under ``llm.user_dir()``.
 
-Why one file and no environment variables: the engine this project descends
-from was configured by a maze of env vars; here ``llm mlxs config`` shows every
-knob, validates it with pydantic and writes it back. The same file holds the
-registry of user-added models (``models``), which ``config`` does not list.
-Only keys the user set are written, so "is this the default?" is "is the key
-absent from the file?".
+One file and no environment variables, so that ``llm mlxs config`` can show every
+knob, validate it with pydantic and write it back, and a setting cannot silently
+differ between two shells. The same file holds the registry of user-added models
+(``models``), which ``config`` does not list. Only keys the user set are written, so
+"is this the default?" is "is the key absent from the file?".
 """
 
 from __future__ import annotations
@@ -17,41 +16,25 @@ import tempfile
 from pathlib import Path
 from typing import Literal, Optional
 
-import click
 import llm
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from .engine.planner import DEFAULT_MAX_CONTEXT
+from .errors import MlxStreamError, SettingsError  # noqa: F401  (MlxStreamError: re-exported)
+from .experts.packed import CHECK_MODES
 from .experts.policies import DEFAULT_POLICY, POLICIES as POLICY_CLASSES
-from .experts.store import DEFAULT_THREADS
+from .experts.store import DEFAULT_THREADS, PAGE_CACHE_MODES
+from .sizes import parse_size
 
 SETTINGS_FILENAME = "mlx-streaming.json"
 BUNDLED_NAME = "tiny-moe"
 POLICIES = tuple(POLICY_CLASSES)
 Policy = Literal[POLICIES]
-PageCache = Literal["keep", "bypass"]
+PageCache = Literal[PAGE_CACHE_MODES]
 Packed = Literal["auto", "off"]
+PackedCheck = Literal[CHECK_MODES]
 AUTO_BUDGET_SHARE = 0.6  # memory_budget "auto": this share of physical memory
-DEFAULT_MAX_CONTEXT = 4096
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-class MlxStreamError(llm.ModelError, click.ClickException):
-    """A one-line error for the user.
-
-    An ``llm.ModelError`` for Python callers and a ``click.ClickException`` so
-    every CLI path (``llm prompt``, ``llm chat``, which does not catch model
-    errors, and ``llm mlxs``) prints one ``Error: ...`` line, not a traceback.
-    """
-
-    def __init__(self, message: str):
-        click.ClickException.__init__(self, message)
-
-    def __str__(self) -> str:
-        return self.message
-
-
-class SettingsError(MlxStreamError):
-    """A problem with the settings file, a settings value or a model name."""
 
 
 class ModelEntry(BaseModel):
@@ -75,8 +58,6 @@ def normalize_budget(value) -> str:
         return "auto"
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise ValueError("a size like 12GB, or auto")
-    from .engine.planner import parse_size
-
     try:
         size = parse_size(value)
     except ValueError:
@@ -156,6 +137,13 @@ class Settings(BaseModel):
             "one is present and valid; off: always read the safetensors."
         ),
     )
+    packed_check: PackedCheck = Field(
+        "first",
+        description=(
+            "When a packed record's checksum is checked: first (its first read in a "
+            "process) or always (every read, for disks you do not trust)."
+        ),
+    )
     models: dict[str, ModelEntry] = Field(
         default_factory=dict,
         description="User-added models (managed by `llm mlxs add/remove`).",
@@ -210,8 +198,6 @@ def budget_bytes(value: str) -> int:
                 "`llm mlxs config memory_budget 12GB`"
             )
         return int(total * AUTO_BUDGET_SHARE)
-    from .engine.planner import parse_size
-
     return parse_size(value)
 
 
@@ -261,14 +247,24 @@ def load_settings() -> Settings:
 
 
 def save_settings(settings: Settings) -> Path:
-    """Write only the keys that differ from the defaults, atomically."""
+    """Write only the keys that differ from the defaults, atomically.
+
+    A folder or file that cannot be written is one line naming it; the old file
+    stays as it was."""
     path = settings_path()
     data = settings.model_dump(mode="json", exclude_defaults=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".mlx-streaming-")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".mlx-streaming-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        reason = exc.strerror or str(exc)
+        raise SettingsError(f"Cannot write the settings file {path}: {reason}") from None
     return path
 
 
@@ -278,20 +274,18 @@ def explicit_keys() -> set[str]:
     return set(settings.model_dump(exclude_defaults=True))
 
 
-def set_value(key: str, raw: str) -> Settings:
-    """Validate ``raw`` (a command-line string) for ``key`` and save it."""
+def check_key(key: str) -> None:
+    """A SettingsError unless `key` is one `llm mlxs config` shows."""
     if key not in CONFIG_KEYS:
-        raise SettingsError(
-            f"Unknown setting '{key}'. Settings: {', '.join(CONFIG_KEYS)}"
-        )
-    settings = load_settings()
-    value: object = raw
-    if key == "default_model":
-        from .registry import resolve_name
+        raise SettingsError(f"Unknown setting '{key}'. Settings: {', '.join(CONFIG_KEYS)}")
 
-        value = resolve_name(raw, settings)
+
+def set_value(key: str, raw: object, settings: Settings | None = None) -> Settings:
+    """Validate `raw` (a command-line string) for `key` and save it."""
+    check_key(key)
+    settings = settings or load_settings()
     try:
-        setattr(settings, key, value)
+        setattr(settings, key, raw)
     except ValidationError as exc:
         raise SettingsError(f"Invalid value for {key}: {raw!r} ({_reason(exc)})") from None
     save_settings(settings)
@@ -299,10 +293,7 @@ def set_value(key: str, raw: str) -> Settings:
 
 
 def unset_value(key: str) -> Settings:
-    if key not in CONFIG_KEYS:
-        raise SettingsError(
-            f"Unknown setting '{key}'. Settings: {', '.join(CONFIG_KEYS)}"
-        )
+    check_key(key)
     settings = load_settings()
     setattr(settings, key, Settings.model_fields[key].get_default(call_default_factory=True))
     save_settings(settings)

@@ -17,12 +17,11 @@ from llm_mlx_streaming.engine.planner import (
     checkpoint_layout,
     default_reserve,
     format_plan,
-    format_size,
     kv_cache_bytes,
-    parse_size,
     plan_memory,
 )
-from llm_mlx_streaming.experts.index import CheckpointError
+from llm_mlx_streaming.errors import CheckpointError
+from llm_mlx_streaming.sizes import format_size, parse_size
 
 E, TOP_K, LAYERS = 8, 2, 4
 

@@ -22,7 +22,7 @@ def test_config_show_set_unset(llm_env):
     lines = {line.split()[0]: line for line in out.splitlines()[2:]}
     assert set(lines) == {
         "default_model", "expert_slots", "policy", "max_tokens",
-        "memory_budget", "max_context", "threads", "page_cache", "trace", "packed",
+        "memory_budget", "max_context", "threads", "page_cache", "trace", "packed", "packed_check",
     }
     assert " set " in lines["default_model"] and " default " in lines["max_tokens"]
 
@@ -84,9 +84,9 @@ def test_add_rejects_bad_sources(llm_env, tmp_path):
     assert_one_line_error(llm_env.run("mlxs", "add", str(tmp_path / "missing")), "No such directory")
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert_one_line_error(llm_env.run("mlxs", "add", str(empty)), "config.json is missing")
-    (empty / "config.json").write_text("{}")
-    assert_one_line_error(llm_env.run("mlxs", "add", str(empty)), "no *.safetensors")
+    assert_one_line_error(llm_env.run("mlxs", "add", str(empty)), "no config.json")
+    (empty / "config.json").write_text('{"model_type": "qwen3_moe"}')
+    assert_one_line_error(llm_env.run("mlxs", "add", str(empty)), "no model*.safetensors")
     assert_one_line_error(
         llm_env.run("mlxs", "add", str(llm_env.checkpoint), "--name", "small"), "already exists"
     )

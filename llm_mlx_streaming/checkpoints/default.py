@@ -10,6 +10,8 @@ machinery, not a language model.
 
 from __future__ import annotations
 
+import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -40,7 +42,8 @@ def is_built() -> bool:
 
 
 def default_checkpoint() -> Path:
-    """Path of the demo checkpoint, building it (once, deterministically) if needed."""
+    """Path of the demo checkpoint, building it (once, deterministically) if needed,
+    and building it again if its files are damaged (it is ours to rebuild)."""
     from .factory import build_checkpoint
 
     path = bundled_path()
@@ -52,4 +55,29 @@ def default_checkpoint() -> Path:
         )
     spec = dict(BUNDLED_SPEC)
     arch = spec.pop("arch")
-    return Path(build_checkpoint(path, arch, **spec))
+    build_checkpoint(path, arch, **spec)
+    problem = damage(path)
+    if problem:
+        print(f"mlx-stream: the bundled demo model is damaged ({problem}); building it again...",
+              file=sys.stderr, flush=True)
+        shutil.rmtree(path)
+        build_checkpoint(path, arch, **spec)
+    return path
+
+
+def damage(path: Path) -> str | None:
+    """What is wrong with a built demo checkpoint, from its headers and small files
+    alone (None: nothing found)."""
+    from ..errors import CheckpointError
+    from .config import check_checkpoint
+
+    try:
+        check_checkpoint(path)
+    except CheckpointError as e:
+        return str(e)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        try:
+            json.loads((path / name).read_text())
+        except (OSError, UnicodeDecodeError, ValueError):
+            return f"{path / name} is unreadable"
+    return None

@@ -153,33 +153,17 @@ def build_checkpoint(
 
 
 def describe(path) -> dict:
-    """{"arch", "num_layers", "num_experts", "top_k", "quant"} of a checkpoint.
+    """{"arch", "num_layers", "num_experts", "top_k", "quant"} of a checkpoint, from its
+    config.json (so it also works on checkpoints written by mlx_lm.convert)."""
+    from .config import describe as describe_config, read_config
 
-    Reads factory.json when present; otherwise infers from config.json, so it
-    also works on checkpoints written by mlx_lm.convert.
-    """
-    path = Path(path)
-    config = json.loads((path / "config.json").read_text())
-    arch = config["model_type"]
-    experts_field = EXPERTS_FIELD.get(arch, "num_experts")
-    num_experts = config.get(experts_field, 0) if experts_field else 0
-    marker = path / MARKER
-    if marker.exists():
-        quant = json.loads(marker.read_text())["arguments"]["quant"]
-    else:
-        q = config.get("quantization")
-        if not q:
-            quant = None
-        elif q.get("mode", "affine") == "affine":
-            quant = f"{q['bits']}bit"
-        else:
-            quant = q["mode"]
+    info = describe_config(read_config(Path(path)))
     return {
-        "arch": arch,
-        "num_layers": config["num_hidden_layers"],
-        "num_experts": num_experts or 0,
-        "top_k": config.get("num_experts_per_tok", 0) if num_experts else 0,
-        "quant": quant,
+        "arch": info["architecture"],
+        "num_layers": info["layers"],
+        "num_experts": info["experts"] or 0,
+        "top_k": info["top_k"] or 0,
+        "quant": info["quant"],
     }
 
 

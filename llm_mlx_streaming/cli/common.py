@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 
-def _table(headers, rows, indent: str = "") -> None:
+def table(headers, rows, indent: str = "") -> None:
+    """Rows as aligned columns (the last column is not padded)."""
     all_rows = ([headers] if headers else []) + rows
     if not all_rows:
         return
@@ -15,15 +18,24 @@ def _table(headers, rows, indent: str = "") -> None:
         click.echo((indent + "  ".join(cells)).rstrip())
 
 
-def _size(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return str(n)
+class ByteProgress:
+    """A progress bar over a byte count on stderr, shown only on a terminal."""
 
+    def __init__(self, label: str):
+        self.label = label
+        self.bar = None
+        self.done = 0
 
-def _line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
+    def __call__(self, done: int, total: int) -> None:
+        if not sys.stderr.isatty():
+            return
+        if self.bar is None:
+            self.bar = click.progressbar(length=total, label=self.label, file=sys.stderr)
+            self.bar.__enter__()
+        self.bar.update(done - self.done)
+        self.done = done
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+            self.bar = None

@@ -6,11 +6,14 @@ import json
 
 import click
 
+from .. import registry
+from ..errors import SettingsError
 from ..settings import (
+    BUNDLED_NAME,
     CONFIG_KEYS,
     Settings,
-    SettingsError,
     budget_bytes,
+    check_key,
     explicit_keys,
     load_settings,
     set_value,
@@ -19,7 +22,8 @@ from ..settings import (
 )
 
 from . import mlxs
-from .common import _table
+from ..sizes import format_size
+from .common import table
 
 
 def _fmt(value) -> str:
@@ -31,8 +35,6 @@ def _fmt(value) -> str:
 def _shown(key: str, value) -> str:
     """A setting's value as `config` lists it ("auto" budgets with their size here)."""
     if key == "memory_budget" and value == "auto":
-        from ..engine.planner import format_size
-
         try:
             return f"auto ({format_size(budget_bytes(value))})"
         except SettingsError:
@@ -61,14 +63,19 @@ def config(key, value, unset_key, json_):
         click.echo(f"{unset_key} reset to its default", err=True)
         return
     if key and value is not None:
-        settings = set_value(key, value)
+        check_key(key)
+        settings = load_settings()
+        if key == "default_model":
+            value = registry.resolve_name(value, settings)
+            if value != BUNDLED_NAME:
+                registry.checkpoint_for(value, settings)  # its directory must still be there
+        settings = set_value(key, value, settings)
         click.echo(f"{key} = {_fmt(getattr(settings, key))}", err=True)
         return
     settings = load_settings()
     explicit = explicit_keys()
     if key:
-        if key not in CONFIG_KEYS:
-            raise SettingsError(f"Unknown setting '{key}'. Settings: {', '.join(CONFIG_KEYS)}")
+        check_key(key)
         click.echo(_fmt(getattr(settings, key)))
         return
     rows = [
@@ -84,7 +91,7 @@ def config(key, value, unset_key, json_):
         click.echo(json.dumps(rows, indent=2))
         return
     click.echo(f"Settings file: {settings_path()}")
-    _table(
+    table(
         ["setting", "value", "", "description"],
         [[r["key"], _shown(r["key"], r["value"]), "default" if r["default"] else "set", r["description"]] for r in rows],
     )

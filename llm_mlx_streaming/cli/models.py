@@ -10,16 +10,15 @@ import click
 import llm
 
 from .. import registry
-from ..settings import (
-    BUNDLED_NAME,
-    Settings,
-    SettingsError,
-    load_settings,
-)
+from ..checkpoints.config import check_checkpoint, describe, read_config
+from ..errors import CheckpointError, SettingsError
+from ..settings import BUNDLED_NAME, Settings, load_settings
 
 from . import mlxs
-from .resolve import _has_packed
-from .common import _line, _size, _table
+from ..errors import one_line
+from ..sizes import format_size
+from .common import table
+from .resolve import has_packed
 
 
 HF_REPO_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -55,10 +54,11 @@ def _model_rows(settings: Settings) -> list[dict]:
             row["problem"] = "not built yet"
         else:
             try:
-                row.update(registry.describe(registry.read_config(path)))
+                info = describe(read_config(path))
+                row.update({k: info[k] for k in ("architecture", "experts", "layers", "top_k")})
                 row["size_bytes"] = registry.dir_size(path)
-                row["packed"] = _has_packed(path)
-            except SettingsError as exc:
+                row["packed"] = has_packed(path)
+            except CheckpointError as exc:
                 row["problem"] = "missing" if not path.exists() else str(exc)
         rows.append(row)
     return rows
@@ -72,22 +72,22 @@ def models(json_):
     if json_:
         click.echo(json.dumps(rows, indent=2))
         return
-    table = []
+    listing = []
     for r in rows:
         shape = f"{r['experts']} x {r['layers']}" if r["experts"] else "-"
         if r["experts"] is None and r["layers"] and not r["problem"]:
             shape = f"dense x {r['layers']}"
-        table.append(
+        listing.append(
             [
                 ("* " if r["default"] else "  ") + r["model_id"],
                 ", ".join(r["aliases"]) or "-",
                 r["architecture"] or "-",
                 shape,
                 str(r["expert_slots"] or "plan"),
-                (_size(r["size_bytes"]) + (" +packed" if r["packed"] else "")) if not r["problem"] else r["problem"],
+                (format_size(r["size_bytes"]) + (" +packed" if r["packed"] else "")) if not r["problem"] else r["problem"],
             ]
         )
-    _table(["  model", "aliases", "architecture", "experts x layers", "slots", "size"], table)
+    table(["  model", "aliases", "architecture", "experts x layers", "slots", "size"], listing)
     click.echo("* = default, served by -m mlx-stream; slots 'plan' = sized by memory_budget (llm mlxs plan)")
 
 
@@ -96,7 +96,8 @@ def models(json_):
 @click.option("-a", "--alias", "aliases", multiple=True, help="Alias for the model (repeatable)")
 @click.option("--name", help="Name to register it under (default: the directory or repo name)")
 @click.option("--expert-slots", type=click.IntRange(1), help="Expert slots per layer for this model (default: the expert_slots setting)")
-def add(source, aliases, name, expert_slots):
+@click.option("--hash", "hash_", is_flag=True, help="Hash every file now, for `llm mlxs verify` (reads the whole checkpoint)")
+def add(source, aliases, name, expert_slots, hash_):
     """Add a model: a local mlx-lm checkpoint directory or a Hugging Face repo id.
 
     \b
@@ -114,11 +115,15 @@ def add(source, aliases, name, expert_slots):
     else:
         path = _download(source)
         stored_source = source
-    config_dict = registry.read_config(path)
+    if name is not None and not name.strip():
+        raise SettingsError("--name must not be empty")
+    config_dict = check_checkpoint(path)
     name = name or re.sub(r"[^A-Za-z0-9._-]", "-", path.name if stored_source == str(path) else source.split("/")[-1])
     _check_llm_ids(name, aliases)
     registry.add_model(name, path, stored_source, list(aliases), expert_slots)
-    info = registry.describe(config_dict)
+    if hash_:
+        _record_hashes(path)
+    info = describe(config_dict)
     if not info["experts"]:
         click.echo(
             f"Note: {path} has no routed experts; it will run fully resident.", err=True
@@ -126,8 +131,23 @@ def add(source, aliases, name, expert_slots):
     shape = f"{info['experts']} experts x {info['layers']} layers" if info["experts"] else "dense"
     click.echo(
         f"Added {registry.MODEL_PREFIX}/{name} ({info['architecture']}, {shape}, "
-        f"{_size(registry.dir_size(path))})"
+        f"{format_size(registry.dir_size(path))})"
     )
+
+
+def _record_hashes(path: Path) -> None:
+    from ..checkpoints.integrity import hf_blobs, record_manifest
+    from .common import ByteProgress
+
+    if hf_blobs(path):
+        click.echo("Note: the Hugging Face cache already keeps every file's hash; --hash is not needed", err=True)
+        return
+    bar = ByteProgress("hashing")
+    try:
+        manifest = record_manifest(path, progress=bar)
+    finally:
+        bar.close()
+    click.echo(f"Recorded the hashes of {path} for `llm mlxs verify` ({manifest})", err=True)
 
 
 def _check_llm_ids(name: str, aliases) -> None:
@@ -149,17 +169,17 @@ def _download(repo_id: str) -> Path:
         raise SettingsError("huggingface_hub is not installed; add a local directory instead")
     try:
         cached = Path(snapshot_download(repo_id, allow_patterns=HF_PATTERNS, local_files_only=True))
-        registry.read_config(cached)  # a partial snapshot is downloaded again
+        read_config(cached)  # a partial snapshot is downloaded again
         return cached
-    except (LocalEntryNotFoundError, SettingsError):
+    except (LocalEntryNotFoundError, CheckpointError):
         pass
     except Exception as exc:
-        raise SettingsError(f"Could not read {repo_id} from the Hugging Face cache: {_line(exc)}")
+        raise SettingsError(f"Could not read {repo_id} from the Hugging Face cache: {one_line(exc)}")
     click.echo(f"Downloading {repo_id} from Hugging Face...", err=True)
     try:
         return Path(snapshot_download(repo_id, allow_patterns=HF_PATTERNS))
     except Exception as exc:
-        raise SettingsError(f"Could not download {repo_id}: {_line(exc)}")
+        raise SettingsError(f"Could not download {repo_id}: {one_line(exc)}")
 
 
 @mlxs.command()

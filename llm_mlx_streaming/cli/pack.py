@@ -14,13 +14,15 @@ from ..settings import (
 )
 
 from . import mlxs
-from .common import _line, _size
-from .resolve import _checkpoint, _has_packed
+from ..errors import one_line
+from ..sizes import format_size
+from .common import ByteProgress
+from .resolve import has_packed, resolve_checkpoint
 
 
 @mlxs.command(short_help="Pack a model's experts: one read per expert; --verify, --remove.")
 @click.argument("name", required=False)
-@click.option("--verify", is_flag=True, help="Check the packed store (every record's checksum) instead of packing")
+@click.option("--verify", is_flag=True, help="Check the packed store (every record against its checksum and the checkpoint) instead of packing")
 @click.option("--remove", is_flag=True, help="Delete the packed store")
 def pack(name, verify, remove):
     """Pack a model's experts into one contiguous record each (one read per expert).
@@ -31,7 +33,7 @@ def pack(name, verify, remove):
 
     \b
     llm mlxs pack q30            write (or rewrite) the store
-    llm mlxs pack q30 --verify   check it: prints each problem, or ok
+    llm mlxs pack q30 --verify   check it against the checkpoint: each problem, or ok
     llm mlxs pack q30 --remove   delete it
     """
     from ..experts import packed as packed_mod
@@ -39,7 +41,7 @@ def pack(name, verify, remove):
     if verify and remove:
         raise click.UsageError("--verify and --remove do not go together")
     settings = load_settings()
-    label, path, _ = _checkpoint(name, settings)
+    label, path, _ = resolve_checkpoint(name, settings)
     folder = packed_mod.packed_dir(path)
     if remove:
         if not folder.exists():
@@ -49,13 +51,16 @@ def pack(name, verify, remove):
         click.echo(f"Removed the packed store of {label} ({folder})")
         return
     if verify:
-        if not _has_packed(path):
+        if not has_packed(path):
             command = f"llm mlxs pack {name}" if name else "llm mlxs pack"
             raise MlxStreamError(f"{label} has no packed store; write one with `{command}`")
+        bar = ByteProgress("verifying")
         try:
-            problems = packed_mod.verify_packed(path)
+            problems = packed_mod.verify_packed(path, progress=bar)
         except (ValueError, OSError, KeyError) as exc:
-            raise MlxStreamError(f"Cannot verify the packed store of {label}: {_line(exc)}") from None
+            raise MlxStreamError(f"Cannot verify the packed store of {label}: {one_line(exc)}") from None
+        finally:
+            bar.close()
         for problem in problems:
             click.echo(problem)
         if problems:
@@ -70,12 +75,12 @@ def pack(name, verify, remove):
     try:
         out = packed_mod.pack_checkpoint(path, progress=report)
     except (ValueError, OSError, KeyError) as exc:
-        raise MlxStreamError(f"Cannot pack {label}: {_line(exc)}") from None
+        raise MlxStreamError(f"Cannot pack {label}: {one_line(exc)}") from None
     finally:
         report.close()
     _forget_loaded(path)
-    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
-    click.echo(f"Packed {label}: {report.layers} MoE layers, {_size(size)} in {out}")
+    size = sum(p.stat().st_size for p in packed_mod.store_files(out))
+    click.echo(f"Packed {label}: {report.layers} MoE layers, {format_size(size)} in {out}")
     if settings.packed == "off":
         click.echo("Note: the packed setting is off; `llm mlxs config packed auto` uses the store", err=True)
 
@@ -102,7 +107,7 @@ class _Progress:
         self._of = layers
 
     def _line(self, layer, layers, done, total) -> None:
-        click.echo(f"layer {layer}/{layers} packed ({_size(done)} of {_size(total)})", err=True)
+        click.echo(f"layer {layer}/{layers} packed ({format_size(done)} of {format_size(total)})", err=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -113,9 +118,9 @@ class _Progress:
 
 def _check_space(path: Path, folder: Path) -> None:
     """Refuse to start a pack the disk cannot hold (the store is about the experts' size)."""
-    from ..engine.planner import checkpoint_layout, format_size
-    from ..experts.index import CheckpointError
-    from ..experts.packed import record_size
+    from ..engine.planner import checkpoint_layout
+    from ..errors import CheckpointError
+    from ..experts.packed import record_size, store_files
 
     try:
         layout = checkpoint_layout(path)
@@ -123,7 +128,7 @@ def _check_space(path: Path, folder: Path) -> None:
         return  # pack_checkpoint reports it
     need = sum(record_size(b) * layout.num_experts for b in layout.expert_bytes)
     if folder.exists():
-        need -= sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+        need -= sum(p.stat().st_size for p in store_files(folder))
     free = shutil.disk_usage(path).free
     if need > free:
         raise MlxStreamError(

@@ -18,8 +18,8 @@ from ..settings import (
 )
 
 from . import mlxs
-from .common import _line
-from .resolve import _checkpoint
+from ..errors import one_line
+from .resolve import resolve_checkpoint
 
 
 @mlxs.command(short_help="How a memory budget is spent; slots per layer (loads nothing).")
@@ -40,10 +40,10 @@ def plan(name, budget, max_context, hit_rate, json_):
     llm mlxs plan ~/models/Qwen3-30B-A3B-4bit --budget 16GB --max-context 8192 --json
     """
     from ..engine.planner import PlanError, plan_memory
-    from ..experts.index import CheckpointError
+    from ..errors import CheckpointError
 
     settings = load_settings()
-    label, path, entry = _checkpoint(name, settings)
+    label, path, entry = resolve_checkpoint(name, settings)
     value = settings.memory_budget if budget is None else budget
     try:
         value = normalize_budget(value)
@@ -57,7 +57,7 @@ def plan(name, budget, max_context, hit_rate, json_):
         prefix = f"memory_budget auto ({AUTO_BUDGET_SHARE:.0%} of this machine's memory): " if value == "auto" else ""
         raise MlxStreamError(prefix + str(exc)) from None
     except (CheckpointError, ValueError, OSError) as exc:
-        raise MlxStreamError(f"Cannot plan {label}: {_line(exc)}") from None
+        raise MlxStreamError(f"Cannot plan {label}: {one_line(exc)}") from None
     fixed = None
     if entry is not None or label == f"{registry.MODEL_PREFIX}/{BUNDLED_NAME}":
         canonical = label.split("/", 1)[1]

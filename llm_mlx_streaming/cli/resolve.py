@@ -4,18 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 from .. import registry
-from ..settings import (
-    BUNDLED_NAME,
-    Settings,
-    SettingsError,
-)
+from ..checkpoints.config import read_config
+from ..errors import SettingsError
+from ..settings import BUNDLED_NAME, Settings
 
 
-
-
-def _checkpoint(name: str | None, settings: Settings) -> tuple[str, Path, object]:
+def resolve_checkpoint(name: str | None, settings: Settings) -> tuple[str, Path, object]:
     """(label, checkpoint dir, registry entry or None) for a model name, alias,
     `mlx-stream` (the default model; also when NAME is omitted) or a directory."""
     if name in (None, registry.MODEL_PREFIX):
@@ -26,7 +21,7 @@ def _checkpoint(name: str | None, settings: Settings) -> tuple[str, Path, object
         except SettingsError:
             local = Path(name).expanduser()
             if local.is_dir():
-                registry.read_config(local)
+                read_config(local)
                 return str(local.resolve()), local.resolve(), None
             known = ", ".join([BUNDLED_NAME, *settings.models])
             raise SettingsError(
@@ -36,7 +31,7 @@ def _checkpoint(name: str | None, settings: Settings) -> tuple[str, Path, object
     return f"{registry.MODEL_PREFIX}/{canonical}", path, entry
 
 
-def _has_packed(path: Path) -> bool:
+def has_packed(path: Path) -> bool:
     from ..experts.packed import INDEX_NAME, packed_dir
 
     return (packed_dir(path) / INDEX_NAME).is_file()

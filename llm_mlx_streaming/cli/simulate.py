@@ -19,7 +19,9 @@ from ..settings import (
 )
 
 from . import mlxs
-from .common import _line, _size, _table
+from ..errors import one_line
+from ..sizes import format_size
+from .common import table
 
 
 def _trace_path(trace: str) -> tuple[Path, str]:
@@ -119,7 +121,7 @@ def simulate(trace, slots, policies, phase, json_):
     try:
         rows = run_simulation(path, counts, policies=names, phase=phase)
     except ValueError as exc:
-        raise MlxStreamError(_line(exc)) from None
+        raise MlxStreamError(one_line(exc)) from None
     if json_:
         click.echo(json.dumps({"trace": str(path), "phase": phase, "rows": rows}, indent=2))
         return
@@ -148,5 +150,5 @@ def traces(json_):
     if not rows:
         click.echo(f"No traces in {folder} (turn recording on with `llm mlxs config trace on`)", err=True)
         return
-    _table(["model", "decode", "prefill", "size", "file"],
-           [[r["model"], str(r["decode_sequences"]), str(r["prefill_sequences"]), _size(r["size_bytes"]), r["path"]] for r in rows])
+    table(["model", "decode", "prefill", "size", "file"],
+           [[r["model"], str(r["decode_sequences"]), str(r["prefill_sequences"]), format_size(r["size_bytes"]), r["path"]] for r in rows])

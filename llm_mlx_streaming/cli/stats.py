@@ -16,13 +16,17 @@ import llm
 from .. import registry
 
 from . import mlxs
-from .common import _size, _table
+from ..sizes import format_size
+from .common import table
 
 
 def _logged(db_path: Path, limit: int) -> list[dict]:
     if not db_path.exists():
         return []
-    conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+    try:
+        conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+    except sqlite3.Error as exc:
+        raise click.ClickException(f"Cannot read {db_path}: {exc}") from None
     conn.row_factory = sqlite3.Row
     try:
         rows = conn.execute(
@@ -32,8 +36,10 @@ def _logged(db_path: Path, limit: int) -> list[dict]:
                order by datetime_utc desc, id desc limit ?""",
             [registry.MODEL_PREFIX, registry.MODEL_PREFIX + "/%", limit],
         ).fetchall()
-    except sqlite3.OperationalError:  # no turns table yet
-        return []
+    except sqlite3.Error as exc:
+        if "no such table" in str(exc):  # llm has not logged anything here yet
+            return []
+        raise click.ClickException(f"Cannot read {db_path} as llm's log database: {exc}") from None
     finally:
         conn.close()
     out = []
@@ -108,7 +114,7 @@ def _stat_lines(st: dict) -> list[list[str]]:
         ["evictions", n("evictions")],
         ["read from disk", f"{n('mb_read', '{} MB')} in {n('read_seconds', '{} s')}"],
         ["unplaced routes", n("unplaced")],
-        ["peak memory", _size(st.get("peak_memory_bytes")) if st.get("peak_memory_bytes") is not None else "-"],
+        ["peak memory", format_size(st.get("peak_memory_bytes")) if st.get("peak_memory_bytes") is not None else "-"],
     ]
     if st.get("read_mb_per_s") is not None:
         lines[6][1] += f" ({n('read_mb_per_s', '{} MB/s')})"
@@ -152,9 +158,6 @@ def stats(count, json_, database):
     click.echo(f"Last response  {last['model']}  {when} UTC  ({last['duration_ms']} ms)")
     if last.get("resolved_model"):
         click.echo(f"  checkpoint: {last['resolved_model']}")
-    _table(None, _stat_lines(last["stats"]), indent="  ")
+    table(None, _stat_lines(last["stats"]), indent="  ")
     click.echo(f"\nLast {agg['responses']} response{'s' if agg['responses'] != 1 else ''}")
-    _table(None, _stat_lines(agg), indent="  ")
-
-
-# -- output ----------------------------------------------------------------
+    table(None, _stat_lines(agg), indent="  ")

@@ -8,7 +8,6 @@ embeddings) is evaluated once and stays resident.
 
 from __future__ import annotations
 
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,14 +17,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..experts.index import CheckpointError, CheckpointIndex, read_config
+from ..checkpoints.config import check_checkpoint
+from ..errors import CheckpointError, one_line
+from ..experts.index import CheckpointIndex
 from ..experts.policies import DEFAULT_POLICY
 from ..experts.pool import ExpertPool
 from ..experts.packed import CHECK_MODES, open_packed
-from ..experts.store import DEFAULT_THREADS, PAGE_CACHE_MODES, ExpertStore
-from ..experts.switch import StreamingExperts
-
-SUPPORTED_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
+from ..experts.store import DEFAULT_THREADS, ExpertStore
+from ..experts.switch import StreamingExperts, expert_containers
 
 
 @dataclass
@@ -66,32 +65,6 @@ class StreamingModel:
             module.pool = pool
 
 
-def check_checkpoint(path: Path) -> dict:
-    """The checkpoint's config, or a one-line error naming what is wrong."""
-    config = read_config(path)
-    quant = config.get("quantization") or {}
-    modes = [quant.get("mode", "affine")] + [
-        v.get("mode", quant.get("mode", "affine")) for v in quant.values() if isinstance(v, dict)
-    ]
-    for mode in modes:
-        if mode not in SUPPORTED_MODES:
-            raise CheckpointError(
-                f"{path / 'config.json'}: unsupported quantization mode {mode!r} "
-                f"(supported: {', '.join(SUPPORTED_MODES)})"
-            )
-    return config
-
-
-def expert_containers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every mlx-lm expert container in the model, in layer order."""
-    from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
-
-    found = [
-        (name, m) for name, m in model.named_modules() if isinstance(m, (SwitchGLU, SwitchMLP))
-    ]
-    return sorted(found, key=lambda item: [int(n) for n in re.findall(r"\d+", item[0])])
-
-
 def load_streaming(
     path: str | Path, *, expert_slots: int | None = None, policy: str = DEFAULT_POLICY,
     threads: int = DEFAULT_THREADS, page_cache: str = "keep", packed: bool = True,
@@ -106,17 +79,15 @@ def load_streaming(
     """
     from mlx_lm.utils import load_model, load_tokenizer
 
-    if page_cache not in PAGE_CACHE_MODES:
-        raise ValueError(f"page_cache must be one of {', '.join(PAGE_CACHE_MODES)}, got {page_cache!r}")
     if packed_check not in CHECK_MODES:
         raise ValueError(f"packed_check must be one of {', '.join(CHECK_MODES)}, got {packed_check!r}")
     path = Path(path).expanduser()
-    check_checkpoint(path)
-    index = CheckpointIndex(path)  # checks every shard against its header
+    check_checkpoint(path)  # config.json and every shard's header
+    index = CheckpointIndex(path)
     try:
         model, config = load_model(path, lazy=True)
     except (ValueError, FileNotFoundError, KeyError) as e:
-        raise CheckpointError(f"{path}: mlx-lm cannot load this checkpoint: {_one_line(e)}") from None
+        raise CheckpointError(f"{path}: mlx-lm cannot load this checkpoint: {one_line(e)}") from None
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     loaded = StreamingModel(path, model, tokenizer, config, ExpertStore(threads, page_cache))
     containers = expert_containers(model)
@@ -151,6 +122,3 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     else:
         setattr(obj, attr, module)
 
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__

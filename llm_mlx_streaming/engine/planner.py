@@ -24,19 +24,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from ..experts.index import CheckpointError, CheckpointIndex, read_config
+from ..checkpoints.config import EXPERT_COUNT_KEYS, TOP_K_KEYS, config_field, read_config
+from ..errors import CheckpointError
+from ..experts.index import CheckpointIndex
+from ..sizes import format_size, parse_size
 
 __all__ = [
     "DEFAULT_HIT_RATES",
+    "DEFAULT_MAX_CONTEXT",
     "KV_STEP",
     "Plan",
     "PlanError",
     "checkpoint_layout",
     "default_reserve",
     "format_plan",
-    "format_size",
     "kv_cache_bytes",
-    "parse_size",
     "plan_memory",
 ]
 
@@ -47,6 +49,7 @@ WHOLE_FROM = 0.5  # every layer holds this share of its experts before any layer
 KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens
 PREFILL_STEP = 2048  # mlx-lm's stream_generate prefills in chunks of this many tokens
 DEFAULT_HIT_RATES = (0.5, 0.8, 0.9)
+DEFAULT_MAX_CONTEXT = 4096  # tokens of KV cache planned for when no max_context is given
 
 # Where the stacked expert tensors of a layer live: mlx-lm's SwitchGLU/SwitchMLP are
 # named `switch_mlp` by every architecture but gpt_oss, whose container is `mlp.experts`.
@@ -57,59 +60,10 @@ _EXPERT_KEY = re.compile(
 # Decoder layers under a language model's `model.layers` (also inside a VLM wrapper).
 _LAYER_KEY = re.compile(r"^(?:language_model\.)?model\.layers\.(\d+)\.")
 
-_EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
-_TOP_K_FIELDS = ("num_experts_per_tok", "experts_per_token", "moe_topk")
 
 
 class PlanError(ValueError):
     """A budget that cannot run the checkpoint; the message is one line."""
-
-
-# -- sizes ------------------------------------------------------------------------
-
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
-    "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2,
-    "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4,
-}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes in a size like "12GB", "12G", "1.5 GiB", "512MiB" or "4096".
-
-    Decimal units (KB, MB, GB, TB, or K/M/G/T) are powers of 1000, binary ones (KiB,
-    MiB, GiB, TiB) powers of 1024; case does not matter. An int is returned as is.
-    """
-    if isinstance(text, bool):
-        raise ValueError(f"not a size: {text!r}")
-    if isinstance(text, int):
-        if text < 0:
-            raise ValueError(f"size must not be negative: {text}")
-        return text
-    match = _SIZE.match(str(text))
-    unit = match and _UNITS.get(match.group(2).lower())
-    if not unit:
-        raise ValueError(
-            f"not a size: {text!r} (use e.g. 12GB, 12G, 1.5GiB, 512MB; "
-            "units B, KB, MB, GB, TB = 1000^n, KiB, MiB, GiB, TiB = 1024^n)"
-        )
-    return int(round(float(match.group(1)) * unit))
-
-
-def format_size(n: int | float) -> str:
-    """A byte count in decimal units with one decimal: "2.0 GB", "48.3 MB", "512 B"."""
-    n = float(n)
-    sign = "-" if n < 0 else ""
-    n = abs(n)
-    if n < 1000:
-        return f"{sign}{n:.0f} B"
-    for unit, scale in (("KB", 1e3), ("MB", 1e6), ("GB", 1e9)):
-        if round(n / scale, 1) < 1000:
-            return f"{sign}{n / scale:.1f} {unit}"
-    return f"{sign}{n / 1e12:.1f} TB"
 
 
 def default_reserve(budget: int) -> int:
@@ -139,16 +93,6 @@ class Layout:
         return self.dense_bytes + self.num_experts * sum(self.expert_bytes)
 
 
-def _field(config: dict, names) -> object:
-    """The first of `names` set in config or its `text_config` (VLM wrappers)."""
-    for cfg in (config, config.get("text_config") or {}):
-        for name in names:
-            value = cfg.get(name)
-            if value is not None:
-                return value
-    return None
-
-
 def _dropped_on_load(key: str, num_layers: int | None) -> bool:
     """Tensors mlx-lm's sanitize() drops: multi-token-prediction heads (qwen3_next's
     `mtp.*`, deepseek_v3's extra decoder layer `model.layers.<num_hidden_layers>`)."""
@@ -174,8 +118,8 @@ def checkpoint_layout(path: str | os.PathLike) -> Layout:
     path = Path(path).expanduser()
     config = read_config(path)
     index = CheckpointIndex(path)
-    num_experts = int(_field(config, _EXPERT_COUNT_FIELDS) or 0)
-    num_layers = _field(config, ("num_hidden_layers",))
+    num_experts = int(config_field(config, EXPERT_COUNT_KEYS) or 0)
+    num_layers = config_field(config, ("num_hidden_layers",))
     dense = skipped = 0
     groups: dict[str, int] = {}
     for key, entry in index.tensors.items():
@@ -196,7 +140,7 @@ def checkpoint_layout(path: str | os.PathLike) -> Layout:
                 f"{path}: config.json says {num_experts} experts, but no stacked expert "
                 "tensors (switch_mlp / mlp.experts) are in the checkpoint; convert it with mlx_lm"
             )
-        top_k = int(_field(config, _TOP_K_FIELDS) or 0)
+        top_k = int(config_field(config, TOP_K_KEYS) or 0)
         if not 1 <= top_k <= num_experts:
             raise CheckpointError(
                 f"{path / 'config.json'}: no valid experts-per-token (num_experts_per_tok) "
@@ -208,7 +152,7 @@ def checkpoint_layout(path: str | os.PathLike) -> Layout:
     return Layout(
         path=path,
         config=config,
-        model_type=str(_field(config, ("model_type",)) or "?"),
+        model_type=str(config_field(config, ("model_type",)) or "?"),
         num_experts=num_experts,
         top_k=top_k,
         dense_bytes=dense,
@@ -224,7 +168,7 @@ def checkpoint_layout(path: str | os.PathLike) -> Layout:
 def _activation_bytes(config: dict) -> int:
     """2 (float16/bfloat16), or 4 when the checkpoint says float32 (mlx-lm then computes
     in float32, and its caches hold float32)."""
-    dtype = str(_field(config, ("torch_dtype", "dtype")) or "bfloat16")
+    dtype = str(config_field(config, ("torch_dtype", "dtype")) or "bfloat16")
     return 4 if dtype.replace("torch.", "") == "float32" else 2
 
 
@@ -237,15 +181,15 @@ def _layer_kinds(config: dict, num_layers: int) -> list[str]:
     it) has only every interval-th layer holding a KV cache. Failing both, every layer
     is counted as full attention (an over-estimate, never an under-estimate).
     """
-    types = _field(config, ("layer_types",))
+    types = config_field(config, ("layer_types",))
     if isinstance(types, list) and len(types) == num_layers:
         kinds = []
         for t in types:
             t = str(t)
             kinds.append("sliding" if "sliding" in t else "linear" if "linear" in t else "full")
         return kinds
-    interval = _field(config, ("full_attention_interval",))
-    if interval and _field(config, ("linear_num_value_heads",)):
+    interval = config_field(config, ("full_attention_interval",))
+    if interval and config_field(config, ("linear_num_value_heads",)):
         return ["full" if (i + 1) % int(interval) == 0 else "linear" for i in range(num_layers)]
     return ["full"] * num_layers
 
@@ -272,17 +216,17 @@ def kv_cache_bytes(
     if max_context < 0:
         raise ValueError(f"max_context must not be negative, got {max_context}")
     width = bytes_per_element or _activation_bytes(config)
-    num_layers = int(_field(config, ("num_hidden_layers",)) or 0)
-    heads = int(_field(config, ("num_attention_heads",)) or 1)
-    kv_lora = _field(config, ("kv_lora_rank",))
+    num_layers = int(config_field(config, ("num_hidden_layers",)) or 0)
+    heads = int(config_field(config, ("num_attention_heads",)) or 1)
+    kv_lora = config_field(config, ("kv_lora_rank",))
     if kv_lora:
-        per_token = int(kv_lora) + int(_field(config, ("qk_rope_head_dim",)) or 0)
+        per_token = int(kv_lora) + int(config_field(config, ("qk_rope_head_dim",)) or 0)
     else:
-        kv_heads = int(_field(config, ("num_key_value_heads",)) or heads)
-        head_dim = _field(config, ("head_dim",)) or int(_field(config, ("hidden_size",)) or 0) // heads
+        kv_heads = int(config_field(config, ("num_key_value_heads",)) or heads)
+        head_dim = config_field(config, ("head_dim",)) or int(config_field(config, ("hidden_size",)) or 0) // heads
         per_token = 2 * kv_heads * int(head_dim)
     tokens = max_context + KV_STEP - 1 if max_context else 0
-    window = _field(config, ("sliding_window",))
+    window = config_field(config, ("sliding_window",))
     kinds = _layer_kinds(config, num_layers)
     total = 0
     for kind in kinds:
@@ -292,11 +236,11 @@ def kv_cache_bytes(
             held = int(window) - 1 + PREFILL_STEP if window else tokens
             total += min(tokens, held) * per_token * width
         else:
-            hk = int(_field(config, ("linear_num_key_heads",)) or 0)
-            hv = int(_field(config, ("linear_num_value_heads",)) or 0)
-            dk = int(_field(config, ("linear_key_head_dim",)) or 0)
-            dv = int(_field(config, ("linear_value_head_dim",)) or 0)
-            kernel = int(_field(config, ("linear_conv_kernel_dim",)) or 4)
+            hk = int(config_field(config, ("linear_num_key_heads",)) or 0)
+            hv = int(config_field(config, ("linear_num_value_heads",)) or 0)
+            dk = int(config_field(config, ("linear_key_head_dim",)) or 0)
+            dv = int(config_field(config, ("linear_value_head_dim",)) or 0)
+            kernel = int(config_field(config, ("linear_conv_kernel_dim",)) or 4)
             conv = (kernel - 1) * (2 * hk * dk + hv * dv) * width
             total += conv + hv * dv * dk * 4
     counts = {k: kinds.count(k) for k in ("full", "sliding", "linear") if k in kinds}
@@ -369,7 +313,7 @@ def plan_memory(
     path: str | os.PathLike,
     budget_bytes: int | str,
     *,
-    max_context: int | None = 4096,
+    max_context: int | None = DEFAULT_MAX_CONTEXT,
     reserve_bytes: int | str | None = None,
     kv_bytes_per_element: int | None = None,
     min_slots: int | None = None,
@@ -392,7 +336,7 @@ def plan_memory(
     """
     budget = parse_size(budget_bytes)
     if max_context is None:
-        max_context = 4096
+        max_context = DEFAULT_MAX_CONTEXT
     if not 0.0 <= whole_from <= 1.0:
         raise ValueError(f"whole_from must be in [0, 1], got {whole_from}")
     layout = checkpoint_layout(path)

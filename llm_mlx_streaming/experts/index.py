@@ -14,16 +14,14 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import CheckpointError
+
 DTYPE_SIZES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
     "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
     "U32": 4, "I32": 4, "F32": 4,
     "U64": 8, "I64": 8, "F64": 8,
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be streamed; the message is one line and names the file."""
 
 
 @dataclass(frozen=True)
@@ -85,14 +83,17 @@ def read_header(file: Path) -> dict[str, TensorEntry]:
     data_start = 8 + header_len
     entries = {}
     end = data_start
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        begin, stop = info["data_offsets"]
-        entries[name] = TensorEntry(
-            file, data_start + begin, stop - begin, info["dtype"], tuple(info["shape"])
-        )
-        end = max(end, data_start + stop)
+    try:
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            begin, stop = (int(x) for x in info["data_offsets"])
+            entries[name] = TensorEntry(
+                file, data_start + begin, stop - begin, info["dtype"], tuple(info["shape"])
+            )
+            end = max(end, data_start + stop)
+    except (AttributeError, KeyError, TypeError, ValueError):
+        raise CheckpointError(f"{file}: safetensors header is malformed") from None
     if end > size:
         raise CheckpointError(
             f"{file}: shard is truncated: its header needs {end} bytes, the file has {size}"
@@ -136,19 +137,6 @@ class CheckpointIndex:
                 raise CheckpointError(f"{entry.file}: tensor {full!r} size does not match its shape")
             found.append(ExpertComponent(name, entry.file, entry.offset, stride, entry.dtype, tuple(shape)))
         return LayerExperts(key, num_experts, tuple(found))
-
-
-def read_config(path: Path) -> dict:
-    """A checkpoint directory's config.json, or a one-line error naming what is wrong."""
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: checkpoint directory not found")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise CheckpointError(f"{path}: no config.json (not an mlx-lm checkpoint)")
-    try:
-        return json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{config_file}: not valid JSON ({e.msg})") from None
 
 
 def weight_files(path: Path) -> list[Path]:

@@ -9,17 +9,19 @@ then costs one read instead of nine.
 
 The safetensors stay the truth. The store is used only while it provably matches them:
 at load, the index must parse, be this format version, carry the checkpoint's current
-fingerprint (each shard's size, mtime and header length) and describe the same layers
-and components, and every layer file must have its exact size; otherwise the engine
-prints one line on stderr and reads the safetensors. Every record carries a crc32 that
-is checked in the reader thread before a slot using it is published: on the record's
-first read in this process (`check="first"`, the default) or on every read
+fingerprint (`fingerprint`: what a user cannot fake by accident) and describe the same
+layers and components, and every layer file must have its exact size; otherwise the
+engine prints one line on stderr and reads the safetensors. Every record carries a crc32
+that is checked in the reader thread before a slot using it is published: on the
+record's first read in this process (`check="first"`, the default) or on every read
 (`check="always"`). A mismatch disables the store and the slots are re-read from the
-safetensors. `verify_packed` checks everything, every record included.
+safetensors. `verify_packed` checks everything: every record against its checksum and
+against the checkpoint's own bytes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -32,16 +34,18 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..errors import CheckpointError
 from .index import LayerExperts, weight_files
-from .store import _read_exact
+from .store import read_exact
 
 PACKED_DIR = "mlxs-packed"
 INDEX_NAME = "index.json"
 FORMAT = "mlxs-packed"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the fingerprint holds inode, ctime and a content sample
 ALIGN = 4096
 CHECK_MODES = ("first", "always")
 _CHUNK_BYTES = 64 << 20  # experts assembled per write while packing
+_SAMPLES = 16  # 4 KiB blocks of each shard hashed into its fingerprint
 
 Progress = Callable[[int, int, int, int], None]  # (layer, layers, bytes done, bytes total)
 
@@ -55,14 +59,31 @@ def packed_dir(checkpoint: str | os.PathLike) -> Path:
 
 
 def fingerprint(checkpoint: str | os.PathLike) -> dict:
-    """What identifies the checkpoint's bytes cheaply: per shard, size, mtime, header."""
+    """What identifies each shard's bytes, for the staleness check.
+
+    The modification time alone is not enough: `touch -r` or a copy tool sets it back
+    after an edit. So each shard also gives its inode (a replaced file is a new one),
+    its inode change time (which every write and every `touch` moves, and no ordinary
+    tool sets back), its size, its header length and a sha256 of its header and of
+    evenly spaced 4 KiB blocks. A copied checkpoint is therefore a different one: pack
+    it again.
+    """
     out = {}
     for file in weight_files(Path(checkpoint)):
-        st = file.stat()
         with open(file, "rb") as fh:
+            st = os.fstat(fh.fileno())
             raw = fh.read(8)
-        header = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
-        out[file.name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "header_len": header}
+            header = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+            sample = hashlib.sha256(raw)
+            if 0 <= header <= st.st_size:
+                sample.update(fh.read(header))
+            step = max(1, (st.st_size - 4096) // (_SAMPLES - 1))
+            for i in range(_SAMPLES):
+                sample.update(os.pread(fh.fileno(), 4096, min(i * step, max(0, st.st_size - 4096))))
+        out[file.name] = {
+            "size": st.st_size, "inode": st.st_ino, "mtime_ns": st.st_mtime_ns,
+            "ctime_ns": st.st_ctime_ns, "header_len": header, "sample": sample.hexdigest(),
+        }
     return out
 
 
@@ -88,6 +109,7 @@ def pack_checkpoint(path: str | os.PathLike, *, progress: Progress | None = None
     out = packed_dir(path)
     out.mkdir(exist_ok=True)
     (out / INDEX_NAME).unlink(missing_ok=True)
+    _remove_orphans(out)
     before = fingerprint(path)
     total = sum(record_size(l.expert_bytes) * l.num_experts for l in layers)
     done = 0
@@ -132,6 +154,30 @@ def pack_checkpoint(path: str | os.PathLike, *, progress: Progress | None = None
     return out
 
 
+def _remove_orphans(folder: Path) -> None:
+    """Delete temporary files of packs that were killed (their process is gone)."""
+    for tmp in folder.glob("*.tmp-*"):
+        pid = tmp.name.rsplit(".tmp-", 1)[1]
+        if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
+            continue  # another pack is writing it right now
+        tmp.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # it exists, owned by someone else
+    return True
+
+
+def store_files(folder: Path) -> list[Path]:
+    """The files that make up a store (not the temporary files of a pack under way)."""
+    return [p for p in folder.iterdir() if p.is_file() and ".tmp-" not in p.name]
+
+
 def _fsync_dir(folder: Path) -> None:
     """Make the renames durable (where a directory can be fsynced)."""
     try:
@@ -162,7 +208,7 @@ def _write_layer(layer: LayerExperts, dest: Path, progress: Callable[[int], None
                     if comp.file not in fds:
                         fds[comp.file] = os.open(comp.file, os.O_RDONLY)
                     data = np.empty((n, comp.stride), dtype=np.uint8)
-                    _read_exact(fds[comp.file], comp.span(first)[0], [memoryview(data).cast("B")])
+                    read_exact(fds[comp.file], comp.span(first)[0], [memoryview(data).cast("B")])
                     chunk[:, col : col + comp.stride] = data
                     col += comp.stride
                 crcs.extend(zlib.crc32(row[: layer.expert_bytes]) for row in chunk)
@@ -181,8 +227,9 @@ def layer_maps(path: Path) -> list[LayerExperts]:
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load_model
 
-    from ..engine.loading import check_checkpoint, expert_containers
+    from ..checkpoints.config import check_checkpoint
     from .index import CheckpointIndex
+    from .switch import expert_containers
 
     check_checkpoint(path)
     index = CheckpointIndex(path)
@@ -327,31 +374,61 @@ def _match_layers(index: dict, folder: Path, layers: Sequence[LayerExperts], alw
 # -- checking ------------------------------------------------------------------
 
 
-def verify_packed(path: str | os.PathLike) -> list[str]:
+def verify_packed(path: str | os.PathLike, progress: Callable[[int, int], None] | None = None) -> list[str]:
     """Every problem of the checkpoint's packed store, each in one line ([] = sound).
 
     Runs the load-time checks (index, version, fingerprint, layers and components as
-    the engine finds them, file sizes), then reads every record and checks its crc32.
+    the engine finds them, file sizes), then reads every record and compares it with
+    its checksum and with the expert's bytes in the safetensors.
+    `progress(bytes_done, bytes_total)` is called as the records are compared.
     """
-    from .index import CheckpointError
-
     checkpoint = Path(path).expanduser()
     folder = packed_dir(checkpoint)
     if not (folder / INDEX_NAME).exists():
         return [f"{folder}: no packed store (no {INDEX_NAME})"]
     try:
         index = _load_index(checkpoint, folder)
-        layers = _match_layers(index, folder, layer_maps(checkpoint), always=True)
+        maps = layer_maps(checkpoint)
+        layers = _match_layers(index, folder, maps, always=True)
     except PackedStoreError as e:
         return [f"{folder}: {e}"]
     except CheckpointError as e:
         return [str(e)]
+    total = sum(m.expert_bytes * m.num_experts for m in maps)
+    done = 0
     problems = []
-    for layer in layers.values():
-        with open(layer.file, "rb") as fh:
-            buf = bytearray(layer.expert_bytes)
-            for e, crc in enumerate(layer.crc):
-                fh.seek(e * layer.record_size)
-                if fh.readinto(buf) != len(buf) or zlib.crc32(buf) != int(crc):
-                    problems.append(f"{layer.file}: record of expert {e} fails its checksum")
+    fds: dict[Path, int] = {}
+    try:
+        for source in maps:
+            layer = layers[source.key]
+            record = bytearray(layer.expert_bytes)
+            original = bytearray(layer.expert_bytes)
+            with open(layer.file, "rb") as fh:
+                for e, crc in enumerate(layer.crc):
+                    fh.seek(e * layer.record_size)
+                    if fh.readinto(record) != len(record) or zlib.crc32(record) != int(crc):
+                        problems.append(f"{layer.file}: record of expert {e} fails its checksum")
+                    else:
+                        _read_expert(source, e, original, fds)
+                        if record != original:
+                            problems.append(
+                                f"{layer.file}: record of expert {e} differs from the checkpoint"
+                            )
+                    done += layer.expert_bytes
+                    if progress:
+                        progress(done, total)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
     return problems
+
+
+def _read_expert(layer: LayerExperts, expert: int, out: bytearray, fds: dict) -> None:
+    """An expert's bytes from the safetensors, components in record order."""
+    col = 0
+    for comp in layer.components:
+        if comp.file not in fds:
+            fds[comp.file] = os.open(comp.file, os.O_RDONLY)
+        view = memoryview(out)[col : col + comp.stride]
+        read_exact(fds[comp.file], comp.span(expert)[0], [view])
+        col += comp.stride

@@ -48,16 +48,16 @@ class ChecksumError(OSError):
 class ExpertStore:
     """Open files and a read thread pool, shared by every layer's pool.
 
-    `packed` is the checkpoint's packed store (experts/packed.py) when one is in use;
-    the pools ask it for their layer's record file.
+    `packed` is set to the checkpoint's packed store (experts/packed.py) when one is in
+    use; the pools ask it for their layer's record file.
     """
 
-    def __init__(self, threads: int = DEFAULT_THREADS, page_cache: str = "keep", packed=None):
+    def __init__(self, threads: int = DEFAULT_THREADS, page_cache: str = "keep"):
         if page_cache not in PAGE_CACHE_MODES:
             raise ValueError(f"page_cache must be one of {', '.join(PAGE_CACHE_MODES)}, got {page_cache!r}")
         self.threads = max(1, int(threads))
         self.page_cache = page_cache
-        self.packed = packed
+        self.packed = None
         self._fds: dict[Path, int] = {}
         self._fd_lock = threading.Lock()
         # the calling thread is one of the `threads` readers (see _read_runs)
@@ -129,7 +129,7 @@ class ExpertStore:
     def _read_run(self, fd: int, run: list[ReadJob], verify) -> None:
         offset = run[0][1]
         buffers = [memoryview(b).cast("B") for job in run for b in job[2]]
-        length = _read_exact(fd, offset, buffers)
+        length = read_exact(fd, offset, buffers)
         if self.page_cache == "bypass" and sys.platform.startswith("linux"):
             # whole pages only are dropped: widen the range to page boundaries
             begin, end = offset // _PAGE * _PAGE, -(-(offset + length) // _PAGE) * _PAGE
@@ -169,7 +169,7 @@ def _merge(jobs: list[ReadJob]) -> list[list[ReadJob]]:
     return runs
 
 
-def _read_exact(fd: int, offset: int, buffers: list[memoryview]) -> int:
+def read_exact(fd: int, offset: int, buffers: list[memoryview]) -> int:
     """preadv until every buffer is full (a read may stop short); returns the bytes."""
     total = sum(len(b) for b in buffers)
     done = first = 0

@@ -7,6 +7,7 @@ stay mlx-lm's own: the only difference is that expert ids are remapped to slot i
 
 from __future__ import annotations
 
+import re
 import threading
 
 import mlx.core as mx
@@ -139,3 +140,14 @@ class StreamingExperts(nn.Module):
             return c.down_proj(c.activation(up, gate), slots, sorted_indices=sorted_indices)
         hidden = c.activation(c.fc1(x, slots, sorted_indices=sorted_indices))
         return c.fc2(hidden, slots, sorted_indices=sorted_indices)
+
+
+def expert_containers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every mlx-lm expert container (`SwitchGLU`, `SwitchMLP`) in the model, by module
+    path, in layer order: what `StreamingExperts` replaces."""
+    from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+
+    found = [
+        (name, m) for name, m in model.named_modules() if isinstance(m, (SwitchGLU, SwitchMLP))
+    ]
+    return sorted(found, key=lambda item: [int(n) for n in re.findall(r"\d+", item[0])])
