@@ -3,7 +3,7 @@
 import contextlib
 import io
 import json
-import time
+import re
 
 import mlx.core as mx
 import mlx_lm
@@ -271,10 +271,14 @@ def test_sharded_matches_single_file(built, arch, quant):
     assert mx.array_equal(a, b).item()
 
 
-def test_small_build_is_fast(tmp_path):
-    start = time.perf_counter()
+def test_a_complete_build_is_reused_and_a_different_one_replaces_it(tmp_path):
     build_checkpoint(tmp_path, "qwen3_moe", quant="4bit")
-    assert time.perf_counter() - start < 2.0
+    weights = tmp_path / "model.safetensors"
+    first = (weights.stat().st_ino, weights.stat().st_mtime_ns)
+    build_checkpoint(tmp_path, "qwen3_moe", quant="4bit")
+    assert (weights.stat().st_ino, weights.stat().st_mtime_ns) == first  # not written again
+    build_checkpoint(tmp_path, "qwen3_moe", quant="8bit")
+    assert describe(tmp_path)["quant"] == "8bit"
 
 
 def test_rejects_bad_arguments(tmp_path):
@@ -313,11 +317,12 @@ def test_interrupted_build_is_redone(tmp_path, monkeypatch):
     assert not (tmp_path / "factory.partial").exists()
 
 
-def test_supported_quants():
-    assert supported_quants("gpt_oss") == QUANTS
+def test_a_quant_an_architecture_does_not_ship_in_is_refused(tmp_path):
     for arch in ARCHITECTURES:
-        assert set(supported_quants(arch)) <= set(QUANTS)
-        assert {None, "4bit", "8bit"} <= set(supported_quants(arch))
+        for quant in set(QUANTS) - set(supported_quants(arch)):
+            with pytest.raises(ValueError, match=re.escape(str(supported_quants(arch)))):
+                build_checkpoint(tmp_path / arch, arch, quant=quant)
+    assert not list(tmp_path.rglob("*.safetensors"))
 
 
 def test_tiny_config_field_names():
@@ -389,10 +394,8 @@ def test_unprintable_ids_are_lone_bytes_and_controls(built):
     assert not bad & set(tokenizer.encode("The people of the town."))
 
 
-def test_tokenizer_is_deterministic_and_quick():
+def test_tokenizer_is_deterministic():
     tok_module.tokenizer_json.cache_clear()
-    start = time.perf_counter()
     first = tok_module.tokenizer_json()
-    assert time.perf_counter() - start < 1.0
     tok_module.tokenizer_json.cache_clear()
     assert tok_module.tokenizer_json() == first
