@@ -26,5 +26,7 @@ def register_models(register):
 @llm.hookimpl
 def register_commands(cli):
     from .cli import register
+    from .logs_db import prepare_logs_db
 
     register(cli)
+    prepare_logs_db()  # before any command: llm's first prompts race in its migrations

@@ -264,3 +264,29 @@ def test_verify_a_local_folder_against_its_recorded_manifest(llm_env, tmp_path):
     # recording again takes the files as they are now
     assert_ok(llm_env.run("mlxs", "verify", "Local", "--record"))
     assert_ok(llm_env.run("mlxs", "verify", "Local"))
+
+
+# -- 8: llm's own logging under concurrency -------------------------------------------
+
+
+def test_concurrent_first_commands_find_logs_db_complete(tmp_path):
+    """Five llm processes started at once on a fresh user directory: llm's own
+    migrations would race (table "schemas" already exists ...); the plugin builds the
+    database once, under a lock, before any command runs."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from llm.migrations import MIGRATIONS
+
+    env = {**os.environ, "LLM_USER_PATH": str(tmp_path / "llm"),
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    code = "import sys; from llm.cli import cli; sys.argv = ['llm', 'fragments', 'list']; cli()"
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(5)]
+    results = [p.communicate(timeout=120) + (p.returncode,) for p in procs]
+    assert [r[2] for r in results] == [0] * 5, [r[1] for r in results]
+    conn = sqlite3.connect(tmp_path / "llm" / "logs.db")
+    applied = {row[0] for row in conn.execute("select name from _llm_migrations")}
+    assert applied == {fn.__name__ for fn in MIGRATIONS}
+    assert not list((tmp_path / "llm").glob(".logs.db.tmp-*"))
