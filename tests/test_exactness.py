@@ -109,7 +109,7 @@ def test_slots_hold_the_bytes_on_disk_after_evictions(build):
         assert sum(pool.verify() for pool in loaded.pools) == 0
         # verify() really compares: corrupt one slot and it is found
         pool = loaded.pools[0]
-        view = pool._views[pool.layer.components[0].name]
+        view = pool._views[pool.layout.components[0].name]
         occupied = int(np.nonzero(pool.expert_in >= 0)[0][0])
         view[occupied, :8] ^= 0xFF
         assert pool.verify() == 1

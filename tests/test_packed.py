@@ -75,7 +75,7 @@ def test_the_safetensors_path_reads_each_component_separately(build, tmp_path):
         assert loaded.store.packed is None
         greedy_tokens(loaded.model, prompt_tokens(1000, n=20), 8)
         misses = sum(pool.counters.misses for pool in loaded.pools)
-        comps = len(loaded.pools[0].layer.components)
+        comps = len(loaded.pools[0].layout.components)
         # one job per component of each expert read (neighbouring ranges may then
         # share a preadv: tests/test_store.py)
         assert comps == 9 and misses > 0 and len(jobs) == comps * misses

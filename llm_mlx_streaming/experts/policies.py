@@ -61,7 +61,8 @@ class LRU(Policy):
 class LFU(Policy):
     """Least frequently used while resident, least recently used among equals.
 
-    This is Vates' policy: a count that starts at one when an expert is loaded.
+    The count starts at one when an expert is loaded and is dropped when it is evicted,
+    so it measures popularity during the current stay only (compare `DecayedLFU`).
     """
 
     name = "lfu"

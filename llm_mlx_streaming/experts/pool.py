@@ -60,7 +60,7 @@ class ExpertPool:
 
     def __init__(
         self,
-        layer: LayerExperts,
+        layout: LayerExperts,
         slots: int,
         dtypes: dict[str, mx.Dtype],
         store: ExpertStore,
@@ -68,15 +68,15 @@ class ExpertPool:
     ):
         if slots < 1:
             raise ValueError(f"expert_slots must be at least 1, got {slots}")
-        self.layer = layer
-        self.num_experts = layer.num_experts
+        self.layout = layout  # where each expert's bytes are on disk
+        self.num_experts = layout.num_experts
         self.slots = min(int(slots), self.num_experts)
         self.store = store
         self.policy = make_policy(policy, self.slots)
         self.counters = PoolCounters()
         self.arrays: dict[str, mx.array] = {}
         self._views: dict[str, np.ndarray] = {}
-        for comp in layer.components:
+        for comp in layout.components:
             arr = mx.zeros((self.slots, *comp.shape), dtype=dtypes[comp.name])
             mx.eval(arr)
             view = np.frombuffer(memoryview(arr), dtype=np.uint8)
@@ -178,8 +178,8 @@ class ExpertPool:
         (its record scattered into the component slots), else one per component from
         the safetensors. A packed read that fails or fails its checksum disables the
         packed store and is redone from the safetensors."""
-        comps = self.layer.components
-        packed = self.store.packed.layer(self.layer.key) if self.store.packed else None
+        comps = self.layout.components
+        packed = self.store.packed.layer(self.layout.key) if self.store.packed else None
         if packed is not None:
             jobs = [
                 (packed.file, packed.offset(e), [self._views[c.name][slot] for c in comps])
@@ -214,7 +214,7 @@ class ExpertPool:
         for slot, e in enumerate(self.expert_in):
             if e < 0:
                 continue
-            for comp in self.layer.components:
+            for comp in self.layout.components:
                 offset, length = comp.span(int(e))
                 disk = self.store.read_bytes(comp.file, offset, length)
                 if disk != self._views[comp.name][slot].tobytes():

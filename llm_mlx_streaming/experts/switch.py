@@ -32,11 +32,11 @@ def side_stream():
 class StreamingExperts(nn.Module):
     """Calls the mlx-lm container over resident slots, loading misses first."""
 
-    def __init__(self, container: nn.Module, spans: LayerExperts, layer: int):
+    def __init__(self, container: nn.Module, spans: LayerExperts, ordinal: int):
         super().__init__()
         self.experts = container
         self.spans = spans  # where this layer's experts live on disk
-        self.layer = layer  # ordinal among the model's MoE layers
+        self.ordinal = ordinal  # position among the model's MoE layers
         self.pool: ExpertPool | None = None  # set by the loader
         self.observer = None  # called with (layer, needed ids, single token) when tracing
 
@@ -52,7 +52,7 @@ class StreamingExperts(nn.Module):
         unique, first = np.unique(ids, return_index=True)
         needed = unique[np.argsort(first)]  # in the order the router named them
         if self.observer is not None:
-            self.observer(self.layer, needed, single_token)
+            self.observer(self.ordinal, needed, single_token)
         if len(needed) <= pool.slots:
             if single_token and indices.size < SORT_THRESHOLD:
                 return self._decode_call(x, indices, ids, needed)
@@ -64,7 +64,7 @@ class StreamingExperts(nn.Module):
         """Make `needed` resident; every route in `ids` must then have its slot."""
         self.pool.ensure(needed)
         if self.pool.unplaced(ids):
-            raise RuntimeError(f"layer {self.layer}: routes without a slot")
+            raise RuntimeError(f"MoE layer {self.ordinal}: routes without a slot")
 
     def _two_ways(self, x, slots: mx.array) -> mx.array:
         """The container over a decode call's routes, the first half on the side stream
@@ -119,7 +119,7 @@ class StreamingExperts(nn.Module):
             slots = pool.slot_of[ids[routes]]
             if (slots < 0).any():
                 pool.counters.unplaced += int((slots < 0).sum())
-                raise RuntimeError(f"layer {self.layer}: routes without a slot")
+                raise RuntimeError(f"MoE layer {self.ordinal}: routes without a slot")
             by_slot = np.argsort(slots, kind="stable")
             routes, slots = routes[by_slot], slots[by_slot]
             y = self._apply(
