@@ -34,7 +34,8 @@ def test_deleted_checkpoint_dir(llm_env, tmp_path):
     assert_ok(llm_env.run("mlxs", "add", str(copy)))
     shutil.rmtree(copy)
     assert_one_line_error(llm_env.run("-m", "mlx-stream/gone", "hi"), "no longer exists", str(copy))
-    assert_ok(llm_env.run("mlxs", "default", "gone"))
+    assert_one_line_error(llm_env.run("mlxs", "default", "gone"), "no longer exists")
+    llm_env.write_settings(**{**llm_env.read_settings(), "default_model": "gone"})  # gone after it became the default
     assert_one_line_error(llm_env.run("-m", "mlx-stream", "hi"), "no longer exists")
     # chat (which does not catch model errors itself) is one line too
     assert_one_line_error(llm_env.run("chat", "-m", "mlx-stream", input="hi\nquit\n"), "no longer exists")
