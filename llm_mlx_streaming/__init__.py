@@ -11,7 +11,8 @@ import llm
 @llm.hookimpl
 def register_models(register):
     from .model import MlxStreamModel
-    from .settings import BUNDLED_NAME, SettingsError, load_settings
+    from .errors import SettingsError
+    from .settings import BUNDLED_NAME, load_settings
 
     register(MlxStreamModel())
     register(MlxStreamModel(BUNDLED_NAME))

@@ -22,11 +22,11 @@ from pydantic import Field, field_validator
 from . import registry
 from .engine.request import LoadSpec, Request
 from .experts.policies import DEFAULT_POLICY
+from .errors import MlxStreamError, one_line
 from .settings import (
     AUTO_BUDGET_SHARE,
     BUNDLED_NAME,
     POLICIES,
-    MlxStreamError,
     Policy,
     Settings,
     budget_bytes,
@@ -83,7 +83,7 @@ class Resolved:
     slots_source: Optional[str]  # option | plan | model | setting | bundled
     budget: Optional[int]  # bytes, when the pools come from a memory plan
     policy: Optional[str]
-    resolved: str  # what response.resolved_model records
+    resolved_model: str  # what the response records as the model that answered
 
     def load_spec(self, settings: Settings) -> LoadSpec:
         return LoadSpec(
@@ -139,7 +139,7 @@ class MlxStreamModel(llm.Model):
             slots_source=source,
             budget=budget,
             policy=options.policy or settings.policy,
-            resolved=(entry.source if entry and entry.source else None) or str(path),
+            resolved_model=(entry.source if entry and entry.source else None) or str(path),
         )
 
     # -- execution --------------------------------------------------------
@@ -193,7 +193,7 @@ class MlxStreamModel(llm.Model):
         stats = _jsonable({**generation.stats, **_plan_figures(generation.stats, r)})
         response.set_usage(input=len(generation.started.prompt_tokens), output=stats.get("generated_tokens"))
         response.response_json = stats
-        response.set_resolved_model(r.resolved)
+        response.set_resolved_model(r.resolved_model)
 
 
 @contextmanager
@@ -212,7 +212,7 @@ def _one_line_errors(r: Resolved):
     except (EngineError, PromptError) as exc:
         raise MlxStreamError(str(exc)) from None
     except Exception as exc:  # template errors, OSError from a changed file, mlx errors
-        raise MlxStreamError(f"{type(exc).__name__}: {_one_line(exc)}") from None
+        raise MlxStreamError(f"{type(exc).__name__}: {one_line(exc)}") from None
 
 
 def plan_slots(name: str, path, value: str, budget: int, max_context: int):
@@ -221,7 +221,7 @@ def plan_slots(name: str, path, value: str, budget: int, max_context: int):
     A budget too small for the model is the planner's one-line error.
     """
     from .engine.planner import PlanError, plan_memory
-    from .experts.index import CheckpointError
+    from .errors import CheckpointError
 
     try:
         plan = plan_memory(path, budget, max_context=max_context)
@@ -232,7 +232,7 @@ def plan_slots(name: str, path, value: str, budget: int, max_context: int):
             ) from None
         raise MlxStreamError(str(exc)) from None
     except (CheckpointError, ValueError, OSError) as exc:
-        raise MlxStreamError(f"Could not plan '{name}' ({path}): {' '.join(str(exc).split())}") from None
+        raise MlxStreamError(f"Could not plan '{name}' ({path}): {one_line(exc)}") from None
     return list(plan.slots_per_layer) or None
 
 
@@ -242,10 +242,6 @@ def _plan_figures(stats: dict, r: Resolved) -> dict:
     if r.budget is not None:
         out["memory_budget_bytes"] = r.budget
     return {k: v for k, v in out.items() if k not in stats}
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _event(kind: str, chunk: str, metadata: Optional[dict] = None):

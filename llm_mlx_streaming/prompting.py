@@ -47,12 +47,8 @@ def chat_messages(prompt, think_start=None, think_end=None) -> tuple[list[dict],
     """
     from llm.parts import ReasoningPart, TextPart
 
-    messages = getattr(prompt, "messages", None)
-    if messages is None:  # llm before prompt.messages: single turn only
-        out = [{"role": "system", "content": prompt.system}] if prompt.system else []
-        return out + [{"role": "user", "content": prompt.prompt}], {}
     out, stored = [], {}
-    for message in messages:
+    for message in prompt.messages:
         if message.role not in ("system", "user", "assistant"):
             raise PromptError(f"mlx-stream cannot send '{message.role}' messages (no tool support)")
         bits = []

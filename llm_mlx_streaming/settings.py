@@ -20,8 +20,7 @@ import llm
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .engine.planner import DEFAULT_MAX_CONTEXT
-from .errors import MlxStreamError, SettingsError  # noqa: F401  (MlxStreamError: re-exported)
-from .experts.packed import CHECK_MODES
+from .errors import SettingsError
 from .experts.policies import DEFAULT_POLICY, POLICIES as POLICY_CLASSES
 from .experts.store import DEFAULT_THREADS, PAGE_CACHE_MODES
 from .sizes import parse_size
@@ -32,7 +31,6 @@ POLICIES = tuple(POLICY_CLASSES)
 Policy = Literal[POLICIES]
 PageCache = Literal[PAGE_CACHE_MODES]
 Packed = Literal["auto", "off"]
-PackedCheck = Literal[CHECK_MODES]
 AUTO_BUDGET_SHARE = 0.6  # memory_budget "auto": this share of physical memory
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -135,13 +133,6 @@ class Settings(BaseModel):
         description=(
             "auto: read experts from the model's packed store (`llm mlxs pack`) when "
             "one is present and valid; off: always read the safetensors."
-        ),
-    )
-    packed_check: PackedCheck = Field(
-        "first",
-        description=(
-            "When a packed record's checksum is checked: first (its first read in a "
-            "process) or always (every read, for disks you do not trust)."
         ),
     )
     models: dict[str, ModelEntry] = Field(

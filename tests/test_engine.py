@@ -157,7 +157,7 @@ def test_index_maps_every_expert_to_its_bytes(build):
     from safetensors.numpy import load_file
 
     for module in loaded.layers:
-        spans = module.spans
+        spans = module.layout
         assert {c.name for c in spans.components} >= {"gate_proj.weight", "up_proj.scales", "down_proj.biases"}
         for comp in spans.components:
             tensor = load_file(comp.file)[f"{spans.key}.{comp.name}"]

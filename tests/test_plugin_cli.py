@@ -22,7 +22,7 @@ def test_config_show_set_unset(llm_env):
     lines = {line.split()[0]: line for line in out.splitlines()[2:]}
     assert set(lines) == {
         "default_model", "expert_slots", "policy", "max_tokens",
-        "memory_budget", "max_context", "threads", "page_cache", "trace", "packed", "packed_check",
+        "memory_budget", "max_context", "threads", "page_cache", "trace", "packed",
     }
     assert " set " in lines["default_model"] and " default " in lines["max_tokens"]
 

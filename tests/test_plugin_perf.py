@@ -68,7 +68,6 @@ def planned_env(llm_env):
         ("page_cache", "bypass", "bypass", "bypass", "drop"),
         ("trace", "on", True, "on", "maybe"),
         ("packed", "off", "off", "off", "yes"),
-        ("packed_check", "always", "always", "always", "never"),
     ],
 )
 def test_config_of_each_new_setting(llm_env, key, good, stored, shown, bad):

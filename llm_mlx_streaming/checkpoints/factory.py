@@ -27,7 +27,6 @@ from . import tokenizer
 from .architectures import (
     ARCHITECTURES,
     EXPERT_WIDTH_FIELD,
-    EXPERTS_FIELD,
     tiny_config,
 )
 

@@ -11,11 +11,10 @@ import llm
 
 from .. import registry
 from ..checkpoints.config import check_checkpoint, describe, read_config
-from ..errors import CheckpointError, SettingsError
+from ..errors import CheckpointError, SettingsError, one_line
 from ..settings import BUNDLED_NAME, Settings, load_settings
 
 from . import mlxs
-from ..errors import one_line
 from ..sizes import format_size
 from .common import table
 from .resolve import has_packed

@@ -8,13 +8,10 @@ from pathlib import Path
 
 import click
 
-from ..settings import (
-    MlxStreamError,
-    load_settings,
-)
+from ..errors import MlxStreamError, one_line
+from ..settings import load_settings
 
 from . import mlxs
-from ..errors import one_line
 from ..sizes import format_size
 from .common import ByteProgress
 from .resolve import has_packed, resolve_checkpoint

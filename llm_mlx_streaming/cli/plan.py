@@ -7,18 +7,10 @@ import json
 import click
 
 from .. import registry
-from ..settings import (
-    AUTO_BUDGET_SHARE,
-    BUNDLED_NAME,
-    MlxStreamError,
-    SettingsError,
-    budget_bytes,
-    load_settings,
-    normalize_budget,
-)
+from ..errors import MlxStreamError, SettingsError, one_line
+from ..settings import AUTO_BUDGET_SHARE, BUNDLED_NAME, budget_bytes, load_settings, normalize_budget
 
 from . import mlxs
-from ..errors import one_line
 from .resolve import resolve_checkpoint
 
 

@@ -9,17 +9,10 @@ from pathlib import Path
 import click
 
 from .. import registry
-from ..settings import (
-    POLICIES,
-    MlxStreamError,
-    SettingsError,
-    load_settings,
-    trace_file,
-    traces_dir,
-)
+from ..errors import MlxStreamError, SettingsError, one_line
+from ..settings import POLICIES, load_settings, trace_file, traces_dir
 
 from . import mlxs
-from ..errors import one_line
 from ..sizes import format_size
 from .common import table
 

@@ -49,9 +49,17 @@ def _logged(db_path: Path, limit: int) -> list[dict]:
             stats = json.loads(item.pop("response_json") or "{}")
         except json.JSONDecodeError:
             stats = {}
-        item["stats"] = stats if isinstance(stats, dict) else {}
+        item["stats"] = _renamed(stats) if isinstance(stats, dict) else {}
         out.append(item)
     return out
+
+
+# Figures logged under an earlier name (rows written before the rename keep them).
+OLD_NAMES = {"gpu_fastpath": "calls_no_load", "gpu_fallback": "calls_loaded"}
+
+
+def _renamed(stats: dict) -> dict:
+    return {OLD_NAMES.get(k, k) if OLD_NAMES.get(k) not in stats else k: v for k, v in stats.items()}
 
 
 def _num(stats: dict, key: str) -> float:
@@ -88,6 +96,8 @@ def aggregate(rows: list[dict]) -> dict:
         "read_seconds": round(total("read_seconds"), 4),
         "read_mb_per_s": round(total("mb_read") / total("read_seconds"), 1) if total("read_seconds") else None,
         "unplaced": total("unplaced"),
+        "calls_no_load": total("calls_no_load"),
+        "calls_loaded": total("calls_loaded"),
         "peak_memory_bytes": max((_num(x, "peak_memory_bytes") for x in s), default=0),
     }
 
@@ -113,6 +123,7 @@ def _stat_lines(st: dict) -> list[list[str]]:
          + (f" ({hit_rate * 100:.1f}% hit rate)" if isinstance(hit_rate, (int, float)) else "")],
         ["evictions", n("evictions")],
         ["read from disk", f"{n('mb_read', '{} MB')} in {n('read_seconds', '{} s')}"],
+        ["layer calls", f"{n('calls_no_load')} with every expert resident, {n('calls_loaded')} that read experts"],
         ["unplaced routes", n("unplaced")],
         ["peak memory", format_size(st.get("peak_memory_bytes")) if st.get("peak_memory_bytes") is not None else "-"],
     ]

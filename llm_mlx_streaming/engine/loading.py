@@ -56,8 +56,8 @@ class StreamingModel:
         for i, (module, dtypes) in enumerate(zip(self.layers, self.dtypes)):
             slots = expert_slots[i] if isinstance(expert_slots, Sequence) else expert_slots
             if slots is None:
-                slots = module.spans.num_experts
-            pool = ExpertPool(module.spans, slots, dtypes, self.store, policy)
+                slots = module.layout.num_experts
+            pool = ExpertPool(module.layout, slots, dtypes, self.store, policy)
             module.experts.update(tree_unflatten(list(pool.arrays.items())))
             module.pool = None  # drop the old slots before filling the new ones
             if pool.slots == pool.num_experts:
@@ -103,7 +103,11 @@ def load_streaming(
         _replace(model, name, module)
     try:
         if packed and loaded.layers:
-            loaded.store.packed = open_packed(path, [m.spans for m in loaded.layers], packed_check)
+            loaded.store.packed = open_packed(path, [m.layout for m in loaded.layers], packed_check)
+        files = {c.file for m in loaded.layers for c in m.layout.components}
+        if loaded.store.packed:
+            files |= {layer.file for layer in loaded.store.packed.layers.values()}
+        loaded.store.open_files(files)
         loaded.build_pools(expert_slots, policy)
     except BaseException:
         loaded.store.close()

@@ -20,9 +20,8 @@ import threading
 import time
 from dataclasses import fields
 from pathlib import Path
-from typing import Iterator
 
-from ..experts.index import CheckpointError
+from ..errors import CheckpointError, one_line
 from ..experts.pool import PoolCounters
 from ..experts.policies import DEFAULT_POLICY, POLICIES
 from .generation import Cancelled, Channel, Generation, Started
@@ -109,10 +108,10 @@ class EngineManager:
             try:
                 self.loaded = load_streaming(path, expert_slots=expert_slots, policy=policy, **io)
             except (CheckpointError, ValueError, OSError) as e:
-                self.state, self.error = "error", _one_line(e)
+                self.state, self.error = "error", one_line(e)
                 raise EngineError(self.error) from None
             except BaseException as e:
-                self.state, self.error = "error", _one_line(e)
+                self.state, self.error = "error", one_line(e)
                 raise
             from .session import Session
 
@@ -158,6 +157,7 @@ class EngineManager:
         old = self.loaded.store
         new = ExpertStore(threads, page_cache)
         new.packed = getattr(old, "packed", None)
+        new.adopt(old)  # the files the model was loaded from, even if replaced since
         self.loaded.store = new
         for pool in self.loaded.pools:
             pool.store = new
@@ -275,17 +275,17 @@ class EngineManager:
         try:
             recorder.write(path, self.checkpoint.name)
         except OSError as e:
-            stats["trace_error"] = _one_line(e)
+            stats["trace_error"] = one_line(e)
             if str(path) not in self._warned:
                 self._warned.add(str(path))
-                print(f"mlx-stream: warning: routing trace not written: {_one_line(e)}", file=sys.stderr)
+                print(f"mlx-stream: warning: routing trace not written: {one_line(e)}", file=sys.stderr)
 
     def _recorder(self, trace_path):
         if trace_path is None or not self.loaded.layers:
             return None
         from .trace import TraceRecorder
 
-        return TraceRecorder(self.loaded.layers, self.loaded.layers[0].spans.num_experts).__enter__()
+        return TraceRecorder(self.loaded.layers, self.loaded.layers[0].layout.num_experts).__enter__()
 
     def _stats(self, before: PoolCounters, last, prompt: int, reused: int, prefilled: int, seconds: float) -> dict:
         import mlx.core as mx
@@ -312,8 +312,8 @@ class EngineManager:
             "read_mb_per_s": round(delta["bytes_read"] / delta["read_seconds"] / 1e6, 1)
             if delta["read_seconds"] else None,
             "unplaced": delta["unplaced"],
-            "gpu_fastpath": delta["gpu_fastpath"],
-            "gpu_fallback": delta["gpu_fallback"],
+            "calls_no_load": delta["calls_no_load"],
+            "calls_loaded": delta["calls_loaded"],
             "overlapped": delta["overlapped"],
             "peak_memory_bytes": int(mx.get_peak_memory()),
             "expert_slots": self.slots_per_layer(),
@@ -398,14 +398,16 @@ def _check_params(expert_slots, policy) -> None:
 
 def _io_params(threads, page_cache, packed) -> dict:
     """The read settings with the loader's defaults filled in; a bad one is an EngineError."""
-    from ..experts.store import DEFAULT_THREADS, PAGE_CACHE_MODES
+    from ..experts.store import DEFAULT_THREADS, check_page_cache
 
     threads = DEFAULT_THREADS if threads is None else threads
     if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
         raise EngineError(f"threads must be an integer of at least 1, got {threads!r}")
     page_cache = page_cache or "keep"
-    if page_cache not in PAGE_CACHE_MODES:
-        raise EngineError(f"page_cache must be one of {', '.join(PAGE_CACHE_MODES)}, got {page_cache!r}")
+    try:
+        check_page_cache(page_cache)
+    except ValueError as e:
+        raise EngineError(str(e)) from None
     return {"threads": threads, "page_cache": page_cache, "packed": True if packed is None else bool(packed)}
 
 
@@ -415,10 +417,6 @@ def store_in_use(loaded) -> str | None:
         return None
     packed = getattr(loaded.store, "packed", None)
     return "packed" if packed is not None and not getattr(packed, "disabled", None) else "safetensors"
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
 
 
 class _EngineThread:

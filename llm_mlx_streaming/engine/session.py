@@ -4,7 +4,7 @@ A chat turn's prompt is the previous turn's prompt and reply plus the new messag
 its tokens usually extend what the cache already holds: only the new tokens need a
 prefill. Caches that can be trimmed (attention KV) are cut back to the common prefix;
 those that cannot (linear-attention state) are reused only when the cached tokens are a
-strict prefix of the new prompt, as Vates does.
+strict prefix of the new prompt: such a state cannot be rewound, only extended.
 """
 
 from __future__ import annotations

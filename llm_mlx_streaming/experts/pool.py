@@ -29,8 +29,8 @@ class PoolCounters:
     bytes_read: int = 0
     read_seconds: float = 0.0  # wall time of the (parallel) reads
     reads: int = 0  # preadv calls (contiguous jobs are merged into one)
-    gpu_fastpath: int = 0  # layer calls whose experts were all resident: no load
-    gpu_fallback: int = 0  # layer calls that had to load
+    calls_no_load: int = 0  # layer calls whose experts were all resident (any backend)
+    calls_loaded: int = 0  # layer calls that had to read experts first
     overlapped: int = 0  # decode calls whose resident routes ran while the misses were read
     unplaced: int = 0  # routes without their own expert's slot: must stay 0
 
@@ -111,9 +111,9 @@ class ExpertPool:
         c = self.counters
         c.hits += len(needed) - len(misses)
         if not misses:
-            c.gpu_fastpath += 1
+            c.calls_no_load += 1
             return 0
-        c.gpu_fallback += 1
+        c.calls_loaded += 1
         try:
             targets = [(e, self._take_slot(protected)) for e in misses]
             result = self._read(targets)

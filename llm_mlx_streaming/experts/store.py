@@ -53,8 +53,7 @@ class ExpertStore:
     """
 
     def __init__(self, threads: int = DEFAULT_THREADS, page_cache: str = "keep"):
-        if page_cache not in PAGE_CACHE_MODES:
-            raise ValueError(f"page_cache must be one of {', '.join(PAGE_CACHE_MODES)}, got {page_cache!r}")
+        check_page_cache(page_cache)
         self.threads = max(1, int(threads))
         self.page_cache = page_cache
         self.packed = None
@@ -70,15 +69,37 @@ class ExpertStore:
                 fd = self._fds.get(file)
                 if fd is None:
                     fd = os.open(file, os.O_RDONLY)
-                    if self.page_cache == "bypass" and sys.platform == "darwin":
-                        import fcntl
-
-                        fcntl.fcntl(fd, getattr(fcntl, "F_NOCACHE", _F_NOCACHE), 1)
-                    elif self.page_cache == "bypass" and sys.platform.startswith("linux"):
-                        # no readahead either: it would cache bytes no one asked for
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                    if self.page_cache == "bypass":
+                        self._apply_mode(fd)
                     self._fds[file] = fd
         return fd
+
+    def _apply_mode(self, fd: int) -> None:
+        """Set the page-cache mode on an open file (bypass: no caching, no readahead,
+        which would cache bytes no one asked for)."""
+        bypass = self.page_cache == "bypass"
+        if sys.platform == "darwin":
+            import fcntl
+
+            fcntl.fcntl(fd, getattr(fcntl, "F_NOCACHE", _F_NOCACHE), 1 if bypass else 0)
+        elif sys.platform.startswith("linux"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM if bypass else os.POSIX_FADV_NORMAL)
+
+    def open_files(self, files) -> None:
+        """Open `files` now (at load): every later read then comes from the files the
+        model was loaded from, even if one is replaced under the same name meanwhile."""
+        for file in files:
+            self._fd(Path(file))
+
+    def adopt(self, old: "ExpertStore") -> None:
+        """Take over the open files of the store this one replaces, in this store's
+        page-cache mode, for the same reason as `open_files`."""
+        with old._fd_lock:
+            fds, old._fds = old._fds, {}
+        with self._fd_lock:
+            for file, fd in fds.items():
+                self._apply_mode(fd)
+                self._fds.setdefault(file, fd)
 
     def read(self, jobs: Sequence[ReadJob], verify: Callable[[ReadJob], bool] | None = None) -> ReadResult:
         """Fill every job's buffers from its file range; returns bytes, seconds, reads.
@@ -148,6 +169,12 @@ class ExpertStore:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+def check_page_cache(mode: str) -> None:
+    """A ValueError unless `mode` is one of PAGE_CACHE_MODES."""
+    if mode not in PAGE_CACHE_MODES:
+        raise ValueError(f"page_cache must be one of {', '.join(PAGE_CACHE_MODES)}, got {mode!r}")
 
 
 def _merge(jobs: list[ReadJob]) -> list[list[ReadJob]]:

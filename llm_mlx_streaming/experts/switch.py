@@ -32,10 +32,10 @@ def side_stream():
 class StreamingExperts(nn.Module):
     """Calls the mlx-lm container over resident slots, loading misses first."""
 
-    def __init__(self, container: nn.Module, spans: LayerExperts, ordinal: int):
+    def __init__(self, container: nn.Module, layout: LayerExperts, ordinal: int):
         super().__init__()
         self.experts = container
-        self.spans = spans  # where this layer's experts live on disk
+        self.layout = layout  # where this layer's experts live on disk
         self.ordinal = ordinal  # position among the model's MoE layers
         self.pool: ExpertPool | None = None  # set by the loader
         self.observer = None  # called with (layer, needed ids, single token) when tracing
@@ -46,7 +46,7 @@ class StreamingExperts(nn.Module):
         if pool.whole and single_token and self.observer is None:
             # Every expert resident: no need to read the router's choice back.
             pool.counters.hits += indices.size
-            pool.counters.gpu_fastpath += 1
+            pool.counters.calls_no_load += 1
             return self._two_ways(x, pool.remap(indices))
         ids = np.array(indices).reshape(-1)
         unique, first = np.unique(ids, return_index=True)
