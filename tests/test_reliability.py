@@ -290,3 +290,18 @@ def test_concurrent_first_commands_find_logs_db_complete(tmp_path):
     applied = {row[0] for row in conn.execute("select name from _llm_migrations")}
     assert applied == {fn.__name__ for fn in MIGRATIONS}
     assert not list((tmp_path / "llm").glob(".logs.db.tmp-*"))
+
+
+def test_stats_shows_layer_calls_also_from_rows_logged_under_the_old_names(llm_env):
+    assert_ok(llm_env.run("-m", "mlx-stream", "-o", "max_tokens", "4", PROMPT))
+    stats = llm_env.turns()[-1]["stats"]
+    new = (stats["calls_no_load"], stats["calls_loaded"])
+    assert new[1] > 0 and "gpu_fastpath" not in stats
+    conn = sqlite3.connect(llm_env.user_dir / "logs.db")
+    old = {("gpu_fastpath" if k == "calls_no_load" else "gpu_fallback" if k == "calls_loaded" else k): v
+           for k, v in stats.items()}
+    conn.execute("update turns set response_json = ?", [json.dumps(old)])
+    conn.commit()
+    conn.close()
+    shown = assert_ok(llm_env.run("mlxs", "stats")).stdout
+    assert f"layer calls       {new[0]} with every expert resident, {new[1]} that read experts" in shown
