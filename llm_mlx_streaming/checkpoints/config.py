@@ -111,9 +111,9 @@ def _check_model_type(config: dict, config_file: Path) -> None:
     try:
         _get_classes(config)
     except (ValueError, ImportError):
-        import mlx_lm
+        from importlib.metadata import version
 
         raise CheckpointError(
             f"{config_file}: model_type {config['model_type']!r} is not one that mlx-lm "
-            f"{getattr(mlx_lm, '__version__', '')} knows".replace("  ", " ")
+            f"{version('mlx-lm')} knows"
         ) from None
