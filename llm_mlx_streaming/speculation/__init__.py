@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters propose tokens, one pass of the streamed model verifies them."""
