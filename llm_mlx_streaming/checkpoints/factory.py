@@ -24,6 +24,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import _get_classes, get_total_parameters, quantize_model, save_config
 
 from . import tokenizer
+from .mtp import HEAD_ARCHITECTURES, build_head, head_prefix
 from .architectures import (
     ARCHITECTURES,
     EXPERT_WIDTH_FIELD,
@@ -89,6 +90,7 @@ def build_checkpoint(
     num_experts: int = 8,
     top_k: int = 2,
     moe_intermediate_size: int = 32,
+    mtp: bool = False,
     **overrides,
 ) -> Path:
     """Write a random mlx-lm checkpoint into `path` and return the path.
@@ -98,13 +100,19 @@ def build_checkpoint(
     tokenizer.json and tokenizer_config.json. A complete checkpoint already at
     `path` that was built with the same arguments is reused: `factory.json`
     records them and is written last, so an interrupted build is redone.
-    `overrides` go into config.json (see `tiny_config`).
+    `overrides` go into config.json (see `tiny_config`). `mtp` adds a multi-token-
+    prediction head under the names the real checkpoints use (checkpoints/mtp.py), for
+    the architectures in HEAD_ARCHITECTURES.
     """
     path = Path(path)
     if quant not in supported_quants(arch):
         raise ValueError(f"{arch} supports quant in {supported_quants(arch)}, not {quant!r}")
     if shards < 1:
         raise ValueError("shards must be >= 1")
+    if mtp and arch not in HEAD_ARCHITECTURES:
+        raise ValueError(f"mtp heads exist for {HEAD_ARCHITECTURES}, not {arch!r}")
+    if mtp:  # recorded only when set, so existing checkpoints keep their marker
+        overrides = {**_MTP_CONFIG[arch], **overrides}
     arguments = _normalise(
         dict(
             arch=arch,
@@ -117,6 +125,7 @@ def build_checkpoint(
             top_k=top_k,
             moe_intermediate_size=moe_intermediate_size,
             overrides=overrides,
+            **({"mtp": True} if mtp else {}),
         )
     )
     path.mkdir(parents=True, exist_ok=True)
@@ -138,7 +147,8 @@ def build_checkpoint(
         # On the CPU everywhere, so quantized bytes do not depend on the backend.
         with mx.stream(mx.cpu):
             model, config = _make_model(config, seed, quant)
-            files = _save_weights(path, model, shards)
+            head = _make_head(model, config, seed, quant) if mtp else {}
+            files = _save_weights(path, model, shards, head)
         del model
         save_config(config, path / "config.json")
         tokenizer.write_tokenizer(path)
@@ -203,6 +213,59 @@ def _make_model(config: dict, seed: int, quant: str | None):
         config["quantization"] = {**qparams, **per_path}
         config["quantization_config"] = config["quantization"]
     return model, config
+
+
+# The config field that declares the head, as the real checkpoints spell it.
+_MTP_CONFIG = {
+    "deepseek_v3": {"num_nextn_predict_layers": 1},
+    "glm4_moe": {"num_nextn_predict_layers": 1},
+    "qwen3_next": {"mtp_num_hidden_layers": 1},
+}
+
+
+def _make_head(model, config: dict, seed: int, quant: str | None) -> dict:
+    """The MTP head's tensors by checkpoint name, filled and quantized like the model's.
+
+    Each tensor is drawn from its own checkpoint name's stream. DeepSeek-style heads
+    carry their own output projection and a copy of the embedding; here both are the
+    target's (the DeepSeek-V3 report shares them), so the head drafts printable tokens.
+    Per-path quantization entries are added to `config["quantization"]`.
+    """
+    prefix = head_prefix(config)
+    head = build_head(config)
+    special = _unused_token_ids(config)
+    head.update(tree_unflatten([
+        (key, mx.array(_init_array(prefix + key, value.shape, seed, config, special)))
+        for key, value in tree_flatten(head.parameters())
+    ]))
+    if quant:
+        model_predicate = getattr(model, "quant_predicate", None)
+
+        def predicate(path, module):
+            if path == "shared_head.head":
+                return False  # replaced by the target's lm_head below
+            result = model_predicate(prefix + path, module) if model_predicate else True
+            if isinstance(result, dict) and module.weight.shape[-1] % result["group_size"]:
+                return False
+            return result
+
+        qparams = quant_params(quant, config)
+        with contextlib.redirect_stdout(io.StringIO()):
+            _, qconfig = quantize_model(head, {}, qparams["group_size"], qparams["bits"],
+                                        mode=qparams["mode"], quant_predicate=predicate)
+        config["quantization"].update({
+            prefix + k: v for k, v in qconfig["quantization"].items() if k not in qparams
+        })
+        config["quantization_config"] = config["quantization"]
+    weights = dict(tree_flatten(head.parameters()))
+    if "shared_head" in head:
+        weights = {k: v for k, v in weights.items() if not k.startswith("shared_head.head.")}
+        weights.update({f"shared_head.head.{k}": v
+                        for k, v in tree_flatten(model.lm_head.parameters())})
+        weights.update({f"embed_tokens.{k}": v
+                        for k, v in tree_flatten(model.model.embed_tokens.parameters())})
+    mx.eval(weights)
+    return {prefix + k: v for k, v in weights.items()}
 
 
 def _quantize_block(model, block, qparams, model_predicate) -> dict:
@@ -315,9 +378,10 @@ def _layer_index(block: str) -> int:
 # -- writing ----------------------------------------------------------------
 
 
-def _save_weights(path: Path, model, shards: int) -> list[str]:
-    """Save like mlx_lm.utils.save_model, but split into `shards` files of ~equal size."""
-    weights = dict(tree_flatten(model.parameters()))
+def _save_weights(path: Path, model, shards: int, extra: dict) -> list[str]:
+    """Save like mlx_lm.utils.save_model, but split into `shards` files of ~equal size;
+    `extra` tensors (an MTP head) are saved with the model's."""
+    weights = {**dict(tree_flatten(model.parameters())), **extra}
     keys = sorted(weights)
     shards = min(shards, len(keys))
     total = sum(weights[k].nbytes for k in keys)

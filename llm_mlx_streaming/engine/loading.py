@@ -18,6 +18,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..checkpoints.config import check_checkpoint
+from ..checkpoints.mtp import classes_without_head
 from ..errors import CheckpointError, one_line
 from ..experts.index import CheckpointIndex
 from ..experts.policies import DEFAULT_POLICY
@@ -38,6 +39,11 @@ class StreamingModel:
     store: ExpertStore
     layers: list[StreamingExperts] = field(default_factory=list)
     dtypes: list[dict] = field(default_factory=list)
+    # The checkpoint's MTP head (engine/mtp_head.py), loaded when a drafter first asks;
+    # its experts stream through a pool of their own, rebuilt with the others.
+    mtp_head: object = None
+    expert_slots: int | Sequence[int] | None = None  # as last given to build_pools
+    policy: str = DEFAULT_POLICY
 
     @property
     def pools(self) -> list[ExpertPool]:
@@ -55,14 +61,24 @@ class StreamingModel:
             )
         for i, (module, dtypes) in enumerate(zip(self.layers, self.dtypes)):
             slots = expert_slots[i] if isinstance(expert_slots, Sequence) else expert_slots
-            if slots is None:
-                slots = module.layout.num_experts
-            pool = ExpertPool(module.layout, slots, dtypes, self.store, policy)
-            module.experts.update(tree_unflatten(list(pool.arrays.items())))
-            module.pool = None  # drop the old slots before filling the new ones
-            if pool.slots == pool.num_experts:
-                pool.fill()
-            module.pool = pool
+            attach_pool(module, dtypes, slots, self.store, policy)
+        self.expert_slots, self.policy = expert_slots, policy
+        if self.mtp_head is not None:
+            self.mtp_head.build_pool(self)
+
+
+def attach_pool(module: StreamingExperts, dtypes: dict, slots: int | None, store: ExpertStore,
+                policy: str) -> ExpertPool:
+    """Give `module` a new pool of `slots` (None: one per expert), filled when whole."""
+    if slots is None:
+        slots = module.layout.num_experts
+    pool = ExpertPool(module.layout, slots, dtypes, store, policy)
+    module.experts.update(tree_unflatten(list(pool.arrays.items())))
+    module.pool = None  # drop the old slots before filling the new ones
+    if pool.slots == pool.num_experts:
+        pool.fill()
+    module.pool = pool
+    return pool
 
 
 def load_streaming(
@@ -85,7 +101,7 @@ def load_streaming(
     check_checkpoint(path)  # config.json and every shard's header
     index = CheckpointIndex(path)
     try:
-        model, config = load_model(path, lazy=True)
+        model, config = load_model(path, lazy=True, get_model_classes=classes_without_head)
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise CheckpointError(f"{path}: mlx-lm cannot load this checkpoint: {one_line(e)}") from None
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))

@@ -1,0 +1,168 @@
+"""MTP heads: the factory writes them under the real checkpoints' names, the engine loads
+them (mlx-lm drops them), their experts stream through a pool, and the head computes
+what the published formula says."""
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache
+from mlx_lm.utils import load_model
+
+from llm_mlx_streaming.engine.loading import load_streaming
+from llm_mlx_streaming.engine.mtp_head import NoHeadError, mtp_head
+from llm_mlx_streaming.experts.index import CheckpointIndex
+
+HEADS = [("deepseek_v3", None), ("deepseek_v3", "4bit"), ("qwen3_next", None),
+         ("qwen3_next", "8bit")]
+TOKENS = [[11, 42, 97, 230]]
+
+# The names vLLM / sglang read (deepseek_mtp.py, qwen3_next_mtp.py), relative to the
+# head's prefix; the decoder layer's own tensors come on top.
+DEEPSEEK_NAMES = {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+                  "shared_head.head.weight", "embed_tokens.weight"}
+QWEN3_NEXT_NAMES = {"fc.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight",
+                    "norm.weight"}
+
+
+def _head_tensors(path, prefix):
+    return {k[len(prefix):]: e for k, e in CheckpointIndex(path).tensors.items()
+            if k.startswith(prefix)}
+
+
+@pytest.mark.parametrize("arch,quant", HEADS)
+def test_factory_writes_the_head_under_the_real_names(build, arch, quant):
+    path = build(arch, quant=quant, mtp=True)
+    config = json.loads((path / "config.json").read_text())
+    if arch == "qwen3_next":
+        assert config["mtp_num_hidden_layers"] == 1
+        names, expected, layer = _head_tensors(path, "mtp."), QWEN3_NEXT_NAMES, "layers.0."
+    else:
+        assert config["num_nextn_predict_layers"] == 1
+        prefix = f"model.layers.{config['num_hidden_layers']}."
+        names, expected, layer = _head_tensors(path, prefix), DEEPSEEK_NAMES, ""
+    assert expected <= set(names)
+    for proj in ("gate_proj", "up_proj", "down_proj"):  # stacked routed experts
+        entry = names[f"{layer}mlp.switch_mlp.{proj}.weight"]
+        assert entry.shape[0] == config.get("n_routed_experts", config.get("num_experts"))
+    assert f"{layer}self_attn.o_proj.weight" in names
+    assert f"{layer}post_attention_layernorm.weight" in names
+    fc = names["fc.weight" if arch == "qwen3_next" else "eh_proj.weight"]
+    assert fc.shape[0] == config["hidden_size"]  # (H, 2H), packed when quantized
+    if quant:
+        assert (fc.dtype, names[f"{layer}mlp.switch_mlp.up_proj.weight"].dtype) == ("U32", "U32")
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_next"])
+def test_the_head_leaves_the_target_model_untouched(build, arch):
+    """Same seed with and without a head: the target's tensors are bit-identical, and the
+    engine loads the head-carrying checkpoint (stock mlx-lm refuses its extra tensors)."""
+    plain, with_head = build(arch), build(arch, mtp=True)
+    with pytest.raises(ValueError, match="parameters not in model"):
+        load_model(with_head, lazy=True)
+    stock, _ = load_model(plain)
+    loaded = load_streaming(with_head, expert_slots=3)
+    try:
+        tokens = mx.array(TOKENS)
+        assert mx.array_equal(stock(tokens), loaded.model(tokens)).item()
+    finally:
+        loaded.store.close()
+
+
+def _rms(x, weight, eps):
+    return x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def _reference(path, arch, tokens, hidden):
+    """The head's logits written from the formula, with a stock mlx-lm decoder layer
+    holding every expert: proj(concat(norm_e(embed(x)), norm_h(h))) -> layer -> norm -> head."""
+    import sys
+
+    from mlx_lm.models.base import create_attention_mask
+    from mlx_lm.utils import _get_classes
+
+    config = json.loads((path / "config.json").read_text())
+    weights = {}
+    for file in path.glob("model*.safetensors"):
+        weights.update(mx.load(str(file)))
+    eps = config["rms_norm_eps"]
+    model_class, args_class = _get_classes(config)
+    args = args_class.from_dict(config)
+    module = sys.modules[model_class.__module__]
+    embedded = weights["model.embed_tokens.weight"][tokens]
+    if arch == "qwen3_next":
+        p = "mtp."
+        e = _rms(embedded, weights[p + "pre_fc_norm_embedding.weight"], eps)
+        h = _rms(hidden, weights[p + "pre_fc_norm_hidden.weight"], eps)
+        x = mx.concatenate([e, h], axis=-1) @ weights[p + "fc.weight"].T
+        layer = module.Qwen3NextDecoderLayer(args, layer_idx=args.full_attention_interval - 1)
+        prefix = p + "layers.0."
+    else:
+        p = f"model.layers.{config['num_hidden_layers']}."
+        e = _rms(embedded, weights[p + "enorm.weight"], eps)
+        h = _rms(hidden, weights[p + "hnorm.weight"], eps)
+        x = mx.concatenate([e, h], axis=-1) @ weights[p + "eh_proj.weight"].T
+        layer = module.DeepseekV3DecoderLayer(args, layer_idx=config["num_hidden_layers"])
+        prefix = p
+    own = {k for k, _ in tree_flatten(layer.parameters())}
+    layer.load_weights([(k[len(prefix):], v) for k, v in weights.items()
+                        if k.startswith(prefix) and k[len(prefix):] in own])
+    mask = create_attention_mask(x, None, return_array=True)
+    x = layer(x, mask, KVCache())
+    if arch == "qwen3_next":
+        return _rms(x, weights["mtp.norm.weight"], eps) @ weights["lm_head.weight"].T
+    return _rms(x, weights[p + "shared_head.norm.weight"], eps) @ weights[p + "shared_head.head.weight"].T
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_next"])
+def test_head_computes_the_published_formula(build, arch):
+    """With fewer slots than the pass needs (the expert-major path runs), the streamed head
+    gives the reference's logits; the pool read what it says it read."""
+    path = build(arch, mtp=True)
+    loaded = load_streaming(path, expert_slots=2)
+    try:
+        tokens = mx.array(TOKENS)
+        hidden = loaded.model.model(tokens)
+        head = mtp_head(loaded)
+        _, logits = head.head.step(loaded.model, tokens, hidden, KVCache())
+        expected = _reference(path, arch, tokens, hidden)
+        np.testing.assert_allclose(np.array(logits), np.array(expected), rtol=1e-5, atol=1e-5)
+        pool = head.pool
+        assert pool.slots == 2 and pool not in loaded.pools
+        assert pool.counters.misses > 2  # more distinct experts than slots were streamed
+        assert pool.counters.bytes_read == pool.counters.misses * pool.layout.expert_bytes
+        assert pool.counters.unplaced == 0 and pool.verify() == 0
+    finally:
+        loaded.store.close()
+
+
+def test_the_head_pool_follows_the_models_pools(build):
+    loaded = load_streaming(build("qwen3_next", mtp=True), expert_slots=3)
+    try:
+        head = mtp_head(loaded)
+        assert head.pool.slots == 3 and mtp_head(loaded) is head
+        loaded.build_pools([2, 5], "lru")  # a memory plan: the head gets the largest
+        assert head.pool.slots == 5
+        loaded.build_pools(None, "lru")
+        assert head.pool.whole and head.pool.counters.misses == head.pool.num_experts
+    finally:
+        loaded.store.close()
+
+
+@pytest.mark.parametrize("arch,kwargs,says", [
+    ("deepseek_v3", {}, "declares none"),
+    ("qwen3_moe", {}, "declares none"),
+    ("deepseek_v3", {"num_nextn_predict_layers": 1}, "no model.layers.2.* tensors"),
+])
+def test_a_checkpoint_without_a_head_is_one_line(build, arch, kwargs, says):
+    loaded = load_streaming(build(arch, **kwargs), expert_slots=2)
+    try:
+        with pytest.raises(NoHeadError, match=says) as raised:
+            mtp_head(loaded)
+        assert "\n" not in str(raised.value) and "MTP" in str(raised.value)
+        assert loaded.mtp_head is None
+    finally:
+        loaded.store.close()
