@@ -166,3 +166,67 @@ def test_a_checkpoint_without_a_head_is_one_line(build, arch, kwargs, says):
         assert loaded.mtp_head is None
     finally:
         loaded.store.close()
+
+
+# -- the drafter ---------------------------------------------------------------------
+
+
+def _drafter(loaded):
+    from llm_mlx_streaming.speculation.drafter import DraftContext, make_drafter
+
+    return make_drafter("mtp", DraftContext(model=loaded.model, tokenizer=loaded.tokenizer,
+                                            checkpoint=loaded.path, loaded=loaded))
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_next"])
+def test_drafter_drafts_the_heads_greedy_chain(build, arch):
+    """First draft: the reference head's argmax after the accepted pairs. Each further
+    draft: what the head gives when its previous output and draft are appended as one
+    more pair in a single fresh pass (so the chain's cache handling is checked against
+    a batched computation). Proposing again gives the same drafts: guesses leave the
+    head's cache as it was."""
+    path = build(arch, mtp=True)
+    loaded = load_streaming(path, expert_slots=3)
+    try:
+        drafter = _drafter(loaded)
+        assert (drafter.name, drafter.needs_hidden) == ("mtp", True)
+        prompt = TOKENS[0]
+        hidden = loaded.model.model(mx.array([prompt]))
+        drafter.reset(prompt[:1])
+        drafter.accept(prompt[1:], hidden[0, :-1])  # pairs (h_t, x_t+1)
+        drafts = drafter.propose(3)
+        assert drafts == drafter.propose(3) and drafter.cache.offset == len(prompt) - 1
+        expected = _reference(path, arch, mx.array([prompt[1:]]), hidden[:, :-1])
+        assert drafts[0] == int(mx.argmax(expected[0, -1]).item())
+
+        step = mtp_head(loaded).head.step
+        tokens, states = list(prompt[1:]), hidden[:, :-1]
+        for i in range(1, 3):
+            out, _ = step(loaded.model, mx.array([tokens]), states, KVCache())
+            tokens.append(drafts[i - 1])
+            states = mx.concatenate([hidden[:, :-1], out[:, len(prompt) - 2:]], axis=1)
+            _, logits = step(loaded.model, mx.array([tokens]), states, KVCache())
+            assert drafts[i] == int(mx.argmax(logits[0, -1]).item())
+
+        drafter.accept([drafts[0]], hidden[0, -1:])
+        assert drafter.cache.offset == len(prompt)
+        drafter.reset(prompt + [drafts[0], 5])  # the next chat turn: the cache is kept
+        assert drafter.cache.offset == len(prompt) and drafter.propose(2) == []
+        drafter.reset([7, 8])  # another conversation: a new cache
+        assert drafter.cache.offset == 0
+    finally:
+        loaded.store.close()
+
+
+def test_draft_mtp_without_a_head_is_one_line(build):
+    from llm_mlx_streaming.speculation.drafter import DraftContext, DraftError, make_drafter
+
+    loaded = load_streaming(build("deepseek_v3"), expert_slots=2)
+    try:
+        with pytest.raises(DraftError, match=r"no multi-token-prediction \(MTP\) head") as raised:
+            _drafter(loaded)
+        assert "\n" not in str(raised.value)
+        with pytest.raises(DraftError, match="streamed model"):
+            make_drafter("mtp", DraftContext(model=loaded.model, tokenizer=None))
+    finally:
+        loaded.store.close()

@@ -1,0 +1,75 @@
+"""The `mtp` drafter: the checkpoint's own multi-token-prediction head drafts.
+
+After each verify pass the engine hands over the accepted tokens and the target's final
+hidden states at the positions that produced them. Each pair (h_t, x_{t+1}) goes
+through the head (engine/mtp_head.py), which extends its own small KV cache and leaves
+the logits for the token after x_{t+1}: the first draft, greedy. Further drafts chain
+the head on its own output hidden state and its own draft; those chained positions are
+trimmed from the head's cache again at once, so the cache only ever holds pairs of
+accepted tokens and a rollback of the target never needs to touch it.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from ..engine.mtp_head import LoadedHead, NoHeadError, mtp_head
+from .drafter import DraftContext, DraftError, register
+
+
+class MTPDrafter:
+    name = "mtp"
+    needs_hidden = True
+
+    def __init__(self, model, head: LoadedHead):
+        self.model = model
+        self.head = head
+        self.cache = KVCache()
+        self.seen: list[int] = []  # the sequence the head's cache belongs to
+        self._hidden = None  # head output at the last accepted pair: (1, 1, H)
+        self._logits = None  # head logits there: the first draft's
+
+    def reset(self, tokens: list[int]) -> None:
+        """A continuation of what the head has seen (the next chat turn) keeps its cache;
+        anything else starts a new one."""
+        tokens = [int(t) for t in tokens]
+        if tokens[: len(self.seen)] != self.seen or not self.seen:
+            self.cache = KVCache()
+        self.seen = tokens
+        self._hidden = self._logits = None
+
+    def accept(self, tokens: list[int], hidden) -> None:
+        self.seen.extend(int(t) for t in tokens)
+        if hidden is None or not len(tokens):
+            self._hidden = self._logits = None
+            return
+        x, logits = self.head.head.step(
+            self.model, mx.array(tokens, dtype=mx.uint32)[None], hidden.reshape(1, len(tokens), -1),
+            self.cache,
+        )
+        self._hidden, self._logits = x[:, -1:], logits[0, -1]
+
+    def propose(self, k: int) -> list[int]:
+        if k <= 0 or self._logits is None:
+            return []
+        drafts = [int(mx.argmax(self._logits).item())]
+        x = self._hidden
+        for _ in range(k - 1):
+            x, logits = self.head.head.step(
+                self.model, mx.array([[drafts[-1]]], dtype=mx.uint32), x, self.cache
+            )
+            drafts.append(int(mx.argmax(logits[0, -1]).item()))
+        self.cache.trim(k - 1)  # chained positions are guesses: drop them again
+        return drafts
+
+
+@register("mtp")
+def _build(context: DraftContext) -> MTPDrafter:
+    if context.loaded is None:
+        raise DraftError("`-o draft mtp` needs the engine's streamed model")
+    try:
+        head = mtp_head(context.loaded)
+    except NoHeadError as e:
+        raise DraftError(str(e)) from None
+    return MTPDrafter(context.model, head)
