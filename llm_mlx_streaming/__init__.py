@@ -10,18 +10,20 @@ import llm
 
 @llm.hookimpl
 def register_models(register):
+    from .async_model import MlxStreamAsyncModel
     from .model import MlxStreamModel
     from .errors import SettingsError
     from .settings import BUNDLED_NAME, load_settings
 
-    register(MlxStreamModel())
-    register(MlxStreamModel(BUNDLED_NAME))
+    # Each id has a sync and an async model; both share the one engine.
+    register(MlxStreamModel(), MlxStreamAsyncModel())
+    register(MlxStreamModel(BUNDLED_NAME), MlxStreamAsyncModel(BUNDLED_NAME))
     try:
         settings = load_settings()
     except SettingsError:
         return  # `-m mlx-stream` (and `llm mlxs`) report the file problem
     for name, entry in settings.models.items():
-        register(MlxStreamModel(name), aliases=tuple(entry.aliases))
+        register(MlxStreamModel(name), MlxStreamAsyncModel(name), aliases=tuple(entry.aliases))
 
 
 @llm.hookimpl

@@ -32,13 +32,16 @@ from .settings import (
     budget_bytes,
     load_settings,
     normalize_budget,
+    parse_switch,
     trace_file,
 )
 
 
 class Options(llm.Options):
     max_tokens: Optional[int] = Field(
-        None, ge=1, description="Most tokens to generate (default: `llm mlxs config` max_tokens)"
+        None, ge=-1,
+        description="Most tokens to generate; 0 or -1: until the context is full "
+        "(default: `llm mlxs config` max_tokens)",
     )
     temperature: Optional[float] = Field(
         None, ge=0, le=10, description="Sampling temperature; 0 (default) is greedy"
@@ -71,6 +74,45 @@ class Options(llm.Options):
         if value is None:
             return value
         return normalize_budget(value)
+
+    # -- features (#11): stop sequences, thinking switch ----------------------
+    stop: Optional[Union[str, list[str]]] = Field(
+        None,
+        description='End the reply before this text; several: a JSON list, e.g. \'["\\n\\n", "END"]\'',
+    )
+    thinking: Optional[bool] = Field(
+        None,
+        description="on/off: the chat template's thinking switch (enable_thinking), "
+        "where the template has one",
+    )
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, value):
+        return parse_stop(value)
+
+    @field_validator("thinking", mode="before")
+    @classmethod
+    def _check_thinking(cls, value):
+        return parse_switch(value)
+    # -- end features (#11) ----------------------------------------------------
+
+
+def parse_stop(value):
+    """A stop option: one string, a list of strings, or a JSON list given as a string."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError("a JSON list of strings must parse, e.g. '[\"END\", \"\\n\\n\"]'") from None
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise ValueError("a string, or a JSON list of strings")
+    if not items or any(s == "" for s in items):
+        raise ValueError("stop sequences must not be empty")
+    return items
 
 
 @dataclass
@@ -147,7 +189,9 @@ class MlxStreamModel(llm.Model):
     def execute(self, prompt, stream, response, conversation):
         yield from self._execute(prompt, response)
 
-    def _execute(self, prompt, response):
+    def _execute(self, prompt, response, on_generation=None):
+        """The reply's stream events; `on_generation` is told the engine's handle
+        (the async model cancels through it)."""
         from .engine.manager import get_manager
         from .prompting import render_prompt, reply_metadata
         from .thinking import ThinkSplitter, opens_thinking
@@ -158,12 +202,15 @@ class MlxStreamModel(llm.Model):
         rendered = {}
 
         def render(tokenizer):
-            tokens, rendered["generation_prompt"] = render_prompt(tokenizer, prompt)
+            tokens, rendered["generation_prompt"] = render_prompt(
+                tokenizer, prompt, thinking=options.thinking
+            )
             return tokens
 
         generation = get_manager().run(r.load_spec(settings), Request(
             prompt=render,
-            max_tokens=options.max_tokens or settings.max_tokens,
+            max_tokens=settings.max_tokens if options.max_tokens is None else options.max_tokens,
+            stop=options.stop or (),
             temperature=options.temperature or 0.0,
             top_p=options.top_p or 0.0,
             min_p=options.min_p or 0.0,
@@ -172,6 +219,8 @@ class MlxStreamModel(llm.Model):
             max_context=settings.max_context,
             trace_path=trace_file(r.name) if settings.trace else None,
         ))
+        if on_generation is not None:
+            on_generation(generation)
         generated: list[int] = []
         with generation, _one_line_errors(r):
             tokenizer = generation.tokenizer

@@ -68,17 +68,24 @@ def chat_messages(prompt, think_start=None, think_end=None) -> tuple[list[dict],
     return out, stored
 
 
-def render_prompt(tokenizer, prompt) -> tuple[list[int], str]:
-    """Token ids for the conversation, plus the text of the generation prompt."""
+def render_prompt(tokenizer, prompt, *, thinking: Optional[bool] = None) -> tuple[list[int], str]:
+    """Token ids for the conversation, plus the text of the generation prompt.
+
+    `thinking` sets the template's thinking switch (None: the template's default)."""
     start = getattr(tokenizer, "think_start", None)
     end = getattr(tokenizer, "think_end", None)
     messages, stored = chat_messages(prompt, start, end)
     if not getattr(tokenizer, "has_chat_template", False):
+        if thinking is not None:
+            raise PromptError("-o thinking: this model has no chat template, so no thinking switch")
         text = "\n\n".join(m["content"] for m in messages)
         return _encode(tokenizer, text), ""
+    extra = template_switches(tokenizer, thinking)
 
     def render(msgs, generation=True):
-        return tokenizer.apply_chat_template(msgs, add_generation_prompt=generation, tokenize=False)
+        return tokenizer.apply_chat_template(
+            msgs, add_generation_prompt=generation, tokenize=False, **extra
+        )
 
     text = render(messages)
     try:
@@ -91,6 +98,18 @@ def render_prompt(tokenizer, prompt) -> tuple[list[int], str]:
     if tokens is None:
         tokens = _encode(tokenizer, text)
     return tokens, generation_prompt
+
+
+def template_switches(tokenizer, thinking: Optional[bool]) -> dict:
+    """Keyword arguments for the chat template: `enable_thinking` (Qwen3, GLM and the
+    like) when asked for; a template that never reads it cannot honour it, so that is
+    an error rather than silence."""
+    if thinking is None:
+        return {}
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str) and "enable_thinking" not in template:
+        raise PromptError("-o thinking: this model's chat template has no thinking switch (enable_thinking)")
+    return {"enable_thinking": bool(thinking)}
 
 
 def _encode(tokenizer, text: str) -> list[int]:

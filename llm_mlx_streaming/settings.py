@@ -50,6 +50,18 @@ class ModelEntry(BaseModel):
     )
 
 
+def parse_switch(value):
+    """on/off, true/false, yes/no, 1/0 (any case) -> bool; other strings: ValueError."""
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in ("on", "true", "yes", "1"):
+            return True
+        if word in ("off", "false", "no", "0"):
+            return False
+        raise ValueError("use on or off")
+    return value
+
+
 def normalize_budget(value) -> str:
     """A memory_budget value as stored: "auto" or a size string; ValueError if neither."""
     if isinstance(value, str) and value.strip().lower() == "auto":
@@ -92,7 +104,9 @@ class Settings(BaseModel):
         f"Unset: the engine's default ({DEFAULT_POLICY}).",
     )
     max_tokens: int = Field(
-        256, ge=1, description="Most tokens generated per response (-o max_tokens)."
+        256, ge=-1,
+        description="Most tokens generated per response (-o max_tokens); 0 or -1: "
+        "until the context (max_context) is full.",
     )
     memory_budget: str = Field(
         "auto",
@@ -149,14 +163,7 @@ class Settings(BaseModel):
     @field_validator("trace", mode="before")
     @classmethod
     def _check_trace(cls, value):
-        if isinstance(value, str):
-            word = value.strip().lower()
-            if word in ("on", "true", "yes", "1"):
-                return True
-            if word in ("off", "false", "no", "0"):
-                return False
-            raise ValueError("use on or off")
-        return value
+        return parse_switch(value)
 
 
 # Settings shown and edited by `llm mlxs config` (the registry is managed by

@@ -20,7 +20,7 @@ def test_unknown_model(llm_env):
 
 @pytest.mark.parametrize(
     "option, value",
-    [("temperature", "-1"), ("max_tokens", "0"), ("expert_slots", "zero"), ("policy", "fifo"), ("top_p", "2"), ("colour", "red"),
+    [("temperature", "-1"), ("max_tokens", "-2"), ("expert_slots", "zero"), ("policy", "fifo"), ("top_p", "2"), ("colour", "red"),
      ("memory_budget", "lots")],
 )
 def test_bad_option_values(llm_env, option, value):

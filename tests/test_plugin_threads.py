@@ -24,9 +24,9 @@ def test_threads_prompting_two_models_each_get_their_own_checkpoint(llm_env, bui
 
     real_render = prompting.render_prompt
 
-    def slow_render(tokenizer, prompt):
+    def slow_render(tokenizer, prompt, **options):
         time.sleep(0.05)  # a window in which another thread could swap the model
-        return real_render(tokenizer, prompt)
+        return real_render(tokenizer, prompt, **options)
 
     monkeypatch.setattr(prompting, "render_prompt", slow_render)
     results, errors = [], []

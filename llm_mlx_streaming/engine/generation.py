@@ -93,6 +93,13 @@ class Generation:
             raise StopIteration
         raise value  # "error": what the engine thread raised, as it was raised
 
+    def cancel(self) -> None:
+        """Stop the generation at its next token, from any thread; a reader waiting on
+        this handle wakes at once with `Cancelled`."""
+        if not self.done:
+            self.channel.cancel.set()
+            self.channel.put("error", Cancelled())
+
     def close(self, timeout: Optional[float] = None) -> None:
         """Stop the generation at its next token; if it is running, wait until the
         engine has let go of it (a queued one is simply skipped when its turn comes)."""

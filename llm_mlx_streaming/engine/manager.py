@@ -18,7 +18,7 @@ import resource
 import sys
 import threading
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 from ..errors import CheckpointError, one_line
@@ -26,6 +26,7 @@ from ..experts.pool import PoolCounters
 from ..experts.policies import DEFAULT_POLICY, POLICIES
 from .generation import Cancelled, Channel, Generation, Started
 from .request import LoadSpec, Request
+from .stops import StopMatcher
 
 
 class EngineError(Exception):
@@ -231,6 +232,10 @@ class EngineManager:
             raise EngineError("the prompt is empty")
         if limit and len(prompt) + 1 > limit:
             raise EngineError(f"the prompt is {len(prompt)} tokens, longer than {what}")
+        if max_tokens < 1:  # unlimited: until the context is full
+            if not limit:
+                raise EngineError("max_tokens is unlimited, but the model declares no context length")
+            return limit - len(prompt)
         return min(max_tokens, limit - len(prompt)) if limit else max_tokens
 
     def _generate(self, request: Request, out: Channel, cache, prompt, new_tokens, reused, max_tokens) -> None:
@@ -243,6 +248,7 @@ class EngineManager:
         last = None
         generated: list[int] = []
         recorder = self._recorder(request.trace_path)
+        stops = StopMatcher(request.stop)
         try:
             for response in stream_generate(
                 self.loaded.model, self.loaded.tokenizer, new_tokens,
@@ -251,8 +257,17 @@ class EngineManager:
             ):
                 out.check_cancelled()
                 generated.append(response.token)
+                text = stops.feed(response.text)
+                if stops.hit is not None:
+                    response = replace(response, text=text, finish_reason="stop")
+                elif response.finish_reason is not None:
+                    response = replace(response, text=text + stops.flush())
+                elif text != response.text:
+                    response = replace(response, text=text)
                 last = response
                 out.put("response", response)
+                if stops.hit is not None:
+                    break
         except BaseException:
             self.session.reset()  # the cache may hold a half-fed step
             raise

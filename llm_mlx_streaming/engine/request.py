@@ -13,6 +13,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from ..experts.policies import DEFAULT_POLICY
 
+UNLIMITED = -1  # max_tokens: generate until the context is full
+
 Slots = Union[int, Sequence[int], None]  # one count, one per MoE layer, or a slot per expert
 
 
@@ -35,7 +37,8 @@ class Request:
     `prompt` is token ids, or a function of the loaded tokenizer that returns them (it
     runs under the engine lock, so it sees the tokenizer the generation will use).
     Sampling is built inside the engine from the fields below, so a seed applies to
-    this generation alone; `sampler` replaces them when given.
+    this generation alone; `sampler` replaces them when given. `max_tokens` below 1
+    (UNLIMITED) means "until the context is full".
     """
 
     prompt: Union[Sequence[int], Callable[[Any], Sequence[int]]]
@@ -49,6 +52,8 @@ class Request:
     logits_processors: list = field(default_factory=list)
     max_context: Optional[int] = None  # a user limit below the model's own context
     trace_path: Optional[Path] = None  # when set, this generation's routing is appended here
+    # -- features (#11) --
+    stop: Sequence[str] = ()  # the reply ends before the first of these in its text
 
     def make_sampler(self):
         import mlx.core as mx

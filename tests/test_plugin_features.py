@@ -1,0 +1,183 @@
+"""llm features on mlx-stream (#11): stop sequences, unlimited max_tokens, the
+thinking switch and the async model, through llm's real CLI and Python API."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+
+import llm
+import pytest
+
+from plugin_support import assert_llm_option_error, assert_ok, assert_one_line_error
+
+
+def _text(llm_env, *args) -> str:
+    return assert_ok(llm_env.run("-m", "mlx-stream", *args)).stdout
+
+
+def checkpoint_with_template(src, dst, template: str):
+    """A copy of checkpoint `src` (weights linked, not copied) with another chat template."""
+    dst.mkdir()
+    for item in src.iterdir():
+        if item.name == "tokenizer_config.json":
+            config = json.loads(item.read_text())
+            config["chat_template"] = template
+            (dst / item.name).write_text(json.dumps(config))
+        elif item.is_file():
+            (dst / item.name).symlink_to(item)
+    return dst
+
+
+# -- stop sequences ------------------------------------------------------------
+
+
+def test_stop_sequence_ends_the_reply_before_it(llm_env):
+    full = _text(llm_env, "-o", "max_tokens", "24", "Tell me about tea")[:-1]
+    stop = full[6:9]
+    assert len(stop) == 3 and full.find(stop) >= 0
+    cut = full[: full.find(stop)]
+    assert _text(llm_env, "-o", "max_tokens", "24", "-o", "stop", stop, "Tell me about tea") == cut + "\n"
+    stats = llm_env.turns()[-1]["stats"]
+    assert stats["finish_reason"] == "stop" and stats["generated_tokens"] < 24
+    # several, as a JSON list: the earliest in the text wins
+    later = full[12:14]
+    out = _text(llm_env, "-o", "max_tokens", "24", "-o", "stop", json.dumps([later, stop, "never!"]),
+                "Tell me about tea")
+    assert out == full[: min(full.find(stop), full.find(later))] + "\n"
+    # none of them in the text: the whole reply
+    assert _text(llm_env, "-o", "max_tokens", "24", "-o", "stop", "\x01never", "Tell me about tea") == full + "\n"
+
+
+def test_stop_matcher_holds_back_a_split_stop_sequence():
+    from llm_mlx_streaming.engine.stops import StopMatcher
+
+    text = "one two END three"
+    for cut in range(1, len(text)):
+        m = StopMatcher(["END", "xyz"])
+        out = m.feed(text[:cut])
+        if m.hit is None:
+            out += m.feed(text[cut:])
+        assert (out, m.hit) == ("one two ", "END"), cut
+    m = StopMatcher(["END"])
+    assert m.feed("ab EN") == "ab " and m.flush() == "EN"
+
+
+# -- unlimited max_tokens -------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_unlimited_max_tokens_runs_to_the_context_end(llm_env, value):
+    llm_env.write_settings(**{**llm_env.read_settings(), "max_context": 48})
+    assert_ok(llm_env.run("-m", "mlx-stream", "-o", "max_tokens", value, "hi"))
+    stats = llm_env.turns()[-1]["stats"]
+    assert stats["prompt_tokens"] + stats["generated_tokens"] == 48
+    assert stats["finish_reason"] == "length"
+
+
+# -- thinking switch ---------------------------------------------------------------
+
+
+def test_thinking_off_sets_the_template_switch(llm_env):
+    from plugin_support import _stock
+
+    from mlx_lm import generate
+
+    model, tokenizer = _stock(str(llm_env.checkpoint))
+    messages = [{"role": "user", "content": "Tell me about tea"}]
+    tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False)
+    expected = generate(model, tokenizer, tokens, max_tokens=10)
+    assert "<think>" not in expected
+    assert _text(llm_env, "-o", "max_tokens", "10", "-o", "thinking", "off", "Tell me about tea") == expected + "\n"
+    off = llm_env.turns()[-1]["stats"]["prompt_tokens"]
+    assert_ok(llm_env.run("-m", "mlx-stream", "-o", "max_tokens", "1", "-o", "thinking", "on", "Tell me about tea"))
+    on = llm_env.turns()[-1]["stats"]["prompt_tokens"]
+    assert off == on + len(tokenizer.encode("<think>\n\n</think>\n\n", add_special_tokens=False)) == tokens.__len__()
+
+
+def test_thinking_on_a_template_without_the_switch_is_one_line(llm_env, tmp_path):
+    plain = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    path = checkpoint_with_template(llm_env.checkpoint, tmp_path / "plain", plain)
+    llm_env.write_settings(models={"plain": {"path": str(path), "expert_slots": 4}})
+    assert_one_line_error(
+        llm_env.run("-m", "mlx-stream/plain", "-o", "thinking", "off", "hi"), "no thinking switch"
+    )
+    assert llm_env.turns() == []
+
+
+# -- option validation ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("thinking", "maybe"),
+        ("stop", "[1, 2]"),
+        ("stop", "[\"a\""),
+        ("stop", "[]"),
+        ("max_tokens", "-2"),
+        ("max_tokens", "many"),
+    ],
+)
+def test_bad_option_values_are_one_line(llm_env, option, value):
+    assert_llm_option_error(llm_env.run("-m", "mlx-stream", "-o", option, value, "hi"), option)
+    assert llm_env.turns() == []
+
+
+# -- async -----------------------------------------------------------------------------
+
+
+def test_async_model_matches_sync_and_runs_concurrently(llm_env):
+    sync_text = llm.get_model("mlx-stream").prompt("Tell me about tea", max_tokens=8).text()
+    model = llm.get_async_model("mlx-stream")
+    assert model.model_id == "mlx-stream"
+
+    async def both():
+        one = model.prompt("Tell me about tea", max_tokens=8)
+        two = model.prompt("Name a boat", max_tokens=6)
+        texts = await asyncio.gather(one.text(), two.text())
+        return (*texts, await two.json())
+
+    one, two, two_json = asyncio.run(both())
+    assert one == sync_text and two
+    assert two_json["generated_tokens"] == 6
+
+
+def test_cancelling_the_async_task_stops_the_generation(llm_env, monkeypatch):
+    from llm_mlx_streaming.engine import manager as manager_mod
+
+    engine = manager_mod.get_manager()
+    handles = []
+    real_run = engine.run
+
+    def spy(load, request):
+        handles.append(real_run(load, request))
+        return handles[-1]
+
+    monkeypatch.setattr(engine, "run", spy)
+    model = llm.get_async_model("mlx-stream")
+
+    async def start_then_cancel():
+        chunks = []
+
+        async def consume():
+            async for chunk in model.prompt("Tell me about tea", max_tokens=-1):
+                chunks.append(chunk)
+
+        task = asyncio.create_task(consume())
+        while not chunks:
+            await asyncio.sleep(0.01)
+        served = engine.served
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return served
+
+    served = asyncio.run(start_then_cancel())
+    [generation] = handles
+    assert generation.channel.finished.wait(60)  # stopped long before 4096 tokens
+    assert engine.served == served  # cancelled, not run to the end
+    assert engine.session.tokens == []  # its half-fed cache was dropped
+    # the engine goes on serving
+    assert llm.get_model("mlx-stream").prompt("hi", max_tokens=2).text()
