@@ -230,3 +230,29 @@ def test_draft_mtp_without_a_head_is_one_line(build):
             make_drafter("mtp", DraftContext(model=loaded.model, tokenizer=None))
     finally:
         loaded.store.close()
+
+
+def test_the_engine_counts_and_rewires_the_head_pool(build):
+    """The head's reads are in the engine's counters; a new reader (threads, page cache)
+    and new pool sizes reach the head's pool too, so it never reads through a closed store."""
+    from llm_mlx_streaming.engine.manager import EngineManager
+
+    manager = EngineManager()
+    manager.load(build("deepseek_v3", mtp=True), expert_slots=2)
+    try:
+        loaded = manager.loaded
+        head = mtp_head(loaded)
+        tokens = mx.array(TOKENS)
+        hidden = loaded.model.model(tokens)
+        before = manager.counters().misses
+        mx.eval(head.head.step(loaded.model, tokens, hidden, KVCache()))
+        assert manager.counters().misses - before == head.pool.counters.misses > 0
+        manager.configure(expert_slots=2, page_cache="bypass")
+        assert head.pool.store is manager.loaded.store
+        mx.eval(head.head.step(loaded.model, tokens, hidden, KVCache()))
+        manager.configure(expert_slots=3)
+        assert head.pool.slots == 3 and head.pool.store is manager.loaded.store
+        mx.eval(head.head.step(loaded.model, tokens, hidden, KVCache()))
+        assert manager.verify() == 0
+    finally:
+        manager.unload()

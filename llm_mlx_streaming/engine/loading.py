@@ -49,6 +49,12 @@ class StreamingModel:
     def pools(self) -> list[ExpertPool]:
         return [m.pool for m in self.layers]
 
+    @property
+    def all_pools(self) -> list[ExpertPool]:
+        """The layers' pools and, once loaded, the MTP head's: every pool that reads
+        through `store` and counts I/O."""
+        return self.pools + ([self.mtp_head.pool] if self.mtp_head is not None else [])
+
     def build_pools(self, expert_slots: int | Sequence[int] | None, policy: str) -> None:
         """(Re)create every layer's pool; dense weights are untouched.
 

@@ -143,7 +143,7 @@ class EngineManager:
             if (expert_slots, policy) == (self.expert_slots, self.policy):
                 return
             self._require_loaded()
-            for pool in self.loaded.pools:
+            for pool in self.loaded.all_pools:
                 self._retired.add(pool.counters)
             self.loaded.build_pools(expert_slots, policy)
             self.expert_slots, self.policy = expert_slots, policy
@@ -160,7 +160,7 @@ class EngineManager:
         new.packed = getattr(old, "packed", None)
         new.adopt(old)  # the files the model was loaded from, even if replaced since
         self.loaded.store = new
-        for pool in self.loaded.pools:
+        for pool in self.loaded.all_pools:
             pool.store = new
         old.close()
         self.threads, self.page_cache = threads, page_cache
@@ -349,10 +349,11 @@ class EngineManager:
         return slots[0] if len(set(slots)) == 1 else slots
 
     def counters(self) -> PoolCounters:
-        """Counters summed over every layer, including pools replaced by rebuilds."""
+        """Counters summed over every layer (and an MTP head's pool), including pools
+        replaced by rebuilds."""
         total = PoolCounters()
         total.add(self._retired)
-        for pool in self.loaded.pools if self.loaded else []:
+        for pool in self.loaded.all_pools if self.loaded else []:
             total.add(pool.counters)
         return total
 
@@ -360,7 +361,7 @@ class EngineManager:
         """Bad slots over every pool (0 when every resident expert matches the disk)."""
         with self._lock:
             self._require_loaded()
-            return sum(pool.verify() for pool in self.loaded.pools)
+            return sum(pool.verify() for pool in self.loaded.all_pools)
 
     def metrics(self) -> dict:
         import mlx.core as mx
