@@ -256,3 +256,24 @@ def test_the_engine_counts_and_rewires_the_head_pool(build):
         assert manager.verify() == 0
     finally:
         manager.unload()
+
+
+def test_a_damaged_head_is_one_line(build, tmp_path):
+    """A head tensor of the wrong shape is refused at load, naming it; the drafter says
+    so in one line instead of failing inside a generation."""
+    import shutil
+
+    from llm_mlx_streaming.speculation.drafter import DraftError
+
+    path = tmp_path / "damaged"
+    shutil.copytree(build("deepseek_v3", mtp=True), path)
+    weights = mx.load(str(path / "model.safetensors"))
+    weights["model.layers.2.hnorm.weight"] = mx.ones((32,))
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    loaded = load_streaming(path, expert_slots=2)
+    try:
+        with pytest.raises(DraftError, match=r"model\.layers\.2\.hnorm\.weight.*\[32\]") as raised:
+            _drafter(loaded)
+        assert "\n" not in str(raised.value) and loaded.mtp_head is None
+    finally:
+        loaded.store.close()

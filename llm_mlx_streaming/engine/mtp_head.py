@@ -95,7 +95,12 @@ def load_head(loaded: StreamingModel) -> LoadedHead:
     dense = [(k, v) for k, v in weights.items() if k in expected]
     missing = expected - {k for k, _ in dense}
     if missing:
-        raise CheckpointError(f"{name}: MTP head tensor {prefix}{sorted(missing)[0]!r} is missing")
+        raise CheckpointError(f"{name}: MTP head tensor '{prefix}{sorted(missing)[0]}' is missing")
+    shapes = dict(tree_flatten(head.parameters()))
+    for k, v in dense:
+        if v.shape != shapes[k].shape:
+            raise CheckpointError(f"{name}: MTP head tensor '{prefix}{k}' has shape "
+                                  f"{list(v.shape)}, expected {list(shapes[k].shape)}")
     head.load_weights(dense, strict=False)
 
     loaded.store.open_files({c.file for c in layout.components})

@@ -14,7 +14,8 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from ..engine.mtp_head import LoadedHead, NoHeadError, mtp_head
+from ..engine.mtp_head import LoadedHead, mtp_head
+from ..errors import CheckpointError
 from .drafter import DraftContext, DraftError, register
 
 
@@ -70,6 +71,6 @@ def _build(context: DraftContext) -> MTPDrafter:
         raise DraftError("`-o draft mtp` needs the engine's streamed model")
     try:
         head = mtp_head(context.loaded)
-    except NoHeadError as e:
+    except CheckpointError as e:  # no head, or a damaged one
         raise DraftError(str(e)) from None
     return MTPDrafter(context.model, head)
