@@ -17,7 +17,7 @@ from llm_mlx_streaming.engine.mtp_head import NoHeadError, mtp_head
 from llm_mlx_streaming.experts.index import CheckpointIndex
 
 HEADS = [("deepseek_v3", None), ("deepseek_v3", "4bit"), ("qwen3_next", None),
-         ("qwen3_next", "8bit")]
+         ("qwen3_next", "8bit"), ("glm4_moe", "4bit")]
 TOKENS = [[11, 42, 97, 230]]
 
 # The names vLLM / sglang read (deepseek_mtp.py, qwen3_next_mtp.py), relative to the
@@ -105,19 +105,20 @@ def _reference(path, arch, tokens, hidden):
         e = _rms(embedded, weights[p + "enorm.weight"], eps)
         h = _rms(hidden, weights[p + "hnorm.weight"], eps)
         x = mx.concatenate([e, h], axis=-1) @ weights[p + "eh_proj.weight"].T
-        layer = module.DeepseekV3DecoderLayer(args, layer_idx=config["num_hidden_layers"])
+        layer_class = module.DecoderLayer if arch == "glm4_moe" else module.DeepseekV3DecoderLayer
+        layer = layer_class(args, layer_idx=config["num_hidden_layers"])
         prefix = p
     own = {k for k, _ in tree_flatten(layer.parameters())}
     layer.load_weights([(k[len(prefix):], v) for k, v in weights.items()
                         if k.startswith(prefix) and k[len(prefix):] in own])
-    mask = create_attention_mask(x, None, return_array=True)
+    mask = create_attention_mask(x, None, return_array=arch == "deepseek_v3")
     x = layer(x, mask, KVCache())
     if arch == "qwen3_next":
         return _rms(x, weights["mtp.norm.weight"], eps) @ weights["lm_head.weight"].T
     return _rms(x, weights[p + "shared_head.norm.weight"], eps) @ weights[p + "shared_head.head.weight"].T
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_next", "glm4_moe"])
 def test_head_computes_the_published_formula(build, arch):
     """With fewer slots than the pass needs (the expert-major path runs), the streamed head
     gives the reference's logits; the pool read what it says it read."""
