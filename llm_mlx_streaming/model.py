@@ -140,7 +140,7 @@ class Resolved:
 
 class MlxStreamModel(llm.Model):
     can_stream = True
-    supports_schema = False
+    supports_schema = True  # constrained decoding (constrained.py)
     supports_tools = False
     Options = Options
 
@@ -200,17 +200,24 @@ class MlxStreamModel(llm.Model):
         options = prompt.options
         r = self._resolve(options, settings)
         rendered = {}
+        processors: list = []  # filled in by render, which knows the tokenizer
+        grammar = _schema_grammar(prompt.schema) if prompt.schema else None
 
         def render(tokenizer):
             tokens, rendered["generation_prompt"] = render_prompt(
                 tokenizer, prompt, thinking=options.thinking
             )
+            if grammar is not None:
+                from .constrained import SchemaProcessor
+
+                processors.append(SchemaProcessor(grammar, tokenizer))
             return tokens
 
         generation = get_manager().run(r.load_spec(settings), Request(
             prompt=render,
             max_tokens=settings.max_tokens if options.max_tokens is None else options.max_tokens,
             stop=options.stop or (),
+            logits_processors=processors,
             temperature=options.temperature or 0.0,
             top_p=options.top_p or 0.0,
             min_p=options.min_p or 0.0,
@@ -249,6 +256,7 @@ class MlxStreamModel(llm.Model):
 def _one_line_errors(r: Resolved):
     """Whatever loading, rendering or generating raises reaches the user as one line
     (KeyboardInterrupt passes through: the generation is closed and the engine stays usable)."""
+    from .constrained import SchemaError
     from .engine.manager import EngineError, LoadError
     from .prompting import PromptError
 
@@ -258,10 +266,20 @@ def _one_line_errors(r: Resolved):
         raise
     except LoadError as exc:
         raise MlxStreamError(f"Could not load '{r.name}' ({r.path}): {exc}") from None
-    except (EngineError, PromptError) as exc:
+    except (EngineError, PromptError, SchemaError) as exc:
         raise MlxStreamError(str(exc)) from None
     except Exception as exc:  # template errors, OSError from a changed file, mlx errors
         raise MlxStreamError(f"{type(exc).__name__}: {one_line(exc)}") from None
+
+
+def _schema_grammar(schema) -> str:
+    """The grammar of `--schema`, compiled before anything is loaded; one line if it cannot be."""
+    from .constrained import SchemaError, schema_grammar
+
+    try:
+        return schema_grammar(schema)
+    except SchemaError as exc:
+        raise MlxStreamError(f"--schema: {exc}") from None
 
 
 def plan_slots(name: str, path, value: str, budget: int, max_context: int):

@@ -215,6 +215,9 @@ class EngineManager:
             prompt = request.prompt(tokenizer) if callable(request.prompt) else request.prompt
             prompt = [int(t) for t in prompt]
             max_tokens = self._token_budget(prompt, request)
+            for processor in request.logits_processors:  # constrained decoding closes within it
+                if hasattr(processor, "limit_tokens"):
+                    processor.limit_tokens(max_tokens)
             cache, new_tokens, reused = self.session.prepare(prompt)
             out.put("started", Started(tokenizer, self.checkpoint, prompt, reused))
             self._generate(request, out, cache, prompt, new_tokens, reused, max_tokens)

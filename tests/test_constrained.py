@@ -1,0 +1,110 @@
+"""`llm --schema` on mlx-stream: output constrained by llguidance always parses and
+validates, even on random weights (#11)."""
+
+from __future__ import annotations
+
+import json
+
+import llm
+import pytest
+
+from plugin_support import assert_ok, assert_one_line_error
+
+
+@pytest.fixture
+def bundled_env(llm_env, build):
+    """llm_env serving a checkpoint built to the bundled demo's spec (random weights)."""
+    from llm_mlx_streaming.checkpoints.default import BUNDLED_SPEC
+
+    spec = dict(BUNDLED_SPEC)
+    path = build(spec.pop("arch"), **spec)
+    llm_env.write_settings(default_model="demo", models={"demo": {"path": str(path), "expert_slots": 8}})
+    return llm_env
+
+
+def _check(value, schema) -> None:
+    """A small JSON-schema check for the types these tests use."""
+    kind = schema["type"]
+    if kind == "object":
+        assert isinstance(value, dict) and set(value) <= set(schema["properties"])
+        assert set(schema.get("required", [])) <= set(value)
+        for key, item in value.items():
+            _check(item, schema["properties"][key])
+    elif kind == "array":
+        assert isinstance(value, list)
+        for item in value:
+            _check(item, schema["items"])
+    else:
+        types = {"string": str, "integer": int, "boolean": bool, "number": (int, float)}[kind]
+        assert isinstance(value, types) and (kind == "boolean" or not isinstance(value, bool))
+
+
+def test_schema_output_validates_for_20_seeds(bundled_env):
+    schema = llm.schema_dsl("name, age int, tags")
+    for seed in range(20):
+        out = assert_ok(bundled_env.run(
+            "-m", "mlx-stream", "--schema", "name, age int, tags", "-o", "temperature", "1",
+            "-o", "seed", str(seed), "-o", "max_tokens", "48", "Describe a person",
+        )).stdout
+        _check(json.loads(out), schema)
+    stats = bundled_env.turns()[-1]["stats"]
+    assert stats["finish_reason"] == "stop" and stats["generated_tokens"] <= 48
+
+
+def test_nested_objects_and_arrays(bundled_env):
+    schema = {
+        "type": "object",
+        "properties": {
+            "person": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string"},
+                    "pets": {"type": "array", "items": {
+                        "type": "object",
+                        "properties": {"kind": {"type": "string"}, "legs": {"type": "integer"}},
+                        "required": ["kind", "legs"],
+                    }},
+                },
+                "required": ["name", "pets"],
+            },
+            "scores": {"type": "array", "items": {"type": "number"}},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["person", "scores", "ok"],
+    }
+    for seed in range(3):
+        out = assert_ok(bundled_env.run(
+            "-m", "mlx-stream", "--schema", json.dumps(schema), "-o", "temperature", "1",
+            "-o", "seed", str(seed), "-o", "max_tokens", "120", "A person and pets",
+        )).stdout
+        _check(json.loads(out), schema)
+
+
+def test_schema_works_with_kv_reuse(llm_env):
+    model = llm.get_model("mlx-stream")
+    conversation = model.conversation()
+    schema = llm.schema_dsl("word, count int")
+    first = conversation.prompt("Say a word", schema=schema, max_tokens=40)
+    _check(json.loads(first.text()), schema)
+    second = conversation.prompt("And another", schema=schema, max_tokens=40)
+    _check(json.loads(second.text()), schema)
+    assert second.response_json["reused_tokens"] > 0
+
+
+@pytest.mark.parametrize("schema, needle", [
+    ('{"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=a)b"}}}', "look-around"),
+    ('{"type": "frog"}', "frog"),
+])
+def test_a_schema_that_cannot_compile_is_one_line(llm_env, schema, needle):
+    assert_one_line_error(llm_env.run("-m", "mlx-stream", "--schema", schema, "hi"), "--schema", needle)
+    assert llm_env.turns() == []
+
+
+def test_closers_follow_the_json_state():
+    from llm_mlx_streaming.constrained import closers
+
+    assert closers('{"a": "tex') == ['"']
+    assert closers('{"a": "te\\') == []  # an escape: the next character is not a close
+    assert closers('{"a": 12') == ["]}", ","]
+    assert closers('{"a": [true') == ["]}", ","]
+    assert closers('{"a": ') == []
