@@ -14,7 +14,7 @@ import json
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import llm
 from pydantic import Field, field_validator
@@ -67,6 +67,25 @@ class Options(llm.Options):
         description="Size the expert pools to this memory budget (e.g. 12GB, or auto); "
         "-o expert_slots wins over it",
     )
+
+    # -- speculation (issue 9) ----------------------------------------------------
+    k: Optional[Union[Literal["auto"], int]] = Field(
+        None,
+        description="Speculative decoding: draft tokens verified per pass, 0 (off) or auto "
+        "(default: `llm mlxs config` k)",
+    )
+    draft: Optional[str] = Field(
+        None,
+        description="Drafter for k > 0: ngram, mtp or an added model's name (default: `llm mlxs config` draft)",
+    )
+
+    @field_validator("k", mode="before")
+    @classmethod
+    def _check_k(cls, value):
+        from .speculation.start import check_k
+
+        return None if value is None else check_k(value)
+    # -- end speculation --------------------------------------------------------
 
     @field_validator("memory_budget")
     @classmethod
@@ -225,6 +244,7 @@ class MlxStreamModel(llm.Model):
             seed=options.seed,
             max_context=settings.max_context,
             trace_path=trace_file(r.name) if settings.trace else None,
+            **_speculation(options, settings),
         ))
         if on_generation is not None:
             on_generation(generation)
@@ -250,6 +270,27 @@ class MlxStreamModel(llm.Model):
         response.set_usage(input=len(generation.started.prompt_tokens), output=stats.get("generated_tokens"))
         response.response_json = stats
         response.set_resolved_model(r.resolved_model)
+
+
+def _speculation(options: Options, settings: Settings) -> dict:
+    """Request fields for speculative decoding; an unknown drafter is refused here,
+    before anything runs or is logged."""
+    from .speculation.drafter import builtin_kinds
+
+    k = settings.k if options.k is None else options.k
+    draft = options.draft or settings.draft
+    fields: dict[str, Any] = {"k": k, "draft": draft}
+    if k == 0 or draft in builtin_kinds():
+        return fields
+    try:
+        name = registry.resolve_name(draft, settings)
+        fields["draft_path"], _ = registry.checkpoint_for(name, settings)
+    except MlxStreamError:
+        kinds = ", ".join(sorted(builtin_kinds()))
+        raise MlxStreamError(
+            f"Unknown draft '{draft}': use {kinds}, or the name of a model added with `llm mlxs add`"
+        ) from None
+    return fields
 
 
 @contextmanager

@@ -14,7 +14,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 import llm
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -149,11 +149,42 @@ class Settings(BaseModel):
             "one is present and valid; off: always read the safetensors."
         ),
     )
+    # -- speculation (issue 9) ----------------------------------------------------
+    k: Union[Literal["auto"], int] = Field(
+        0,
+        description=(
+            "Draft tokens verified per pass of the big model (speculative decoding); "
+            "0: off (plain decoding); auto: adapt to how often drafts are accepted."
+        ),
+    )
+    draft: str = Field(
+        "ngram",
+        description=(
+            "Who drafts when k > 0: ngram (look the last tokens up in the conversation), "
+            "mtp (the checkpoint's own multi-token-prediction head), or the name of a "
+            "small model added with `llm mlxs add` that shares the big model's vocabulary."
+        ),
+    )
+    # -- end speculation --------------------------------------------------------
     models: dict[str, ModelEntry] = Field(
         default_factory=dict,
         description="User-added models (managed by `llm mlxs add/remove`).",
     )
 
+
+    @field_validator("k", mode="before")
+    @classmethod
+    def _check_k(cls, value):
+        from .speculation.start import check_k
+
+        return check_k(value)
+
+    @field_validator("draft", mode="before")
+    @classmethod
+    def _check_draft(cls, value):
+        if not isinstance(value, str) or not NAME_RE.match(value.strip()):
+            raise ValueError("a drafter: ngram, mtp, or the name of an added model")
+        return value.strip()
 
     @field_validator("memory_budget", mode="before")
     @classmethod

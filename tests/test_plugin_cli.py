@@ -23,6 +23,7 @@ def test_config_show_set_unset(llm_env):
     assert set(lines) == {
         "default_model", "expert_slots", "policy", "max_tokens",
         "memory_budget", "max_context", "threads", "page_cache", "trace", "packed",
+        "k", "draft",  # speculation (issue 9)
     }
     assert " set " in lines["default_model"] and " default " in lines["max_tokens"]
 

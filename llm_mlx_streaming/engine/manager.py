@@ -65,6 +65,7 @@ class EngineManager:
         self._lock = threading.RLock()
         self._count_lock = threading.Lock()
         self._warned: set[str] = set()  # warnings already printed once
+        self.drafters: dict = {}  # speculation: the drafter kept between generations
 
     # -- loading -----------------------------------------------------------------
     @property
@@ -245,6 +246,20 @@ class EngineManager:
         import mlx.core as mx
         from mlx_lm.generate import stream_generate
 
+        # -- speculation (issue 9): k > 0 runs the draft-and-verify loop -------------
+        from ..speculation import start as spec
+
+        try:
+            figures = spec.figures_for(request)
+            run = None
+            if figures.k != 0:
+                figures.speculation_off = spec.off_reason(request)
+                if figures.speculation_off is None:
+                    run = spec.make_run(request, self.loaded, cache, prompt[:reused], new_tokens,
+                                        max_tokens, self.drafters, figures)
+        except (ValueError, spec.DraftError) as e:
+            raise EngineError(one_line(e)) from None
+        # -- end speculation ---------------------------------------------------------
         before = self.counters()
         mx.reset_peak_memory()
         start = time.perf_counter()
@@ -252,12 +267,18 @@ class EngineManager:
         generated: list[int] = []
         recorder = self._recorder(request.trace_path)
         stops = StopMatcher(request.stop)
-        try:
-            for response in stream_generate(
+        if run is not None:
+            from ..speculation.decode import stream_speculative
+
+            responses = stream_speculative(run, self.loaded.tokenizer)
+        else:
+            responses = stream_generate(
                 self.loaded.model, self.loaded.tokenizer, new_tokens,
                 max_tokens=max_tokens, sampler=request.make_sampler(),
                 logits_processors=request.logits_processors or None, prompt_cache=cache,
-            ):
+            )
+        try:
+            for response in responses:
                 out.check_cancelled()
                 generated.append(response.token)
                 text = stops.feed(response.text)
@@ -278,9 +299,13 @@ class EngineManager:
             mx.synchronize()  # nothing may still read a slot when the pools change
             if recorder is not None:
                 recorder.__exit__(None, None, None)
-        self.session.fed(new_tokens)
-        self.session.fed(generated)
+        if run is not None:
+            self.session.fed(run.fed)  # the drafts it rejected were rolled back
+        else:
+            self.session.fed(new_tokens)
+            self.session.fed(generated)
         stats = self._stats(before, last, len(prompt), reused, len(new_tokens), time.perf_counter() - start)
+        stats.update(figures.as_dict())
         if recorder is not None:
             self._write_trace(recorder, request.trace_path, stats)
         self.last_stats, self.last_decode_tps = stats, stats["decode_tps"]

@@ -54,6 +54,13 @@ class Request:
     trace_path: Optional[Path] = None  # when set, this generation's routing is appended here
     # -- features (#11) --
     stop: Sequence[str] = ()  # the reply ends before the first of these in its text
+    # -- speculation (issue 9) --------------------------------------------------
+    k: Union[int, str] = 0  # drafts per verify pass; 0: plain mlx-lm decoding; "auto": adaptive
+    draft: str = "ngram"  # a drafter kind (speculation/drafter.py) or an added model's name
+    drafter: Any = None  # a ready Drafter (tests, benchmarks); wins over `draft`
+    draft_path: Optional[Path] = None  # checkpoint of `draft` when it names an added model
+    spec_observer: Optional[Callable] = None  # called after each verify pass (benchmarks)
+    # -- end speculation --------------------------------------------------------
 
     def make_sampler(self):
         import mlx.core as mx

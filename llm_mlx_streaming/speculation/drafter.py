@@ -99,6 +99,12 @@ def make_drafter(name: str, context: DraftContext) -> Drafter:
     return build_draft_model(context, name, path)
 
 
+def builtin_kinds() -> set[str]:
+    """The drafter names that need no added model ("ngram", "mtp", ...)."""
+    _load_builtin_kinds()
+    return set(FACTORIES)
+
+
 def _load_builtin_kinds() -> None:
     """Import the modules that register drafter kinds (absent ones are skipped)."""
     import importlib

@@ -1,0 +1,192 @@
+"""The speculative decode loop: draft k tokens, verify them in one pass, keep the agreeing prefix.
+
+One forward over ``[last, d1..dk]`` runs every streamed layer once for k+1 positions,
+so it reads the union of their experts and pays the per-layer fixed costs once. Only
+tokens the verifier chose are emitted (sampling.py), and the cache is rolled back past
+rejected drafts (rollback.py), so the cache afterwards holds what plain decoding
+would have put there. The prompt is prefilled exactly as mlx-lm's `generate_step`
+does (same chunks), and a pass without drafts is exactly its single-token step.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import mlx.core as mx
+from mlx_lm.generate import GenerationResponse, generate_step, generation_stream, wired_limit
+
+from . import heads
+from .depth import Depth
+from .rollback import VerifyPass, room
+from .sampling import TargetSampler, choose
+
+PREFILL_STEP = inspect.signature(generate_step).parameters["prefill_step_size"].default
+
+
+@dataclass
+class SpecFigures:
+    """What speculation did in one generation (response_json, `llm mlxs stats`)."""
+
+    k: "int | str"  # draft tokens per pass, or "auto"
+    draft: str
+    draft_tokens: int = 0  # drafts verified
+    accepted_tokens: int = 0  # drafts the verifier kept
+    verify_passes: int = 0  # forwards after the prefill
+    pass_tokens: int = 0  # tokens emitted by those forwards
+    pass_positions: int = 0  # positions those forwards computed
+    speculation_off: Optional[str] = None  # why this generation decoded without drafts
+
+    def as_dict(self) -> dict:
+        return {
+            "k": self.k,
+            "draft": self.draft,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": round(self.accepted_tokens / self.draft_tokens, 4)
+            if self.draft_tokens else None,
+            "verify_passes": self.verify_passes,
+            "tokens_per_pass": round(self.pass_tokens / self.verify_passes, 3)
+            if self.verify_passes else None,
+            "speculation_off": self.speculation_off,
+        }
+
+
+@dataclass
+class SpeculativeRun:
+    """One speculative generation over a prepared cache.
+
+    `history` is the sequence the cache already holds (a reused prefix), `prompt` the
+    tokens still to prefill. After (or during) iteration `fed` is exactly the tokens
+    the cache has seen beyond `history`, which the session records.
+    """
+
+    model: object
+    cache: list
+    history: list[int]
+    prompt: list[int]
+    drafter: object
+    depth: Depth
+    target: TargetSampler
+    sampler: object
+    max_tokens: int
+    figures: SpecFigures
+    fed: list[int] = field(default_factory=list)
+    observer: object = None  # called with (inputs, kept) after each verify pass (benchmarks)
+
+    def tokens(self) -> Iterator[tuple[int, mx.array, bool]]:
+        """(token, logprobs, from_draft) as mlx-lm's step generators yield them."""
+        if self.max_tokens <= 0:
+            return
+        with mx.stream(generation_stream):
+            last = self._prefill()
+            logits, hidden = heads.forward(self.model, mx.array([last])[None], self.cache,
+                                           self.drafter.needs_hidden)
+            self.fed.append(last)
+            logprobs = _logprobs(logits[0])
+            y = int(self.sampler(logprobs).item())
+            self.drafter.reset(self.history + self.fed)
+            self.drafter.accept([y], None if hidden is None else hidden[0])
+            emitted = 1
+            yield y, logprobs[0], False
+            while emitted < self.max_tokens:
+                k = min(self.depth.next(), self.max_tokens - emitted - 1)
+                if k > 0 and room(self.cache) <= k:
+                    k = room(self.cache) - 1
+                    if k == 0:
+                        self.figures.speculation_off = "sliding-window cache full"
+                drafts = [int(t) for t in self.drafter.propose(k)[:k]] if k > 0 else []
+                guess = self.drafter.propose(1) if self.depth.auto and self.depth.k == 0 else []
+                out, logprobs, hidden = self._verify(y, drafts)
+                if guess:
+                    self.depth.watched(guess[0] == out[0])
+                self.drafter.accept(out, None if hidden is None else hidden[0, : len(out)])
+                for i, token in enumerate(out):
+                    emitted += 1
+                    yield token, logprobs[i], i < len(out) - 1
+                    if emitted == self.max_tokens:
+                        return
+                y = out[-1]
+
+    def _prefill(self) -> int:
+        """Feed all but the last prompt token in generate_step's chunks; return the last."""
+        prompt = self.prompt
+        while len(prompt) > 1:
+            n = min(PREFILL_STEP, len(prompt) - 1)
+            self.model(mx.array(prompt[:n])[None], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+            self.fed.extend(prompt[:n])
+            prompt = prompt[n:]
+            mx.clear_cache()
+        return prompt[0]
+
+    def _verify(self, y: int, drafts: list[int]):
+        """One forward over [y, *drafts]; (tokens to emit, their logprobs, hidden or None)."""
+        inputs = [y, *drafts]
+        verify = VerifyPass(self.model, self.cache)
+        with verify.recording(len(inputs)):
+            logits, hidden = heads.forward(self.model, mx.array(inputs)[None], self.cache,
+                                           self.drafter.needs_hidden)
+        logprobs = _logprobs(logits[0])
+        accepted, token = choose(logprobs, drafts, self.target, self.sampler)
+        verify.keep(1 + accepted)
+        self.fed.extend(inputs[: 1 + accepted])
+        f = self.figures
+        f.verify_passes += 1
+        f.pass_positions += len(inputs)
+        f.pass_tokens += accepted + 1
+        f.draft_tokens += len(drafts)
+        f.accepted_tokens += accepted
+        self.depth.update(len(drafts), accepted)
+        if self.observer is not None:
+            self.observer(inputs, 1 + accepted)
+        if len(self.fed) % 256 < len(inputs):
+            mx.clear_cache()
+        return [*drafts[:accepted], token], logprobs, hidden
+
+
+def _logprobs(logits: mx.array) -> mx.array:
+    """(L, V) log-probabilities, row by row as generate_step computes them."""
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def stream_speculative(run: SpeculativeRun, tokenizer) -> Iterator[GenerationResponse]:
+    """mlx-lm `GenerationResponse`s for `run`, with stream_generate's stopping rules:
+    stop at an end-of-sequence token (reported, not detokenized) or after max_tokens."""
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    prompt_size = len(run.prompt)
+    with wired_limit(run.model, [generation_stream]):
+        tic = time.perf_counter()
+        prompt_tps = 0.0
+        token = logprobs = None
+        from_draft = False
+        n = -1
+        for n, (token, logprobs, from_draft) in enumerate(run.tokens()):
+            if n == 0:
+                prompt_tps = prompt_size / (time.perf_counter() - tic)
+                tic = time.perf_counter()
+            if token in tokenizer.eos_token_ids:
+                break
+            detokenizer.add_token(token)
+            if n + 1 == run.max_tokens:
+                break
+            yield _response(detokenizer.last_segment, token, logprobs, from_draft, prompt_size,
+                            prompt_tps, n + 1, tic, None)
+        if n < 0:
+            return
+        detokenizer.finalize()
+        yield _response(detokenizer.last_segment, token, logprobs, from_draft, prompt_size,
+                        prompt_tps, n + 1, tic,
+                        "stop" if token in tokenizer.eos_token_ids else "length")
+
+
+def _response(text, token, logprobs, from_draft, prompt_size, prompt_tps, generated, tic, finish):
+    return GenerationResponse(
+        text=text, token=token, logprobs=logprobs, from_draft=from_draft,
+        prompt_tokens=prompt_size, prompt_tps=prompt_tps, generation_tokens=generated,
+        generation_tps=generated / (time.perf_counter() - tic),
+        peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish,
+    )

@@ -1,0 +1,78 @@
+"""Per request: whether it speculates, with which drafter, and its figures.
+
+k = 0 (the default) keeps mlx-lm's own `stream_generate`, so turning speculation off
+costs nothing. A request speculates only where the result stays exactly the target's:
+a custom sampler or logits processors (stateful ones, like schema constraints, cannot
+be evaluated ahead on drafts) decode plainly, and the figures say why.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .decode import SpecFigures, SpeculativeRun
+from .depth import Depth
+from .drafter import DraftContext, DraftError, make_drafter
+from .sampling import TargetSampler
+
+
+def check_k(k) -> "int | str":
+    """k as the engine uses it: a whole number >= 0 or "auto"; ValueError in one line."""
+    if isinstance(k, str):
+        text = k.strip().lower()
+        if text == "auto":
+            return "auto"
+        if text.isdigit():
+            return int(text)
+    elif isinstance(k, int) and not isinstance(k, bool) and k >= 0:
+        return k
+    raise ValueError(f"k must be a whole number of draft tokens (0: off) or auto, got {k!r}")
+
+
+def figures_for(request) -> SpecFigures:
+    return SpecFigures(k=check_k(request.k), draft=_draft_name(request))
+
+
+def off_reason(request) -> Optional[str]:
+    """Why this request must decode without drafts (None: it may speculate)."""
+    if request.logits_processors:
+        return "logits processors"
+    if request.sampler is not None:
+        return "custom sampler"
+    return None
+
+
+def make_run(request, loaded, cache, history, prompt, max_tokens, drafters: dict, figures) -> SpeculativeRun:
+    """The speculative run for `request`; DraftError (one line) if its drafter cannot be built."""
+    drafter = request.drafter or _drafter(request, loaded, drafters)
+    return SpeculativeRun(
+        model=loaded.model, cache=cache, history=list(history), prompt=list(prompt),
+        drafter=drafter, depth=Depth(check_k(request.k)),
+        target=TargetSampler(request.temperature, request.top_p, request.min_p, request.top_k),
+        sampler=request.make_sampler(), max_tokens=max_tokens, figures=figures,
+        observer=request.spec_observer,
+    )
+
+
+def _drafter(request, loaded, drafters: dict):
+    """Drafters are kept in `drafters` (the engine's), so one that holds state worth
+    keeping (a draft model's weights and cache, an MTP head) is built once; each
+    generation starts with `reset`. Only the last one built stays."""
+    key = (request.draft, str(request.draft_path or ""), str(loaded.path), id(loaded))
+    if key in drafters:
+        return drafters[key]
+    context = DraftContext(
+        model=loaded.model, tokenizer=loaded.tokenizer, checkpoint=loaded.path, loaded=loaded,
+        resolve=lambda name: request.draft_path if name == request.draft else None,
+    )
+    drafter = make_drafter(request.draft, context)
+    drafters.clear()
+    drafters[key] = drafter
+    return drafter
+
+
+def _draft_name(request) -> str:
+    return getattr(request.drafter, "name", None) or request.draft
+
+
+__all__ = ["DraftError", "check_k", "figures_for", "make_run", "off_reason"]
