@@ -32,6 +32,9 @@ from .settings import (
     budget_bytes,
     load_settings,
     normalize_budget,
+    normalize_kv_bits,
+    normalize_kv_group_size,
+    normalize_prefill_step,
     parse_switch,
     trace_file,
 )
@@ -116,6 +119,35 @@ class Options(llm.Options):
         return parse_switch(value)
     # -- end features (#11) ----------------------------------------------------
 
+    # -- long context (engine/kv.py) --
+    kv_bits: Optional[Union[int, str]] = Field(
+        None, description="Quantize the KV cache to 4 or 8 bits, or off (default: the kv_bits setting)"
+    )
+    kv_group_size: Optional[Union[int, str]] = Field(
+        None, description="Values per KV quantization group: 32, 64 or 128 (default: the kv_group_size setting)"
+    )
+    kv_start: Optional[int] = Field(
+        None, ge=0, description="Tokens the KV cache holds before it is quantized (default: the kv_start setting)"
+    )
+    prefill_step: Optional[Union[int, str]] = Field(
+        None, description="Prompt tokens per prefill chunk, or auto: as many as the memory budget allows"
+    )
+
+    @field_validator("kv_bits", mode="before")
+    @classmethod
+    def _check_kv_bits(cls, value):
+        return None if value is None else normalize_kv_bits(value)
+
+    @field_validator("kv_group_size", mode="before")
+    @classmethod
+    def _check_kv_group_size(cls, value):
+        return None if value is None else normalize_kv_group_size(value)
+
+    @field_validator("prefill_step", mode="before")
+    @classmethod
+    def _check_prefill_step(cls, value):
+        return None if value is None else normalize_prefill_step(value)
+
 
 def parse_stop(value):
     """A stop option: one string, a list of strings, or a JSON list given as a string."""
@@ -145,6 +177,8 @@ class Resolved:
     budget: Optional[int]  # bytes, when the pools come from a memory plan
     policy: Optional[str]
     resolved_model: str  # what the response records as the model that answered
+    kv: Any = None  # engine.kv.KVSpec: how the attention cache is kept
+    prefill_step: Optional[int] = None  # None: mlx-lm's default chunk
 
     def load_spec(self, settings: Settings) -> LoadSpec:
         return LoadSpec(
@@ -183,6 +217,7 @@ class MlxStreamModel(llm.Model):
                 )
             raise MlxStreamError(f"Unknown model '{name}'; see `llm mlxs models`")
         path, entry = registry.checkpoint_for(name, settings)
+        kv = kv_spec(options, settings)
         budget = None
         if options.expert_slots:
             slots, source = options.expert_slots, "option"
@@ -191,7 +226,7 @@ class MlxStreamModel(llm.Model):
         else:
             value = options.memory_budget or settings.memory_budget
             budget = budget_bytes(value)
-            slots = plan_slots(name, path, value, budget, settings.max_context)
+            slots = plan_slots(name, path, value, budget, settings.max_context, kv)
             source = "plan"
         return Resolved(
             name=name,
@@ -201,6 +236,8 @@ class MlxStreamModel(llm.Model):
             budget=budget,
             policy=options.policy or settings.policy,
             resolved_model=(entry.source if entry and entry.source else None) or str(path),
+            kv=kv,
+            prefill_step=prefill_step(options, settings, path, budget, kv),
         )
 
     # -- execution --------------------------------------------------------
@@ -245,6 +282,8 @@ class MlxStreamModel(llm.Model):
             max_context=settings.max_context,
             trace_path=trace_file(r.name) if settings.trace else None,
             **_speculation(options, settings),
+            kv=r.kv,
+            prefill_step=r.prefill_step,
         ))
         if on_generation is not None:
             on_generation(generation)
@@ -323,8 +362,9 @@ def _schema_grammar(schema) -> str:
         raise MlxStreamError(f"--schema: {exc}") from None
 
 
-def plan_slots(name: str, path, value: str, budget: int, max_context: int):
-    """Slots per MoE layer that fit `budget` bytes (None for a model without MoE layers).
+def plan_slots(name: str, path, value: str, budget: int, max_context: int, kv=None):
+    """Slots per MoE layer that fit `budget` bytes (None for a model without MoE layers),
+    with the KV cache sized for layout `kv`.
 
     A budget too small for the model is the planner's one-line error.
     """
@@ -332,7 +372,7 @@ def plan_slots(name: str, path, value: str, budget: int, max_context: int):
     from .errors import CheckpointError
 
     try:
-        plan = plan_memory(path, budget, max_context=max_context)
+        plan = plan_memory(path, budget, max_context=max_context, kv=kv)
     except PlanError as exc:
         if value == "auto":
             raise MlxStreamError(
@@ -342,6 +382,38 @@ def plan_slots(name: str, path, value: str, budget: int, max_context: int):
     except (CheckpointError, ValueError, OSError) as exc:
         raise MlxStreamError(f"Could not plan '{name}' ({path}): {one_line(exc)}") from None
     return list(plan.slots_per_layer) or None
+
+
+# -- long context (engine/kv.py) ------------------------------------------------------
+
+
+def kv_spec(options: Options, settings: Settings):
+    """The KV layout of one prompt: options over settings."""
+    from .engine.kv import KVSpec
+
+    bits = options.kv_bits if options.kv_bits is not None else settings.kv_bits
+    return KVSpec(
+        bits=None if bits == "off" else int(bits),
+        group_size=options.kv_group_size or settings.kv_group_size,
+        start=settings.kv_start if options.kv_start is None else options.kv_start,
+    )
+
+
+def prefill_step(options: Options, settings: Settings, path, budget: Optional[int], kv) -> Optional[int]:
+    """Prompt tokens per prefill chunk: a number given, or for auto the planner's choice
+    for the memory budget (None, i.e. mlx-lm's default, when it cannot tell)."""
+    from .engine.planner import prefill_step_for
+    from .errors import CheckpointError
+
+    step = options.prefill_step or settings.prefill_step
+    if step != "auto":
+        return int(step)
+    try:
+        if budget is None:
+            budget = budget_bytes(options.memory_budget or settings.memory_budget)
+        return prefill_step_for(path, budget, max_context=settings.max_context, kv=kv)
+    except (MlxStreamError, CheckpointError, ValueError, OSError):
+        return None
 
 
 def _plan_figures(stats: dict, r: Resolved) -> dict:

@@ -19,6 +19,7 @@ from typing import Literal, Optional, Union
 import llm
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from .engine.kv import KV_BITS, KV_GROUP_SIZES, KVError, parse_bits
 from .engine.planner import DEFAULT_MAX_CONTEXT
 from .errors import SettingsError
 from .experts.policies import DEFAULT_POLICY, POLICIES as POLICY_CLASSES
@@ -75,6 +76,41 @@ def normalize_budget(value) -> str:
     if size <= 0:
         raise ValueError("must be more than 0 bytes")
     return str(value).strip()
+
+
+def normalize_kv_bits(value):
+    """"off" or a bit count (4, 8), from "off", "4", 4, None; ValueError otherwise."""
+    try:
+        bits = parse_bits(value)
+    except KVError as exc:
+        raise ValueError(str(exc).removeprefix("kv_bits ")) from None
+    return "off" if bits is None else bits
+
+
+def normalize_kv_group_size(value):
+    try:
+        size = int(value) if isinstance(value, str) else value
+    except ValueError:
+        size = value
+    if isinstance(size, bool) or size not in KV_GROUP_SIZES:
+        raise ValueError(f"must be one of {', '.join(map(str, KV_GROUP_SIZES))}")
+    return size
+
+
+MIN_PREFILL_STEP = 16
+
+
+def normalize_prefill_step(value):
+    """"auto" or a token count of at least MIN_PREFILL_STEP."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        step = int(value) if isinstance(value, str) else value
+    except ValueError:
+        raise ValueError("a token count, or auto") from None
+    if isinstance(step, bool) or not isinstance(step, int) or step < MIN_PREFILL_STEP:
+        raise ValueError(f"a token count of at least {MIN_PREFILL_STEP}, or auto")
+    return step
 
 
 class Settings(BaseModel):
@@ -166,6 +202,28 @@ class Settings(BaseModel):
         ),
     )
     # -- end speculation --------------------------------------------------------
+    # -- long context (engine/kv.py, docs/llm-plugin.md "Long context") --
+    kv_bits: Union[Literal["off"], int] = Field(
+        "off",
+        description=(
+            f"Quantize the KV cache to {' or '.join(map(str, KV_BITS))} bits (off: full precision), "
+            "as mlx-lm's kv_bits does; a quantized cache leaves the memory plan more expert slots."
+        ),
+    )
+    kv_group_size: int = Field(
+        64, description=f"Values per quantization group of the KV cache: {', '.join(map(str, KV_GROUP_SIZES))}."
+    )
+    kv_start: int = Field(
+        0, ge=0, description="Tokens the KV cache holds before it is quantized (mlx-lm's quantized_kv_start)."
+    )
+    prefill_step: Union[Literal["auto"], int] = Field(
+        "auto",
+        description=(
+            "Prompt tokens per prefill chunk; each expert is read at most once per chunk. "
+            "auto: as large as the memory budget allows."
+        ),
+    )
+    # -- end long context --
     models: dict[str, ModelEntry] = Field(
         default_factory=dict,
         description="User-added models (managed by `llm mlxs add/remove`).",
@@ -190,6 +248,21 @@ class Settings(BaseModel):
     @classmethod
     def _check_budget(cls, value):
         return normalize_budget(value)
+
+    @field_validator("kv_bits", mode="before")
+    @classmethod
+    def _check_kv_bits(cls, value):
+        return normalize_kv_bits(value)
+
+    @field_validator("kv_group_size", mode="before")
+    @classmethod
+    def _check_kv_group_size(cls, value):
+        return normalize_kv_group_size(value)
+
+    @field_validator("prefill_step", mode="before")
+    @classmethod
+    def _check_prefill_step(cls, value):
+        return normalize_prefill_step(value)
 
     @field_validator("trace", mode="before")
     @classmethod

@@ -18,9 +18,10 @@ from .resolve import resolve_checkpoint
 @click.argument("name", required=False)
 @click.option("--budget", metavar="SIZE", help="Memory budget, e.g. 12GB or auto (default: the memory_budget setting)")
 @click.option("--max-context", type=click.IntRange(1), help="Tokens of KV cache to plan for (default: the max_context setting)")
+@click.option("--kv-bits", metavar="BITS", help="KV cache quantization to plan for: off, 4 or 8 (default: the kv_bits setting)")
 @click.option("--hit-rate", type=click.FloatRange(0, 1), help="Forecast disk reads per token at this hit rate (default: 0.5, 0.8 and 0.9)")
 @click.option("json_", "--json", is_flag=True, help="Output as JSON")
-def plan(name, budget, max_context, hit_rate, json_):
+def plan(name, budget, max_context, kv_bits, hit_rate, json_):
     """How a memory budget is spent: dense weights, KV cache, reserve, expert slots.
 
     Reads only config.json and the safetensors headers; loads nothing. NAME is a
@@ -30,6 +31,7 @@ def plan(name, budget, max_context, hit_rate, json_):
     \b
     llm mlxs plan q30 --budget 12GB
     llm mlxs plan ~/models/Qwen3-30B-A3B-4bit --budget 16GB --max-context 8192 --json
+    llm mlxs plan q30 --budget 12GB --max-context 65536 --kv-bits 4
     """
     from ..engine.planner import PlanError, plan_memory
     from ..errors import CheckpointError
@@ -43,8 +45,9 @@ def plan(name, budget, max_context, hit_rate, json_):
         raise SettingsError(f"Invalid --budget {budget!r}: {exc}") from None
     nbytes = budget_bytes(value)
     context = max_context or settings.max_context
+    kv = _kv_layout(settings, kv_bits)
     try:
-        result = plan_memory(path, nbytes, max_context=context)
+        result = plan_memory(path, nbytes, max_context=context, kv=kv)
     except PlanError as exc:
         prefix = f"memory_budget auto ({AUTO_BUDGET_SHARE:.0%} of this machine's memory): " if value == "auto" else ""
         raise MlxStreamError(prefix + str(exc)) from None
@@ -71,6 +74,19 @@ def plan(name, budget, max_context, hit_rate, json_):
             f"-o memory_budget {value} uses the plan.",
             err=True,
         )
+
+
+def _kv_layout(settings, kv_bits):
+    """The KV layout to plan for: --kv-bits over the settings (group size and start
+    from the settings)."""
+    from ..engine.kv import KVError, KVSpec, parse_bits
+
+    bits = settings.kv_bits if kv_bits is None else kv_bits
+    try:
+        bits = parse_bits(bits)
+    except KVError as exc:
+        raise SettingsError(f"Invalid --kv-bits {kv_bits!r}: {str(exc).removeprefix('kv_bits ')}") from None
+    return KVSpec(bits=bits, group_size=settings.kv_group_size, start=settings.kv_start)
 
 
 def format_plan_text(result, hit_rate, value) -> str:

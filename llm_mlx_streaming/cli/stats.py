@@ -99,7 +99,40 @@ def aggregate(rows: list[dict]) -> dict:
         "calls_no_load": total("calls_no_load"),
         "calls_loaded": total("calls_loaded"),
         "peak_memory_bytes": max((_num(x, "peak_memory_bytes") for x in s), default=0),
+        **_long_context_totals(s),
     }
+
+
+# -- long context (engine/kv.py) -------------------------------------------------------
+
+
+def _long_context_totals(s: list[dict]) -> dict:
+    """The largest KV cache and the mean time to first token over the responses."""
+    ttfts = [x["ttft_seconds"] for x in s if isinstance(x.get("ttft_seconds"), (int, float))]
+    kv = [x["kv_bytes"] for x in s if isinstance(x.get("kv_bytes"), (int, float))]
+    out = {}
+    if kv:
+        out["kv_bytes"] = max(kv)
+    if ttfts:
+        out["ttft_seconds"] = round(sum(ttfts) / len(ttfts), 4)
+    return out
+
+
+def _long_context_lines(st: dict) -> list[list[str]]:
+    lines = []
+    if isinstance(st.get("kv_bytes"), (int, float)):
+        bits = st.get("kv_bits")
+        layout = f"{bits}-bit" if isinstance(bits, int) else "full precision"
+        if isinstance(bits, int) and st.get("kv_group_size"):
+            layout += f", groups of {st['kv_group_size']}"
+        text = f"{format_size(st['kv_bytes'])} ({layout})" if "kv_bits" in st else format_size(st["kv_bytes"])
+        if isinstance(st.get("kv_note"), str):
+            text += f"; {st['kv_note']}"
+        lines.append(["KV cache", text])
+    if isinstance(st.get("ttft_seconds"), (int, float)):
+        step = st.get("prefill_step")
+        lines.append(["first token", f"{st['ttft_seconds']} s" + (f" (prefill chunks of {step} tokens)" if step else "")])
+    return lines
 
 
 def _slots_text(slots) -> str:
@@ -144,6 +177,7 @@ def _stat_lines(st: dict) -> list[list[str]]:
         if isinstance(st.get("page_cache"), str):
             extra.append(f"page cache {st['page_cache']}")
         lines.append(["expert reads", st["store"] + (f" ({', '.join(extra)})" if extra else "")])
+    lines += _long_context_lines(st)
     return lines
 
 

@@ -219,9 +219,40 @@ class EngineManager:
             for processor in request.logits_processors:  # constrained decoding closes within it
                 if hasattr(processor, "limit_tokens"):
                     processor.limit_tokens(max_tokens)
-            cache, new_tokens, reused = self.session.prepare(prompt)
+            kv, kv_note = self._kv_layout(request.kv)
+            cache, new_tokens, reused = self.session.prepare(prompt, kv)
             out.put("started", Started(tokenizer, self.checkpoint, prompt, reused))
-            self._generate(request, out, cache, prompt, new_tokens, reused, max_tokens)
+            self._generate(request, out, cache, prompt, new_tokens, reused, max_tokens, kv, kv_note)
+
+    # -- long context (engine/kv.py) ---------------------------------------------
+    def _kv_layout(self, spec):
+        """(the KV layout the loaded model runs `spec` with, a note when it differs);
+        a layout the model cannot take is an EngineError."""
+        from mlx.utils import tree_flatten
+
+        from .kv import KVError, resolve
+
+        try:
+            return resolve(spec, self.loaded.config, (n for n, _ in tree_flatten(self.loaded.model.parameters())))
+        except KVError as e:
+            raise EngineError(str(e)) from None
+
+    @staticmethod
+    def _kv_figures(cache, kv, kv_note, prefill_step: int, ttft: float | None) -> dict:
+        from .kv import bits_in_use, cache_bytes, kept_note
+
+        figures = {
+            "kv_bits": bits_in_use(cache),
+            "kv_bytes": cache_bytes(cache),
+            "prefill_step": prefill_step,
+            "ttft_seconds": round(ttft, 4) if ttft is not None else None,
+        }
+        if kv.quantized:
+            figures.update(kv_group_size=kv.group_size, kv_start=kv.start)
+            kv_note = kv_note or kept_note(cache)
+        if kv_note:
+            figures["kv_note"] = kv_note
+        return figures
 
     def _token_budget(self, prompt: list[int], request: Request) -> int:
         """Tokens this request may generate; a prompt that cannot fit is an EngineError."""
@@ -242,9 +273,12 @@ class EngineManager:
             return limit - len(prompt)
         return min(max_tokens, limit - len(prompt)) if limit else max_tokens
 
-    def _generate(self, request: Request, out: Channel, cache, prompt, new_tokens, reused, max_tokens) -> None:
+    def _generate(self, request: Request, out: Channel, cache, prompt, new_tokens, reused, max_tokens,
+                  kv, kv_note) -> None:
         import mlx.core as mx
         from mlx_lm.generate import stream_generate
+
+        from .planner import PREFILL_STEP
 
         # -- speculation (issue 9): k > 0 runs the draft-and-verify loop -------------
         from ..speculation import start as spec
@@ -263,10 +297,12 @@ class EngineManager:
         before = self.counters()
         mx.reset_peak_memory()
         start = time.perf_counter()
+        ttft = None
         last = None
         generated: list[int] = []
         recorder = self._recorder(request.trace_path)
         stops = StopMatcher(request.stop)
+        prefill_step = request.prefill_step or PREFILL_STEP
         if run is not None:
             from ..speculation.decode import stream_speculative
 
@@ -276,9 +312,12 @@ class EngineManager:
                 self.loaded.model, self.loaded.tokenizer, new_tokens,
                 max_tokens=max_tokens, sampler=request.make_sampler(),
                 logits_processors=request.logits_processors or None, prompt_cache=cache,
+                prefill_step_size=prefill_step, **kv.generate_kwargs(),
             )
         try:
             for response in responses:
+                if ttft is None:
+                    ttft = time.perf_counter() - start
                 out.check_cancelled()
                 generated.append(response.token)
                 text = stops.feed(response.text)
@@ -306,6 +345,9 @@ class EngineManager:
             self.session.fed(generated)
         stats = self._stats(before, last, len(prompt), reused, len(new_tokens), time.perf_counter() - start)
         stats.update(figures.as_dict())
+        if run is not None:  # the speculative loop prefills in mlx-lm's default chunks
+            from ..speculation.decode import PREFILL_STEP as prefill_step
+        stats.update(self._kv_figures(self.session.cache, kv, kv_note, prefill_step, ttft))
         if recorder is not None:
             self._write_trace(recorder, request.trace_path, stats)
         self.last_stats, self.last_decode_tps = stats, stats["decode_tps"]

@@ -28,6 +28,8 @@ from ..checkpoints.config import EXPERT_COUNT_KEYS, TOP_K_KEYS, config_field, re
 from ..errors import CheckpointError
 from ..experts.index import CheckpointIndex
 from ..sizes import format_size, parse_size
+from .kv import FULL_PRECISION, KVSpec, blocker
+from .kv import bytes_per_element as bytes_per_element_of
 
 __all__ = [
     "DEFAULT_HIT_RATES",
@@ -40,6 +42,7 @@ __all__ = [
     "format_plan",
     "kv_cache_bytes",
     "plan_memory",
+    "prefill_step_for",
 ]
 
 MiB = 1024**2
@@ -87,6 +90,7 @@ class Layout:
     skipped_bytes: int  # tensors mlx-lm drops on load (multi-token-prediction heads)
     layer_keys: list[str] = field(default_factory=list)  # one expert container per MoE layer
     expert_bytes: list[int] = field(default_factory=list)  # bytes of one expert, per MoE layer
+    kv_blocker: str | None = None  # why a quantized KV cache cannot apply (engine/kv.py)
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -159,6 +163,7 @@ def checkpoint_layout(path: str | os.PathLike) -> Layout:
         skipped_bytes=skipped,
         layer_keys=keys,
         expert_bytes=[groups[k] // num_experts for k in keys],
+        kv_blocker=blocker(config, index.tensors),
     )
 
 
@@ -195,9 +200,14 @@ def _layer_kinds(config: dict, num_layers: int) -> list[str]:
 
 
 def kv_cache_bytes(
-    config: dict, max_context: int, bytes_per_element: int | None = None
+    config: dict, max_context: int, bytes_per_element: int | None = None,
+    kv: KVSpec = FULL_PRECISION, kv_blocker: str | None = None,
 ) -> tuple[int, str]:
     """(bytes, description) of the caches mlx-lm keeps for `max_context` tokens.
+
+    With a quantized layout `kv` (and no `kv_blocker`, see engine/kv.py), full-attention
+    layers hold `kv.bits` per element plus a scale and a bias per group; sliding windows
+    and linear-attention state stay as they are, as in the engine.
 
     An upper bound, checked against mlx-lm's caches in tests/test_planner.py:
 
@@ -216,6 +226,8 @@ def kv_cache_bytes(
     if max_context < 0:
         raise ValueError(f"max_context must not be negative, got {max_context}")
     width = bytes_per_element or _activation_bytes(config)
+    quantized = kv.quantized and not kv_blocker and kv.start < max_context
+    full_width = bytes_per_element_of(kv, width) if quantized else width
     num_layers = int(config_field(config, ("num_hidden_layers",)) or 0)
     heads = int(config_field(config, ("num_attention_heads",)) or 1)
     kv_lora = config_field(config, ("kv_lora_rank",))
@@ -231,7 +243,7 @@ def kv_cache_bytes(
     total = 0
     for kind in kinds:
         if kind == "full":
-            total += tokens * per_token * width
+            total += math.ceil(tokens * per_token * full_width)
         elif kind == "sliding":
             held = int(window) - 1 + PREFILL_STEP if window else tokens
             total += min(tokens, held) * per_token * width
@@ -250,7 +262,63 @@ def kv_cache_bytes(
         names = {"full": "full-attention", "sliding": f"sliding-window ({window})",
                  "linear": "linear-attention"}
         layers = ", ".join(f"{n} {names[k]}" for k, n in counts.items()) + " layers"
-    return total, f"{max_context} tokens, {layers}"
+    text = f"{max_context} tokens, {layers}"
+    if quantized:
+        text += f", {kv.describe()}" + (" on the full-attention layers" if set(counts) - {"full"} else "")
+    elif kv.quantized:
+        why = kv_blocker or f"kv_start {kv.start} is past max_context"
+        text += f", full precision (kv_bits {kv.bits} not applied: {why})"
+    return total, text
+
+
+# -- the prefill chunk ---------------------------------------------------------------
+
+
+def prefill_bytes_per_token(config: dict, top_k: int, context: int, bytes_per_element: int | None = None) -> int:
+    """Activation bytes one prompt token of a prefill chunk needs at once (an estimate):
+
+    - hidden states, queries, keys and values: about 8 x hidden + (heads + 2 x kv_heads)
+      x head_dim elements;
+    - the experts' routes: top_k x (2 x hidden + 3 x expert width) elements (the gathered
+      rows, gate, up, their product, the output rows);
+    - attention scores against `context` keys, heads x context float32 values: mlx
+      materializes them on the CPU and for a quantized cache (Metal's fused kernel for a
+      full-precision cache does not, so there this over-estimates).
+    """
+    width = bytes_per_element or _activation_bytes(config)
+    hidden = int(config_field(config, ("hidden_size",)) or 0)
+    heads = int(config_field(config, ("num_attention_heads",)) or 1)
+    kv_heads = int(config_field(config, ("num_key_value_heads",)) or heads)
+    head_dim = int(config_field(config, ("head_dim",)) or hidden // heads)
+    expert_width = int(config_field(config, ("moe_intermediate_size", "intermediate_size")) or hidden)
+    elements = 8 * hidden + (heads + 2 * kv_heads) * head_dim + top_k * (2 * hidden + 3 * expert_width)
+    return elements * width + heads * context * 4
+
+
+def prefill_step_for(
+    path: str | os.PathLike,
+    budget_bytes: int | str,
+    *,
+    max_context: int | None = DEFAULT_MAX_CONTEXT,
+    kv: KVSpec | None = None,
+    reserve_bytes: int | str | None = None,
+) -> int:
+    """Prompt tokens per prefill chunk for a memory budget ("auto" prefill_step).
+
+    Each expert a chunk routes to is read at most once per chunk (experts/switch.py),
+    so the bytes read per prompt token fall as the chunk grows; what bounds it is the
+    memory a chunk's activations take, which must fit the plan's working reserve. The
+    step is the largest multiple of 256 tokens that does, never below mlx-lm's 2048
+    (stock behaviour) and never above max_context.
+    """
+    budget = parse_size(budget_bytes)
+    context = max_context or DEFAULT_MAX_CONTEXT
+    layout = checkpoint_layout(path)
+    reserve = default_reserve(budget) if reserve_bytes is None else parse_size(reserve_bytes)
+    per_token = prefill_bytes_per_token(layout.config, max(1, layout.top_k), context)
+    fits = reserve // per_token // KV_STEP * KV_STEP
+    ceiling = -(-context // KV_STEP) * KV_STEP
+    return int(max(PREFILL_STEP, min(fits, ceiling)))
 
 
 # -- the plan ------------------------------------------------------------------------
@@ -278,6 +346,7 @@ class Plan:
     num_moe_layers: int
     max_context: int
     kv_description: str = ""
+    kv_bits: int | None = None  # None: a full-precision KV cache
     min_slots: int = 0
     whole_from: float = WHOLE_FROM
     checkpoint_bytes: int = 0
@@ -319,6 +388,7 @@ def plan_memory(
     min_slots: int | None = None,
     whole_from: float = WHOLE_FROM,
     whole_order: Sequence[int] | None = None,
+    kv: KVSpec | None = None,
 ) -> Plan:
     """The slot count of every MoE layer that fits `budget_bytes` (an int or "12GB").
 
@@ -328,7 +398,8 @@ def plan_memory(
     share of its experts before any layer is made whole (1.0: never trade slots for a
     whole layer; 0.0: make as many layers whole as the minimum of the others allows).
     `whole_order`: the MoE layer ordinals in the order they are made whole (default
-    0, 1, 2, ...); e.g. layers sorted by a measured hit rate, worst first.
+    0, 1, 2, ...); e.g. layers sorted by a measured hit rate, worst first. `kv`: the KV
+    cache layout (quantized caches take less of the budget; default full precision).
 
     Raises PlanError (one line, naming the shortfall and the budget that would do)
     when the budget cannot give every MoE layer `min_slots` slots, and CheckpointError
@@ -342,7 +413,8 @@ def plan_memory(
     layout = checkpoint_layout(path)
     E, L = layout.num_experts, len(layout.layer_keys)
     b = layout.expert_bytes
-    kv, kv_text = kv_cache_bytes(layout.config, max_context, kv_bytes_per_element)
+    kv_layout = kv or FULL_PRECISION
+    kv, kv_text = kv_cache_bytes(layout.config, max_context, kv_bytes_per_element, kv_layout, layout.kv_blocker)
     reserve = default_reserve(budget) if reserve_bytes is None else parse_size(reserve_bytes)
     m = min(E, max(1, min_slots if min_slots is not None else layout.top_k)) if L else 0
     fixed = layout.dense_bytes + kv
@@ -373,6 +445,7 @@ def plan_memory(
         num_moe_layers=L,
         max_context=max_context,
         kv_description=kv_text,
+        kv_bits=kv_layout.bits if kv_layout.quantized and not layout.kv_blocker else None,
         min_slots=m,
         whole_from=whole_from,
         checkpoint_bytes=layout.checkpoint_bytes,

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
 from ..experts.policies import DEFAULT_POLICY
+from .kv import FULL_PRECISION, KVSpec
 
 UNLIMITED = -1  # max_tokens: generate until the context is full
 
@@ -61,6 +62,9 @@ class Request:
     draft_path: Optional[Path] = None  # checkpoint of `draft` when it names an added model
     spec_observer: Optional[Callable] = None  # called after each verify pass (benchmarks)
     # -- end speculation --------------------------------------------------------
+    # -- long context (engine/kv.py) --
+    kv: KVSpec = FULL_PRECISION  # how the attention cache is kept (quantized or not)
+    prefill_step: Optional[int] = None  # prompt tokens per prefill chunk (None: mlx-lm's 2048)
 
     def make_sampler(self):
         import mlx.core as mx

@@ -2,15 +2,19 @@
 
 A chat turn's prompt is the previous turn's prompt and reply plus the new message, so
 its tokens usually extend what the cache already holds: only the new tokens need a
-prefill. Caches that can be trimmed (attention KV) are cut back to the common prefix;
-those that cannot (linear-attention state) are reused only when the cached tokens are a
-strict prefix of the new prompt: such a state cannot be rewound, only extended.
+prefill. Caches that can be trimmed (attention KV, quantized or not) are cut back to
+the common prefix; those that cannot (linear-attention state) are reused only when the
+cached tokens are a strict prefix of the new prompt: such a state cannot be rewound,
+only extended. A cache is reused only under the KV layout it was built with (see
+engine/kv.py): a turn that asks for another one starts a new cache.
 """
 
 from __future__ import annotations
 
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import common_prefix_len
+
+from .kv import FULL_PRECISION, KVSpec, make_cache
 
 
 class Session:
@@ -18,13 +22,16 @@ class Session:
         self.model = model
         self.cache = None
         self.tokens: list[int] = []  # exactly the tokens the cache has seen
+        self.kv: KVSpec = FULL_PRECISION  # the layout the cache was made for
 
     def reset(self) -> None:
         self.cache = None
         self.tokens = []
 
-    def prepare(self, prompt: list[int]) -> tuple[list, list[int], int]:
-        """(cache, tokens still to prefill, tokens reused) for `prompt`."""
+    def prepare(self, prompt: list[int], kv: KVSpec = FULL_PRECISION) -> tuple[list, list[int], int]:
+        """(cache, tokens still to prefill, tokens reused) for `prompt` under layout `kv`."""
+        if kv != self.kv:
+            self.reset()
         reuse = 0
         if self.cache is not None:
             reuse = min(common_prefix_len(self.tokens, prompt), len(prompt) - 1)
@@ -34,7 +41,8 @@ class Session:
                 else:
                     reuse = 0
         if reuse == 0:
-            self.cache = make_prompt_cache(self.model)
+            self.cache = make_cache(self.model, kv)
+            self.kv = kv
         self.tokens = list(prompt[:reuse])
         return self.cache, list(prompt[reuse:]), reuse
 

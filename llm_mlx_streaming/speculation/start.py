@@ -39,6 +39,8 @@ def off_reason(request) -> Optional[str]:
         return "logits processors"
     if request.sampler is not None:
         return "custom sampler"
+    if request.kv.quantized:  # long context (#13): mlx-lm's loop quantizes the cache
+        return "quantized KV cache (kv_bits)"
     return None
 
 

@@ -1,0 +1,209 @@
+"""KV-cache policy: whether, and how, the attention cache is quantized.
+
+mlx-lm quantizes a prompt cache itself when `stream_generate` is given `kv_bits`:
+after each prefill chunk and each decode step, every cache that has `to_quantized`
+and holds at least `quantized_kv_start` tokens becomes a `QuantizedKVCache`. The
+engine hands it the same three values, so the arithmetic is mlx-lm's and a response
+compares bit for bit with `mlx_lm.generate(..., kv_bits=...)`. What this module adds
+is what mlx-lm leaves to its caller:
+
+- the values are checked against the model before anything runs (one line);
+- sliding-window caches, which mlx-lm cannot quantize (`RotatingKVCache.to_quantized`
+  raises), are made as `FullPrecisionWindow`s, so they keep full precision while the
+  model's full-attention layers are quantized; linear-attention state (`ArraysCache`)
+  has nothing to quantize and stays as it is;
+- a model whose attention cannot read a quantized cache (attention sinks, a latent
+  MLA cache) runs with a full-precision cache and a `kv_note` saying why.
+
+Nothing here imports mlx at module level: the planner sizes quantized caches from
+the same arithmetic without loading anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+KV_BITS = (4, 8)  # what mlx-lm's quantized attention is tested with; see docs/llm-plugin.md
+KV_GROUP_SIZES = (32, 64, 128)  # the group sizes mx.quantize accepts
+
+
+class KVError(ValueError):
+    """A KV setting this model cannot run with; the message is one line."""
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """How the attention cache is kept: `bits` None is full precision."""
+
+    bits: Optional[int] = None
+    group_size: int = 64
+    start: int = 0  # tokens in the cache before it is quantized (mlx-lm's quantized_kv_start)
+
+    def __post_init__(self) -> None:
+        check_values(self.bits, self.group_size, self.start)
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits is not None
+
+    def generate_kwargs(self) -> dict:
+        """The arguments mlx-lm's `stream_generate` takes for this layout."""
+        if not self.quantized:
+            return {}
+        return {"kv_bits": self.bits, "kv_group_size": self.group_size, "quantized_kv_start": self.start}
+
+    def describe(self) -> str:
+        if not self.quantized:
+            return "full precision"
+        start = f", from token {self.start}" if self.start else ""
+        return f"{self.bits}-bit (groups of {self.group_size}{start})"
+
+
+def check_values(bits, group_size, start) -> None:
+    """KVError (one line) unless the values are a layout mlx-lm can keep."""
+    if bits is not None and (isinstance(bits, bool) or bits not in KV_BITS):
+        raise KVError(f"kv_bits must be off, {' or '.join(map(str, KV_BITS))}, got {bits!r}")
+    if isinstance(group_size, bool) or group_size not in KV_GROUP_SIZES:
+        raise KVError(f"kv_group_size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, got {group_size!r}")
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise KVError(f"kv_start must be a token count of at least 0, got {start!r}")
+
+
+FULL_PRECISION = KVSpec()
+
+
+def parse_bits(value) -> Optional[int]:
+    """A kv_bits value as typed ("off", "4", 8, None) -> None or an int; KVError otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in ("off", "none", "16", ""):
+            return None
+        try:
+            value = int(word)
+        except ValueError:
+            raise KVError(f"kv_bits must be off, {' or '.join(map(str, KV_BITS))}, got {value!r}") from None
+    check_values(value, KV_GROUP_SIZES[1], 0)
+    return value
+
+
+# -- what a model allows -------------------------------------------------------------
+
+
+def blocker(config: dict, weight_names: Iterable[str]) -> Optional[str]:
+    """Why this model's attention cannot read a quantized cache (None: it can).
+
+    From the config and the weight names alone, so the planner (headers only) and the
+    engine (a loaded model) agree.
+    """
+    if _field(config, "kv_lora_rank"):
+        return "its attention caches a compressed latent (MLA), which mlx-lm does not quantize"
+    if any(name.rsplit(".", 1)[-1] == "sinks" for name in weight_names):
+        return "its attention uses sinks, which mlx-lm's quantized attention does not support"
+    return None
+
+
+def head_dims(config: dict) -> set[int]:
+    """The last dimensions of the cached keys and values (what a group must divide)."""
+    heads = int(_field(config, "num_attention_heads") or 1)
+    dims = {int(_field(config, "head_dim") or int(_field(config, "hidden_size") or 0) // heads)}
+    if _field(config, "v_head_dim"):
+        dims.add(int(_field(config, "v_head_dim")))
+    return {d for d in dims if d}
+
+
+def check_model(spec: KVSpec, config: dict) -> None:
+    """KVError when the group size does not divide the model's head dimension."""
+    if not spec.quantized:
+        return
+    for dim in sorted(head_dims(config)):
+        if dim % spec.group_size:
+            raise KVError(
+                f"kv_group_size {spec.group_size} does not divide this model's head dimension "
+                f"{dim}; use one of {', '.join(str(g) for g in KV_GROUP_SIZES if dim % g == 0) or 'none'}"
+            )
+
+
+def _field(config: dict, key: str):
+    if key in config:
+        return config[key]
+    return (config.get("text_config") or {}).get(key)
+
+
+# -- caches --------------------------------------------------------------------------
+
+
+def make_cache(model, spec: KVSpec) -> list:
+    """mlx-lm's prompt cache for `model`; with a quantized spec, its sliding windows are
+    `FullPrecisionWindow`s so that mlx-lm's quantization step passes them by."""
+    from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+
+    from .kv_window import FullPrecisionWindow
+
+    cache = make_prompt_cache(model)
+    if spec.quantized:
+        cache = [
+            FullPrecisionWindow(c.max_size, c.keep) if type(c) is RotatingKVCache else c for c in cache
+        ]
+    return cache
+
+
+def cache_bytes(cache) -> int:
+    """Bytes the caches hold (allocated, including mlx-lm's growth steps)."""
+    total = 0
+    for c in cache or ():
+        try:
+            if not c.empty():
+                total += int(c.nbytes)
+        except (AttributeError, NotImplementedError):
+            continue
+    return total
+
+
+def bits_in_use(cache) -> Optional[int]:
+    """The bits of the quantized caches (None: none is quantized yet)."""
+    for c in cache or ():
+        bits = getattr(c, "bits", None)
+        if bits is not None:
+            return int(bits)
+    return None
+
+
+def bytes_per_element(spec: KVSpec, width: int) -> float:
+    """Bytes one cached key or value element takes: `width` unquantized; quantized, its
+    bits plus a scale and a bias (activation width each) per group."""
+    if not spec.quantized:
+        return float(width)
+    return spec.bits / 8 + 2 * width / spec.group_size
+
+
+def resolve(spec: KVSpec, config: dict, weight_names: Iterable[str]) -> tuple[KVSpec, Optional[str]]:
+    """(the layout the model will really run with, a note when it differs from `spec`).
+
+    A model that cannot read a quantized cache falls back to full precision with a
+    note; a group size that does not divide the head dimension is a KVError.
+    """
+    if not spec.quantized:
+        return spec, None
+    reason = blocker(config, weight_names)
+    if reason:
+        return FULL_PRECISION, f"kv_bits {spec.bits} not applied: {reason}; the KV cache stays full precision"
+    check_model(spec, config)
+    return spec, None
+
+
+def kept_note(cache) -> Optional[str]:
+    """Which layers a quantized layout leaves unquantized, e.g. "2 sliding-window layers
+    kept full precision" (None when every layer with a cache is quantized)."""
+    from mlx_lm.models.cache import ArraysCache, RotatingKVCache
+
+    windows = sum(isinstance(c, RotatingKVCache) for c in cache or ())
+    linear = sum(isinstance(c, ArraysCache) for c in cache or ())
+    parts = []
+    if windows:
+        parts.append(f"{windows} sliding-window layer{'s' if windows != 1 else ''} kept full precision")
+    if linear:
+        parts.append(f"{linear} linear-attention layer{'s' if linear != 1 else ''} keep their fixed state")
+    return "; ".join(parts) or None
