@@ -89,6 +89,11 @@ class Options(llm.Options):
 
         return None if value is None else check_k(value)
     # -- end speculation --------------------------------------------------------
+    # -- serve (llm mlxs serve) ------------------------------------------------
+    no_server: Optional[bool] = Field(
+        None, description="Run in this process even when `llm mlxs serve` is running"
+    )
+    # -- end serve ---------------------------------------------------------------
 
     @field_validator("memory_budget")
     @classmethod
@@ -254,6 +259,14 @@ class MlxStreamModel(llm.Model):
 
         settings = load_settings()
         options = prompt.options
+        # -- serve: a running `llm mlxs serve` for this user dir answers instead ---
+        from .server.client import running_server
+
+        server = running_server(options, settings)
+        if server is not None:
+            yield from server.answer(self.model_id, prompt, response)
+            return
+        # -- end serve ---------------------------------------------------------------
         r = self._resolve(options, settings)
         rendered = {}
         processors: list = []  # filled in by render, which knows the tokenizer

@@ -68,10 +68,28 @@ def chat_messages(prompt, think_start=None, think_end=None) -> tuple[list[dict],
     return out, stored
 
 
+def raw_message(text: str):
+    """A prompt of plain text, encoded without the chat template (the server's
+    /v1/completions): one user message marked in its metadata."""
+    from llm.parts import Message, TextPart
+
+    return Message(role="user", parts=[TextPart(text=text)], provider_metadata={METADATA_KEY: {"raw": True}})
+
+
+def _raw_text(prompt) -> Optional[str]:
+    messages = prompt.messages
+    if len(messages) == 1 and ((messages[0].provider_metadata or {}).get(METADATA_KEY) or {}).get("raw"):
+        return "".join(getattr(part, "text", "") for part in messages[0].parts)
+    return None
+
+
 def render_prompt(tokenizer, prompt, *, thinking: Optional[bool] = None) -> tuple[list[int], str]:
     """Token ids for the conversation, plus the text of the generation prompt.
 
     `thinking` sets the template's thinking switch (None: the template's default)."""
+    raw = _raw_text(prompt)
+    if raw is not None:
+        return _encode(tokenizer, raw), ""
     start = getattr(tokenizer, "think_start", None)
     end = getattr(tokenizer, "think_end", None)
     messages, stored = chat_messages(prompt, start, end)

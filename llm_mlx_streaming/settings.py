@@ -224,6 +224,15 @@ class Settings(BaseModel):
         ),
     )
     # -- end long context --
+    # -- serve (llm mlxs serve) ------------------------------------------------
+    server: Literal["auto", "off"] = Field(
+        "auto",
+        description=(
+            "auto: when `llm mlxs serve` runs for this llm user dir, prompts go to it "
+            "(its warm engine); off: always run in this process (-o no_server 1 for one prompt)."
+        ),
+    )
+    # -- end serve ---------------------------------------------------------------
     models: dict[str, ModelEntry] = Field(
         default_factory=dict,
         description="User-added models (managed by `llm mlxs add/remove`).",

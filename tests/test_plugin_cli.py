@@ -25,6 +25,7 @@ def test_config_show_set_unset(llm_env):
         "memory_budget", "max_context", "threads", "page_cache", "trace", "packed",
         "k", "draft",  # speculation (issue 9)
         "kv_bits", "kv_group_size", "kv_start", "prefill_step",  # long context (#13)
+        "server",
     }
     assert " set " in lines["default_model"] and " default " in lines["max_tokens"]
 

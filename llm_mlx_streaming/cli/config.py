@@ -61,6 +61,7 @@ def config(key, value, unset_key, json_):
             raise click.UsageError("--unset takes only the KEY")
         unset_value(unset_key)
         click.echo(f"{unset_key} reset to its default", err=True)
+        _push_to_server(unset_key, None)
         return
     if key and value is not None:
         check_key(key)
@@ -71,6 +72,7 @@ def config(key, value, unset_key, json_):
                 registry.checkpoint_for(value, settings)  # its directory must still be there
         settings = set_value(key, value, settings)
         click.echo(f"{key} = {_fmt(getattr(settings, key))}", err=True)
+        _push_to_server(key, getattr(settings, key))
         return
     settings = load_settings()
     explicit = explicit_keys()
@@ -95,3 +97,21 @@ def config(key, value, unset_key, json_):
         ["setting", "value", "", "description"],
         [[r["key"], _shown(r["key"], r["value"]), "default" if r["default"] else "set", r["description"]] for r in rows],
     )
+
+
+# -- serve: a running server takes the change too ---------------------------------
+def _push_to_server(key: str, value) -> None:
+    """Apply a setting to a running `llm mlxs serve` at once (one of its runtime
+    options); every other setting it reads from the file at its next request."""
+    from ..server.client import running_server
+    from ..server.schemas import engine_option_names
+
+    server = running_server(None, load_settings())
+    if server is None:
+        return
+    if key not in engine_option_names():
+        click.echo(f"The server at {server.url} uses it from its next request", err=True)
+        return
+    server.configure({key: value})
+    click.echo(f"{key} applied to the server at {server.url}", err=True)
+# -- end serve ----------------------------------------------------------------------

@@ -185,8 +185,11 @@ def _stat_lines(st: dict) -> list[list[str]]:
 @click.option("-n", "--count", "count", default=10, show_default=True, type=click.IntRange(1), help="Aggregate over the last N responses")
 @click.option("json_", "--json", is_flag=True, help="Output as JSON")
 @click.option("-d", "--database", type=click.Path(dir_okay=False, path_type=Path), help="Path to log database (default: llm's logs.db)")
-def stats(count, json_, database):
+@click.option("--live", is_flag=True, help="The running server's figures now (llm mlxs serve)")
+def stats(count, json_, database, live):
     """Engine figures of the last mlx-stream response, and totals over the last N."""
+    if live:
+        return _live(json_)
     db_path = database or (llm.user_dir() / "logs.db")
     rows = _logged(db_path, count)
     if not rows:
@@ -206,3 +209,35 @@ def stats(count, json_, database):
     table(None, _stat_lines(last["stats"]), indent="  ")
     click.echo(f"\nLast {agg['responses']} response{'s' if agg['responses'] != 1 else ''}")
     table(None, _stat_lines(agg), indent="  ")
+
+
+# -- serve: the running server's figures ---------------------------------------------
+def _live(json_: bool) -> None:
+    from ..server.client import running_server
+    from ..settings import load_settings
+
+    server = running_server(None, load_settings())
+    if server is None:
+        raise click.ClickException("No mlx-stream server runs for this llm user dir (start one: llm mlxs serve)")
+    st = server.stats()
+    if json_:
+        click.echo(json.dumps(st, indent=2))
+        return
+    queue = st.get("server") or {}
+    click.echo(f"Server {server.url}  state: {st.get('state')}"
+               + (f" ({st['error']})" if st.get("error") else "")
+               + ("  rebuilding pools" if st.get("rebuilding") else ""))
+    rows = [
+        ["model", f"{st.get('model') or '-'}  ({st.get('checkpoint') or 'nothing loaded'})"],
+        ["requests", f"{queue.get('served', 0)} served, {'1 running' if queue.get('running') else 'none running'}, "
+                     f"{queue.get('queued', 0)} queued (at most {queue.get('max_queue')})"],
+        ["last decode", "-" if st.get("last_decode_tps") is None else f"{st['last_decode_tps']} tok/s"],
+        ["memory", f"peak RSS {format_size(st.get('peak_rss_bytes') or 0)}, "
+                   f"MLX {format_size(st.get('mlx_active_memory_bytes') or 0)} active, "
+                   f"{format_size(st.get('mlx_peak_memory_bytes') or 0)} peak"],
+    ]
+    if st.get("rebuild_error"):
+        rows.append(["last rebuild", f"failed: {st['rebuild_error']}"])
+    table(None, rows, indent="  ")
+    table(None, _stat_lines({**st, "mb_read": round((st.get("bytes_read") or 0) / 1e6, 3)})[4:], indent="  ")
+# -- end serve ------------------------------------------------------------------------

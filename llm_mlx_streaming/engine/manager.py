@@ -200,6 +200,27 @@ class EngineManager:
                                       logits_processors=list(logits_processors or []),
                                       max_context=max_context, trace_path=trace_path))
 
+    # -- serve: load or rebuild the pools without generating ---------------------
+    def prepare(self, load: LoadSpec) -> Generation:
+        """Queue "load `load` if needed" on its own (a server's warm start, a pool
+        rebuild), in turn with the generations; iterating the handle waits for it,
+        raises what the load raised and then ends."""
+        generation = Generation()
+        channel = generation.channel
+
+        def job():
+            with self._lock:
+                channel.check_cancelled()
+                try:
+                    self._load_spec(load)
+                except EngineError as e:
+                    raise LoadError(str(e)) from None
+            channel.put("done", None)
+
+        _engine_thread().submit(job, channel)
+        return generation
+    # -- end serve ---------------------------------------------------------------
+
     def _serve(self, load: LoadSpec | None, request: Request, out: Channel) -> None:
         """One request, on the engine thread, under the lock."""
         with self._count_lock:

@@ -1,0 +1,29 @@
+"""`llm mlxs serve`: keep the engine warm behind an OpenAI-compatible API (docs/server.md)."""
+
+from __future__ import annotations
+
+import click
+
+from . import mlxs
+
+
+@mlxs.command()
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on; anything but loopback needs --api-key")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535),
+              help="Port (0: any free port)")
+@click.option("-m", "--model", "model", help="Model to load at start and answer by default (e.g. mlx-stream/qwen3)")
+@click.option("--api-key", help="Bearer token every endpoint but /health requires")
+@click.option("--max-queue", default=8, show_default=True, type=click.IntRange(0),
+              help="Requests that may wait for the engine; more get 503 with Retry-After")
+def serve(host, port, model, api_key, max_queue):
+    """Serve the mlx-stream models over an OpenAI-compatible HTTP API.
+
+    While it runs, `llm -m mlx-stream...`, `llm chat` and `llm -c` in this llm user
+    dir send their prompts to it (`llm mlxs config server off` or -o no_server 1: not).
+    """
+    from ..server.run import Server
+
+    server = Server(host=host, port=port, model=model, api_key=api_key, max_queue=max_queue)
+    click.echo(f"mlx-stream: serving on {server.url} (Ctrl-C stops)", err=True)
+    server.serve()

@@ -1,0 +1,7 @@
+"""`llm mlxs serve`: the engine kept warm in one process behind an OpenAI-compatible API.
+
+schemas.py holds the request and response bodies, gate.py the one-at-a-time queue,
+runtime.py the parameters a running server can change, bridge.py runs the plugin's own
+prompt path on a thread and hands its events to the event loop, service.py the routes,
+discovery.py the file that tells `llm` a server runs, client.py the `llm` side.
+"""

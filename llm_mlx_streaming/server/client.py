@@ -1,0 +1,188 @@
+"""The `llm` side: send a prompt, a setting or a stats request to a running server.
+
+Imported by the plugin on every prompt, so it stays light: the standard library's
+http.client, no server packages. A prompt routed here streams the same events the
+in-process path would (text, reasoning, then the reply's token ids), and the response
+records the server's figures plus `served_by`, so llm logs the same row.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+from typing import Iterator, Optional
+from urllib.parse import urlsplit
+
+from ..errors import MlxStreamError, one_line
+from . import discovery
+
+_local = threading.local()
+
+
+def serving_thread(on: bool) -> None:
+    """Mark the calling thread as one that answers server requests (never routed)."""
+    _local.serving = on
+
+
+def running_server(options, settings) -> Optional["ServerClient"]:
+    """The server a prompt with these options should go to, or None for in-process."""
+    if getattr(_local, "serving", False):
+        return None
+    if getattr(options, "no_server", None) or getattr(settings, "server", "auto") == "off":
+        return None
+    info = discovery.read()
+    return ServerClient(info) if info else None
+
+
+class ServerGone(MlxStreamError):
+    pass
+
+
+class ServerClient:
+    def __init__(self, info: discovery.ServerInfo, timeout: float = 600.0) -> None:
+        self.info = info
+        self.url = info.url
+        self.timeout = timeout
+
+    # -- plumbing -------------------------------------------------------------
+    def _request(self, method: str, path: str, body: Optional[dict] = None):
+        parts = urlsplit(self.url)
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.timeout)
+        headers = {"Authorization": f"Bearer {self.info.secret}"}
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        try:
+            conn.request(method, path, body=data, headers=headers)
+            return conn, conn.getresponse()
+        except OSError as e:
+            conn.close()
+            raise ServerGone(
+                f"The mlx-stream server at {self.url} (pid {self.info.pid}) is not answering "
+                f"({one_line(e)}); stop it, or run in-process with -o no_server 1"
+            ) from None
+
+    def _json(self, method: str, path: str, body: Optional[dict] = None) -> tuple[int, dict]:
+        conn, resp = self._request(method, path, body)
+        try:
+            raw = resp.read()
+        except (OSError, http.client.HTTPException) as e:
+            raise self._gone(e) from None
+        finally:
+            conn.close()
+        try:
+            return resp.status, json.loads(raw or b"{}")
+        except ValueError:
+            return resp.status, {"error": {"message": raw.decode(errors="replace")[:200]}}
+
+    def _gone(self, exc) -> ServerGone:
+        return ServerGone(f"The mlx-stream server at {self.url} stopped during the request ({one_line(exc) or type(exc).__name__})")
+
+    def stats(self) -> dict:
+        status, data = self._json("GET", "/api/stats")
+        if status != 200:
+            raise MlxStreamError(_message(data, status))
+        return data
+
+    def configure(self, changes: dict) -> dict:
+        status, data = self._json("POST", "/api/engine/config", changes)
+        if status != 200:
+            raise MlxStreamError(f"The server at {self.url} refused it: {_message(data, status)}")
+        return data
+
+    # -- a prompt -------------------------------------------------------------
+    def answer(self, model_id: str, prompt, response) -> Iterator:
+        """Stream `prompt` from the server as the plugin's own events."""
+        from ..model import _event
+        from ..prompting import reply_metadata
+
+        options = {k: v for k, v in prompt.options.model_dump(exclude_none=True).items() if k != "no_server"}
+        body = {"model": model_id, "messages": openai_messages(prompt), "stream": True,
+                "stream_options": {"include_usage": True}, **options}
+        conn, resp = self._request("POST", "/v1/chat/completions", body)
+        extension = None
+        try:
+            if resp.status != 200:
+                raise MlxStreamError(_message(_read_json(resp), resp.status))
+            for chunk in _sse(resp):
+                if "error" in chunk:
+                    raise MlxStreamError(_message(chunk, 500))
+                extension = chunk.get("mlx_stream") or extension
+                for choice in chunk.get("choices") or []:
+                    delta = choice.get("delta") or {}
+                    if delta.get("reasoning_content"):
+                        yield _event("reasoning", delta["reasoning_content"])
+                    if delta.get("content"):
+                        yield _event("text", delta["content"])
+        except (OSError, EOFError, ValueError, http.client.HTTPException) as e:
+            raise self._gone(e) from None
+        finally:
+            conn.close()
+        if extension is None:
+            raise self._gone(EOFError("the stream ended early"))
+        yield _event("text", "", reply_metadata(extension.get("tokens") or []))
+        stats = dict(extension.get("stats") or {})
+        stats["served_by"] = self.url
+        response.response_json = stats
+        response.set_usage(input=stats.get("prompt_tokens"), output=stats.get("generated_tokens"))
+        if extension.get("resolved_model"):
+            response.set_resolved_model(extension["resolved_model"])
+
+
+def openai_messages(prompt) -> list[dict]:
+    """llm's message chain as OpenAI messages; replies carry the ids they were generated
+    as (the `tokens` extension), so the server reuses its KV cache exactly."""
+    from llm.parts import ReasoningPart, TextPart
+
+    from ..prompting import PromptError, _stored_tokens
+
+    out = []
+    for message in prompt.messages:
+        if message.role not in ("system", "user", "assistant"):
+            raise PromptError(f"mlx-stream cannot send '{message.role}' messages (no tool support)")
+        text, reasoning = [], []
+        for part in message.parts:
+            if isinstance(part, ReasoningPart):
+                reasoning.append(part.text)
+            elif isinstance(part, TextPart):
+                text.append(part.text)
+            else:
+                raise PromptError(f"mlx-stream supports text only, not {type(part).__name__}")
+        item = {"role": message.role, "content": "".join(text)}
+        if reasoning and any(reasoning):
+            item["reasoning_content"] = "".join(reasoning)
+        if message.role == "assistant" and (tokens := _stored_tokens(message)) is not None:
+            item["tokens"] = tokens
+        out.append(item)
+    return out
+
+
+def _sse(resp) -> Iterator[dict]:
+    """The JSON payloads of a server-sent event stream, up to [DONE]."""
+    while True:
+        line = resp.readline()
+        if not line:
+            raise EOFError("the stream ended early")
+        line = line.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        yield json.loads(data)
+
+
+def _read_json(resp) -> dict:
+    try:
+        return json.loads(resp.read() or b"{}")
+    except ValueError:
+        return {}
+
+
+def _message(data: dict, status: int) -> str:
+    error = data.get("error") if isinstance(data, dict) else None
+    if isinstance(error, dict) and error.get("message"):
+        return str(error["message"])
+    return f"the server answered HTTP {status}"

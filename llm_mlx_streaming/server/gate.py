@@ -1,0 +1,64 @@
+"""One generation at a time; the others wait their turn in order, and only so many.
+
+The engine holds one conversation and MLX computes one thing at a time, so the server
+admits one job (a generation or a pool rebuild) and queues the rest first come, first
+served. A full queue is the caller's cue to answer 503 with Retry-After instead of
+letting requests pile up without bound. A pool rebuild goes to the head of the queue,
+so the requests already waiting run on the new pools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Gate:
+    def __init__(self, max_waiting: int) -> None:
+        self.max_waiting = max_waiting
+        self._busy = False
+        self._waiters: deque[asyncio.Future] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for f in self._waiters if not f.done())
+
+    @property
+    def busy(self) -> bool:
+        return self._busy
+
+    async def acquire(self, *, first: bool = False) -> None:
+        """Wait for the turn; QueueFull at once when `max_waiting` already wait."""
+        if not self._busy and not self.waiting:
+            self._busy = True
+            return
+        if not first and self.waiting >= self.max_waiting:
+            raise QueueFull
+        future = asyncio.get_running_loop().create_future()
+        (self._waiters.appendleft if first else self._waiters.append)(future)
+        try:
+            await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self.release()  # the turn came as the waiter went: pass it on
+            else:
+                self._drop(future)
+            raise
+
+    def _drop(self, future) -> None:
+        try:
+            self._waiters.remove(future)
+        except ValueError:
+            pass
+
+    def release(self) -> None:
+        while self._waiters:
+            future = self._waiters.popleft()
+            if not future.done():
+                future.set_result(None)  # the turn passes on; still busy
+                return
+        self._busy = False

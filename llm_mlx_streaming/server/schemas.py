@@ -1,0 +1,155 @@
+"""Request and response bodies of the OpenAI-compatible routes, as pydantic models.
+
+The request models subclass the plugin's own `Options`, so every engine option the
+plugin has (expert_slots, policy, memory_budget, and each one added later) is a body
+field with the plugin's validation and its description in the OpenAPI schema, with no
+list to keep in step here. Fields OpenAI clients send that do not apply (n > 1,
+penalties, logprobs, user) are ignored, as mlx-lm's own server does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema
+
+from ..model import Options
+
+# Options fields that mean nothing inside the server (it always runs in-process).
+SERVER_ONLY = ("no_server",)
+
+
+def engine_option_names() -> list[str]:
+    """The plugin options a request or the runtime config may set, read off `Options`."""
+    return [name for name in Options.model_fields if name not in SERVER_ONLY]
+
+
+class TextContent(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextContent], None] = None
+    reasoning_content: Optional[str] = Field(None, description="An assistant message's reasoning")
+    tokens: Optional[list[int]] = Field(
+        None,
+        description="Extension: the token ids an assistant message was generated as "
+        "(a response's mlx_stream.tokens); with them the KV cache is reused exactly",
+    )
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class _GenerationRequest(Options):
+    """What both generation routes take: the plugin's options plus OpenAI's fields."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    no_server: SkipJsonSchema[Optional[bool]] = None  # SERVER_ONLY: not part of the API
+
+    model: Optional[str] = Field(None, description="A model id from /v1/models (default: the server's)")
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Union[str, list[str], None] = Field(None, description="Stop before any of these strings")
+    max_completion_tokens: Optional[int] = Field(None, ge=1, description="Same as max_tokens")
+    n: int = Field(1, ge=1, le=1, description="Only one choice is generated")
+
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [s for s in ([self.stop] if isinstance(self.stop, str) else self.stop) if s]
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: Union[str, list[str]] = Field(description="Raw text, encoded without the chat template")
+
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else "".join(self.prompt)
+
+
+# -- responses (documented in the OpenAPI schema; streamed ones are SSE chunks) ----
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    reasoning_content: Optional[str] = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: Optional[str]
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    mlx_stream: dict[str, Any] = Field(
+        description="Extension: the engine's figures (stats), the reply's token ids, the checkpoint"
+    )
+
+
+class TextChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: Optional[str]
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: Usage
+    mlx_stream: dict[str, Any]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "mlx-stream"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody

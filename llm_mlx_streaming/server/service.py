@@ -1,0 +1,596 @@
+"""The ASGI app: OpenAI-compatible routes, the runtime API and their errors.
+
+FastAPI, because its routes are typed by pydantic models (the same pydantic llm and the
+plugin's Options use), which gives request validation and an OpenAPI schema for free;
+the property-based tests are generated from that schema (see docs/server.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections import OrderedDict
+from contextlib import asynccontextmanager
+from typing import Any, Optional
+
+from fastapi import APIRouter, Body, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from ..errors import one_line
+from .bridge import Result, Run
+from .gate import Gate, QueueFull
+from .runtime import POOL_KEYS, ConfigError, RuntimeConfig, touches_pools
+from .schemas import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    ChatMessage,
+    Completion,
+    CompletionRequest,
+    ErrorResponse,
+    ModelList,
+    engine_option_names,
+)
+
+MAX_BODY_BYTES = 8 * 2**20  # a request body larger than this is refused (413)
+RETRY_AFTER_SECONDS = 2
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 code: Optional[str] = None, param: Optional[str] = None, headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code, self.param = status, one_line(message), kind, code, param
+        self.headers = headers
+
+    def response_body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.response_body(), status_code=self.status, headers=self.headers)
+
+
+def _too_large() -> ApiError:
+    return ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="body_too_large")
+
+
+class BodyLimit:
+    """ASGI middleware: refuse bodies over MAX_BODY_BYTES, declared or streamed.
+
+    The body is read here first (it is small by then) and handed on whole, so a body
+    that grows past the limit is refused before any route sees it."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            return await _too_large().response()(scope, receive, send)
+        body, more = bytearray(), True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > MAX_BODY_BYTES:
+                return await _too_large().response()(scope, receive, send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()  # after the body: the disconnect, for streaming responses
+
+        await self.app(scope, replay, send)
+
+
+class ReplyMemory:
+    """Replies this server generated, by text, with the token ids they were generated
+    as: an OpenAI client sends a reply back as text, and re-encoding text does not
+    always give the same ids, so without this a follow-up would not reuse the KV cache."""
+
+    def __init__(self, size: int = 64) -> None:
+        self.size = size
+        self._by_text: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()
+
+    def remember(self, text: str, reasoning: str, tokens: list[int]) -> None:
+        if tokens:
+            self._by_text[text] = (reasoning, tokens)
+            self._by_text.move_to_end(text)
+            while len(self._by_text) > self.size:
+                self._by_text.popitem(last=False)
+
+    def llm_messages(self, messages: list[ChatMessage]) -> list:
+        from llm.parts import Message, ReasoningPart, TextPart
+
+        from ..prompting import reply_metadata
+
+        out = []
+        for m in messages:
+            text = m.text()
+            role = "system" if m.role == "developer" else m.role
+            if role != "assistant":
+                out.append(Message(role=role, parts=[TextPart(text=text)]))
+                continue
+            reasoning, tokens = m.reasoning_content or "", m.tokens
+            if tokens is None and text in self._by_text:
+                known_reasoning, tokens = self._by_text[text]
+                reasoning = reasoning or known_reasoning
+            parts = [ReasoningPart(text=reasoning)] if reasoning else []
+            parts.append(TextPart(text=text, provider_metadata=reply_metadata(tokens) if tokens else None))
+            out.append(Message(role="assistant", parts=parts))
+        return out
+
+
+class StopCut:
+    """Cut the text before the first stop string (held back until it is certain)."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.buf = ""
+        self.hit = False
+
+    def feed(self, text: str) -> str:
+        if not self.stops:
+            return text
+        self.buf += text
+        found = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
+        if found:
+            out, self.buf, self.hit = self.buf[: min(found)], "", True
+            return out
+        cut = max(len(self.buf) - self.hold, 0)
+        out, self.buf = self.buf[:cut], self.buf[cut:]
+        return out
+
+    def flush(self) -> str:
+        out, self.buf = self.buf, ""
+        return out
+
+
+class Turn:
+    """A request's hold on the gate and its run: finishing cancels the run if it is
+    still going and passes the turn on, once."""
+
+    def __init__(self, service: "Service", run: Run) -> None:
+        self.service, self.run = service, run
+        self._done = False
+
+    def finish(self, served: bool = False) -> None:
+        if self._done:
+            return
+        self._done = True
+        if not self.run.finished.is_set():
+            self.run.cancel()
+        self.service.served += served
+        self.service.gate.release()
+
+
+class GatedStream(StreamingResponse):
+    """A stream that gives back its turn however it ends (done, error, disconnect)."""
+
+    def __init__(self, turn: Turn, content, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self.turn = turn
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.turn.finish()
+
+
+class Service:
+    """The server's state: the gate, the runtime parameters, the replies it gave."""
+
+    def __init__(self, *, default_model: Optional[str] = None, api_key: Optional[str] = None,
+                 secret: Optional[str] = None, max_queue: int = 8) -> None:
+        self.default_model = default_model
+        self.api_key, self.secret = api_key, secret
+        self.gate = Gate(max_queue)
+        self.runtime = RuntimeConfig()
+        self.replies = ReplyMemory()
+        self.model_id: Optional[str] = None  # the model last loaded or asked for
+        self.served = 0
+        self.rebuilds = 0  # rebuilds queued or running
+        self.rebuild_error: Optional[str] = None
+        self._tasks: set = set()
+
+    # -- requests -------------------------------------------------------------
+    def check_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        token = header[7:].strip() if header[:7].lower() == "bearer " else ""
+        keys = [k for k in (self.api_key, self.secret) if k]
+        if not token or not any(secrets.compare_digest(token.encode(), k.encode()) for k in keys):
+            raise ApiError(401, "missing or wrong API key: send Authorization: Bearer KEY",
+                           code="invalid_api_key")
+
+    def model_for(self, name: Optional[str]) -> str:
+        import llm
+
+        from ..model import MlxStreamModel
+        from ..registry import MODEL_PREFIX
+
+        name = name or self.default_model or MODEL_PREFIX
+        try:
+            model = llm.get_model(name)
+        except llm.UnknownModelError:
+            model = None
+        if not isinstance(model, MlxStreamModel):
+            raise ApiError(404, f"the model {name!r} is not served here; see /v1/models",
+                           code="model_not_found", param="model")
+        return model.model_id
+
+    def request_options(self, body) -> dict:
+        names = engine_option_names()
+        fields = {k: getattr(body, k) for k in body.model_fields_set if k in names}
+        if body.max_completion_tokens is not None and "max_tokens" not in fields:
+            fields["max_tokens"] = body.max_completion_tokens
+        return self.runtime.for_request({k: v for k, v in fields.items() if v is not None})
+
+    async def generate(self, body, model_id: str, messages: list, chat: bool):
+        try:
+            await self.gate.acquire()
+        except QueueFull:
+            raise ApiError(503, f"the server is busy: {self.gate.waiting} requests already wait; retry later",
+                           kind="server_error", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+        try:
+            options = self.request_options(body)  # now: a config change made while it waited applies
+            run = Run(model_id, messages, options).start()
+        except BaseException:
+            self.gate.release()
+            raise
+        self.model_id = model_id
+        turn = Turn(self, run)
+        try:
+            events = turn.run.events()
+            first = await _first(events)  # a load or prompt error is still an HTTP error
+            if body.stream:
+                shape = _ChatShape if chat else _TextShape
+                stream = self._stream(turn, events, first, shape(model_id, body), StopCut(body.stops()))
+                return GatedStream(turn, stream, media_type="text/event-stream")
+            return await self._whole(turn, events, first, model_id, body, chat)
+        except Exception as e:
+            turn.finish()
+            raise _error_for(e) from None
+        except BaseException:
+            turn.finish()
+            raise
+
+    async def _whole(self, turn: Turn, events, first, model_id: str, body, chat: bool) -> dict:
+        text, reasoning, cut = [], [], StopCut(body.stops())
+        result = None
+        try:
+            async for kind, value in _chain(first, events):
+                if kind == "done":
+                    result = value
+                elif kind == "reasoning":
+                    reasoning.append(value)
+                else:
+                    text.append(cut.feed(value))
+                    if cut.hit:
+                        break
+        finally:
+            turn.finish(served=True)
+        if not cut.hit:
+            text.append(cut.flush())
+        result = result or turn.run.result
+        self._remember("".join(text), "".join(reasoning), result, cut.hit)
+        finish = "stop" if cut.hit else result.finish_reason
+        shape = _ChatShape(model_id, body) if chat else _TextShape(model_id, body)
+        return shape.whole("".join(text), "".join(reasoning), finish, result)
+
+    async def _stream(self, turn: Turn, events, first, shape, cut: StopCut):
+        text, reasoning, result = [], [], None
+        try:
+            yield _sse(shape.opening())
+            async for kind, value in _chain(first, events):
+                if kind == "done":
+                    result = value
+                    break
+                if kind == "reasoning":
+                    reasoning.append(value)
+                    yield _sse(shape.delta(reasoning=value))
+                    continue
+                piece = cut.feed(value)
+                text.append(piece)
+                if piece:
+                    yield _sse(shape.delta(text=piece))
+                if cut.hit:
+                    break
+            if not cut.hit and (rest := cut.flush()):
+                text.append(rest)
+                yield _sse(shape.delta(text=rest))
+            result = result or turn.run.result
+            self._remember("".join(text), "".join(reasoning), result, cut.hit)
+            turn.finish(served=True)
+            yield _sse(shape.closing("stop" if cut.hit else result.finish_reason, result))
+            if shape.include_usage:
+                yield _sse(shape.usage_chunk(result))
+        except Exception as e:  # the status line is sent: the error goes in the stream
+            yield _sse(_error_for(e).response_body())
+        yield "data: [DONE]\n\n"
+
+    def _remember(self, text: str, reasoning: str, result: Result, cut: bool) -> None:
+        if not cut:
+            self.replies.remember(text, reasoning, result.tokens)
+
+    # -- runtime config -------------------------------------------------------
+    def config(self) -> dict:
+        from ..settings import load_settings
+
+        return {**self.runtime.shown(load_settings()), "rebuilding": self.rebuilds > 0}
+
+    async def change_config(self, changes: Any) -> dict:
+        values = self.runtime.validate(changes)
+        pools = touches_pools(changes)
+        if pools and self.model_id:
+            await asyncio.to_thread(self._check_plan, self.model_id, values)
+        self.runtime.values = values
+        if pools and self.model_id and _engine().state == "loaded":
+            self.schedule_load(self.model_id)
+        return self.config()
+
+    def _check_plan(self, model_id: str, values: dict) -> None:
+        """Resolve the pools as a request would, so a budget too small is refused now."""
+        import llm
+
+        from ..model import Options
+        from ..settings import load_settings
+
+        try:
+            llm.get_model(model_id)._resolve(Options.model_validate(values), load_settings())
+        except llm.ModelError as e:
+            raise ConfigError(str(e)) from None
+
+    def schedule_load(self, model_id: str) -> None:
+        """Load `model_id` with the runtime parameters (or rebuild its pools) in the
+        background, ahead of the requests already waiting."""
+        self.rebuilds += 1  # counted now: /api/stats says so from this moment
+        self._spawn(self._load(model_id))
+
+    async def _load(self, model_id: str) -> None:
+        try:
+            await self.gate.acquire(first=True)
+            try:
+                self.model_id = model_id
+                await asyncio.to_thread(self._load_blocking, model_id)
+                self.rebuild_error = None
+            except Exception as e:
+                self.rebuild_error = one_line(e)
+            finally:
+                self.gate.release()
+        finally:
+            self.rebuilds -= 1
+
+    def _load_blocking(self, model_id: str) -> None:
+        import llm
+
+        from ..settings import load_settings
+
+        settings = load_settings()
+        resolved = llm.get_model(model_id)._resolve(self.runtime.options(), settings)
+        for _ in _engine().prepare(resolved.load_spec(settings)):
+            pass
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- figures --------------------------------------------------------------
+    def stats(self) -> dict:
+        engine = _engine()
+        out = engine.metrics()
+        layers = []
+        for i, pool in enumerate(engine.loaded.pools if engine.loaded else []):
+            layers.append({"layer": i, "slots": pool.slots, **pool.counters.as_dict()})
+        out.update({
+            "model": self.model_id,
+            "rebuilding": self.rebuilds > 0,
+            "rebuild_error": self.rebuild_error,
+            "server": {"running": self.gate.busy, "queued": self.gate.waiting,
+                       "max_queue": self.gate.max_waiting, "served": self.served},
+            "layers": layers,
+        })
+        return out
+
+
+def _engine():
+    from ..engine.manager import get_manager
+
+    return get_manager()
+
+
+async def _first(events):
+    try:
+        return await events.__anext__()
+    except StopAsyncIteration:  # pragma: no cover - a run always ends with "done"
+        return ("done", Result())
+
+
+async def _chain(first, events):
+    yield first
+    if first[0] == "done":
+        return
+    async for item in events:
+        yield item
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def _error_for(exc: BaseException) -> ApiError:
+    import llm
+
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, (llm.ModelError, ValidationError, ValueError)):
+        return ApiError(400, one_line(exc))
+    return ApiError(500, f"{type(exc).__name__}: {one_line(exc)}", kind="server_error")
+
+
+class _Shape:
+    """How one route's chunks and bodies look."""
+
+    def __init__(self, model_id: str, body) -> None:
+        self.model = model_id
+        self.created = int(time.time())
+        self.id = f"{self.prefix}-{uuid.uuid4().hex[:24]}"
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def _base(self, choices: list) -> dict:
+        return {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    @staticmethod
+    def usage(result: Result) -> dict:
+        return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+                "total_tokens": result.prompt_tokens + result.completion_tokens}
+
+    @staticmethod
+    def extension(result: Result) -> dict:
+        return {"stats": result.stats, "tokens": result.tokens, "resolved_model": result.resolved_model}
+
+    def usage_chunk(self, result: Result) -> dict:
+        return {**self._base([]), "usage": self.usage(result)}
+
+
+class _ChatShape(_Shape):
+    prefix, chunk_object = "chatcmpl", "chat.completion.chunk"
+
+    def opening(self) -> dict:
+        return self._base([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+
+    def delta(self, text: str = "", reasoning: str = "") -> dict:
+        delta = {"reasoning_content": reasoning} if reasoning else {"content": text}
+        return self._base([{"index": 0, "delta": delta, "finish_reason": None}])
+
+    def closing(self, finish: Optional[str], result: Result) -> dict:
+        return {**self._base([{"index": 0, "delta": {}, "finish_reason": finish}]),
+                "mlx_stream": self.extension(result)}
+
+    def whole(self, text: str, reasoning: str, finish, result: Result) -> dict:
+        message = {"role": "assistant", "content": text}
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                "usage": self.usage(result), "mlx_stream": self.extension(result)}
+
+
+class _TextShape(_Shape):
+    prefix, chunk_object = "cmpl", "text_completion"
+
+    def opening(self) -> dict:
+        return self._base([{"index": 0, "text": "", "finish_reason": None}])
+
+    def delta(self, text: str = "", reasoning: str = "") -> dict:
+        return self._base([{"index": 0, "text": text, "finish_reason": None}])
+
+    def closing(self, finish: Optional[str], result: Result) -> dict:
+        return {**self._base([{"index": 0, "text": "", "finish_reason": finish}]),
+                "mlx_stream": self.extension(result)}
+
+    def whole(self, text: str, reasoning: str, finish, result: Result) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "text": text, "finish_reason": finish}],
+                "usage": self.usage(result), "mlx_stream": self.extension(result)}
+
+
+ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 422, 503)}
+
+
+def create_app(service: Service) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app):
+        if service.default_model:  # load at start, so the first request finds it warm
+            service.schedule_load(service.model_for(service.default_model))
+        yield
+
+    app = FastAPI(title="llm-mlx-streaming", summary="OpenAI-compatible API of `llm mlxs serve`",
+                  lifespan=lifespan)
+    app.state.service = service
+    app.add_middleware(BodyLimit)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, exc: ApiError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc: RequestValidationError):
+        err = (exc.errors() or [{}])[0]
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        where = ".".join(loc)
+        message = err.get("msg", "invalid request").removeprefix("Value error, ")
+        return ApiError(400, f"{where}: {message}" if where else message, param=where or None).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, exc: Exception):
+        return _error_for(exc).response()
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    api = APIRouter(dependencies=[Depends(service.check_key)], responses=ERRORS)
+
+    @api.get("/v1/models", response_model=ModelList)
+    async def models() -> dict:
+        import llm
+
+        from ..model import MlxStreamModel
+
+        ids = [m.model.model_id for m in llm.get_models_with_aliases() if isinstance(m.model, MlxStreamModel)]
+        created = int(time.time())
+        return {"object": "list", "data": [{"id": i, "object": "model", "created": created, "owned_by": "mlx-stream"}
+                                           for i in ids]}
+
+    @api.post("/v1/chat/completions", responses={200: {"model": ChatCompletion, "description":
+              "The reply, or with stream: true an SSE stream of chat.completion.chunk objects"}})
+    async def chat_completions(body: ChatCompletionRequest):
+        model_id = service.model_for(body.model)
+        return await service.generate(body, model_id, service.replies.llm_messages(body.messages), chat=True)
+
+    @api.post("/v1/completions", responses={200: {"model": Completion, "description":
+              "The text, or with stream: true an SSE stream of text_completion objects"}})
+    async def completions(body: CompletionRequest):
+        from ..prompting import raw_message
+
+        model_id = service.model_for(body.model)
+        return await service.generate(body, model_id, [raw_message(body.text())], chat=False)
+
+    @api.get("/api/stats")
+    async def stats() -> dict:
+        return service.stats()
+
+    @api.get("/api/engine/config")
+    async def get_config() -> dict:
+        return service.config()
+
+    @api.post("/api/engine/config", description="Change runtime parameters (null unsets one). "
+              f"{', '.join(POOL_KEYS)} rebuild the pools before the waiting requests run.")
+    async def post_config(changes: dict[str, Any] = Body(...)) -> dict:
+        try:
+            return await service.change_config(changes)
+        except ConfigError as e:
+            raise ApiError(422, str(e), code="invalid_config") from None
+
+    app.include_router(api)
+    return app

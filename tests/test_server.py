@@ -1,0 +1,467 @@
+"""`llm mlxs serve`: a real server on a free loopback port, driven by the official
+openai client, by llm's CLI, by several clients at once and by schemathesis.
+
+One server (in a thread of this process, stopped at the end) serves most tests; the
+engine is the process-wide one, so the tests also check it directly (pool verify).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from plugin_support import LlmEnv, assert_ok, assert_one_line_error
+
+PROMPTS = ["hello there", "tell me a story", "what is a disk", "name three colours"]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, plugin_checkpoint):
+    """An llm user dir serving the tiny checkpoint as 'small', and a server for it."""
+    from llm_mlx_streaming.server.run import Server
+
+    user_dir = tmp_path_factory.mktemp("served") / "llm"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LLM_USER_PATH", str(user_dir))
+        env = LlmEnv(user_dir, plugin_checkpoint)
+        # max_context 96: every reply is capped by the context, so fuzzed bodies stay short
+        env.write_settings(default_model="small", max_context=96,
+                           models={"small": {"path": str(plugin_checkpoint), "aliases": ["sm"], "expert_slots": 4}})
+        server = Server(port=0, max_queue=8).start()
+        env.server = server
+        try:
+            yield env
+        finally:
+            server.stop()
+
+
+def client(served):
+    import openai
+
+    return openai.OpenAI(base_url=served.server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def in_process(messages, **options) -> str:
+    """The plugin's own greedy output for `messages`, never routed to the server."""
+    import llm
+    from llm.parts import Message, TextPart
+
+    chain = [Message(role=m["role"], parts=[TextPart(text=m["content"])]) for m in messages]
+    return llm.get_model("mlx-stream").prompt(messages=chain, no_server=True, **options).text()
+
+
+def call(served, method, path, body=None, headers=None, raw=None):
+    """(status, headers, parsed JSON body) of one request."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    request = urllib.request.Request(served.server.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            return resp.status, resp.headers, json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, json.loads(e.read() or b"null")
+
+
+def raw_status(served, rest: bytes) -> int:
+    """The status of a POST whose headers end with `rest` (a server may answer and
+    close before the whole body is sent)."""
+    sock = socket.create_connection(("127.0.0.1", served.server.port), timeout=30)
+    try:
+        try:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         + rest)
+        except OSError:
+            pass
+        head = sock.recv(4096)
+    finally:
+        sock.close()
+    return int(head.split()[1])
+
+
+def chat_body(prompt, **extra):
+    return {"model": "mlx-stream", "messages": [{"role": "user", "content": prompt}], "max_tokens": 8, **extra}
+
+
+@pytest.fixture
+def blocked(monkeypatch):
+    """Hold the engine thread inside the next prompt's rendering until `go` is set, so
+    requests queue behind it deterministically (released at teardown whatever happens)."""
+    hold = Blocked(monkeypatch)
+    yield hold
+    hold.go.set()
+
+
+class Blocked:
+    def __init__(self, monkeypatch):
+        from llm_mlx_streaming import prompting
+
+        self.entered, self.go = threading.Event(), threading.Event()
+        real = prompting.render_prompt
+
+        def render(tokenizer, prompt):
+            if not self.go.is_set():
+                self.entered.set()
+                assert self.go.wait(60)
+            return real(tokenizer, prompt)
+
+        monkeypatch.setattr(prompting, "render_prompt", render)
+
+
+def in_thread(fn, *args):
+    out = {}
+
+    def work():
+        try:
+            out["value"] = fn(*args)
+        except Exception as e:  # pragma: no cover - reported by the caller
+            out["error"] = e
+
+    t = threading.Thread(target=work, daemon=True)
+    t.start()
+    return t, out
+
+
+def wait_for(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+# -- the OpenAI API ------------------------------------------------------------------
+
+
+def test_openai_client_matches_in_process_greedy(served):
+    c = client(served)
+    ids = [m.id for m in c.models.list().data]
+    assert {"mlx-stream", "mlx-stream/small", "mlx-stream/tiny-moe"} <= set(ids)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    expected = in_process(messages, max_tokens=10)
+    assert expected
+
+    reply = c.chat.completions.create(model="sm", messages=messages, max_tokens=10)
+    assert reply.choices[0].message.content == expected
+    assert reply.model == "mlx-stream/small"
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == 10 and reply.usage.prompt_tokens > 0
+
+    pieces, usage, finish = [], None, None
+    for chunk in c.chat.completions.create(model="mlx-stream", messages=messages, max_tokens=10, stream=True,
+                                           stream_options={"include_usage": True}):
+        if chunk.usage:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == expected
+    assert finish == "length" and usage.completion_tokens == 10
+
+
+def test_completions_stop_seed_and_kv_reuse(served):
+    c = client(served)
+    text = c.completions.create(model="mlx-stream", prompt="abc def", max_tokens=6)
+    assert text.choices[0].text and text.usage.prompt_tokens < 8  # raw text: no chat template
+
+    full = c.chat.completions.create(model="mlx-stream", messages=[{"role": "user", "content": "hello there"}],
+                                     max_tokens=12).choices[0].message.content
+    stop = full[4:7]
+    cut = c.chat.completions.create(model="mlx-stream", messages=[{"role": "user", "content": "hello there"}],
+                                    max_tokens=12, stop=[stop])
+    assert cut.choices[0].message.content == full[: full.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+    sampled = [c.chat.completions.create(model="mlx-stream", messages=[{"role": "user", "content": "hi"}],
+                                         max_tokens=8, temperature=1.0, seed=3).choices[0].message.content
+               for _ in range(2)]
+    assert sampled[0] == sampled[1]
+
+    # a follow-up that extends the previous conversation prefills only its new tokens
+    first = c.chat.completions.create(model="mlx-stream", messages=[{"role": "user", "content": "one"}], max_tokens=6)
+    follow = c.chat.completions.create(model="mlx-stream", max_tokens=6, messages=[
+        {"role": "user", "content": "one"},
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "two"}])
+    stats = follow.model_extra["mlx_stream"]["stats"]
+    assert stats["reused_tokens"] >= first.usage.prompt_tokens + 5
+
+
+def test_engine_options_are_body_fields_derived_from_the_plugin_options(served):
+    from llm_mlx_streaming.model import Options
+    from llm_mlx_streaming.server.schemas import SERVER_ONLY
+
+    status, _, schema = call(served, "GET", "/openapi.json")
+    assert status == 200
+    fields = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    for name in Options.model_fields:
+        assert (name in fields) == (name not in SERVER_ONLY), name
+    status, _, config = call(served, "GET", "/api/engine/config")
+    assert set(Options.model_fields) - set(SERVER_ONLY) <= set(config)
+
+    status, _, body = call(served, "POST", "/v1/chat/completions", chat_body("hi", expert_slots=2, policy="lru"))
+    assert status == 200, body
+    assert body["mlx_stream"]["stats"]["expert_slots"] == 2 and body["mlx_stream"]["stats"]["policy"] == "lru"
+    status, _, body = call(served, "POST", "/v1/chat/completions", chat_body("hi", expert_slots=0))
+    assert status == 400 and body["error"]["param"] == "expert_slots", body
+
+
+# -- the runtime API -----------------------------------------------------------------
+
+
+def test_stats_and_config_validation(served):
+    call(served, "POST", "/v1/chat/completions", chat_body("hi"))
+    status, _, stats = call(served, "GET", "/api/stats")
+    assert status == 200 and stats["state"] == "loaded" and stats["model"] == "mlx-stream"
+    assert stats["rebuilding"] is False and stats["server"]["queued"] == 0
+    assert stats["last_decode_tps"] > 0 and stats["peak_rss_bytes"] > 0
+    layers = stats["layers"]  # the current pools; the totals also count pools replaced by rebuilds
+    assert len(layers) == 2 and 0 < sum(layer["hits"] + layer["misses"] for layer in layers) <= stats["hits"] + stats["misses"]
+    assert all(layer["slots"] == 4 and "hit_rate" in layer for layer in layers)
+
+    before = call(served, "GET", "/api/engine/config")[2]
+    for bad in ({"expert_slots": 0}, {"policy": "nope"}, {"no_such_knob": 1}, {"memory_budget": "1KB"}):
+        status, _, body = call(served, "POST", "/api/engine/config", bad)
+        assert status == 422, (bad, body)
+        assert "\n" not in body["error"]["message"]
+    assert call(served, "GET", "/api/engine/config")[2] == before
+
+    status, _, config = call(served, "POST", "/api/engine/config", {"max_tokens": 3})
+    assert status == 200 and config["max_tokens"] == 3
+    body = call(served, "POST", "/v1/chat/completions",
+                {"model": "mlx-stream", "messages": [{"role": "user", "content": "hi"}]})[2]
+    assert body["usage"]["completion_tokens"] == 3
+    assert call(served, "POST", "/api/engine/config", {"max_tokens": None})[2]["max_tokens"] == 256
+
+
+def test_config_change_while_requests_queue_rebuilds_before_they_run(served, blocked):
+    from llm_mlx_streaming.engine.manager import get_manager
+
+    blocked.go.set()
+    call(served, "POST", "/v1/chat/completions", chat_body("warm"))  # loaded, 4 slots
+    blocked.go.clear()
+    first, first_out = in_thread(call, served, "POST", "/v1/chat/completions", chat_body("first"))
+    assert blocked.entered.wait(30)
+    queued, queued_out = in_thread(call, served, "POST", "/v1/chat/completions", chat_body("queued"))
+    wait_for(lambda: call(served, "GET", "/api/stats")[2]["server"]["queued"] == 1)
+    status, _, config = call(served, "POST", "/api/engine/config", {"expert_slots": 2})
+    assert status == 200 and config["rebuilding"] is True
+    assert call(served, "GET", "/api/stats")[2]["rebuilding"] is True
+    blocked.go.set()
+    for t in (first, queued):
+        t.join(60)
+    assert first_out["value"][2]["mlx_stream"]["stats"]["expert_slots"] == 4
+    assert queued_out["value"][2]["mlx_stream"]["stats"]["expert_slots"] == 2
+    wait_for(lambda: not call(served, "GET", "/api/stats")[2]["rebuilding"])
+    assert get_manager().slots_per_layer() == 2 and get_manager().verify() == 0
+    call(served, "POST", "/api/engine/config", {"expert_slots": None})
+
+
+# -- one at a time, queue bound, disconnects -------------------------------------------
+
+
+def test_four_clients_at_once_get_what_each_gets_alone(served):
+    c = client(served)
+
+    def ask(prompt):
+        return c.chat.completions.create(model="mlx-stream", messages=[{"role": "user", "content": prompt}],
+                                         max_tokens=8).choices[0].message.content
+
+    alone = {p: ask(p) for p in PROMPTS}
+    served_before = call(served, "GET", "/api/stats")[2]["server"]["served"]
+    runs = [in_thread(ask, p) for p in PROMPTS]
+    for t, _ in runs:
+        t.join(120)
+    assert [out.get("value") for _, out in runs] == [alone[p] for p in PROMPTS]
+    assert call(served, "GET", "/api/stats")[2]["server"]["served"] == served_before + 4
+
+
+def test_full_queue_is_503_with_retry_after(tmp_path, monkeypatch, plugin_checkpoint, blocked):
+    from llm_mlx_streaming.server.run import Server
+
+    monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "llm"))
+    env = LlmEnv(tmp_path / "llm", plugin_checkpoint)
+    env.write_settings(default_model="small", models={"small": {"path": str(plugin_checkpoint), "expert_slots": 4}})
+    with Server(port=0, max_queue=1) as server:
+        env.server = server
+        running, _ = in_thread(call, env, "POST", "/v1/chat/completions", chat_body("a"))
+        assert blocked.entered.wait(30)
+        waiting, waiting_out = in_thread(call, env, "POST", "/v1/chat/completions", chat_body("b"))
+        wait_for(lambda: call(env, "GET", "/api/stats")[2]["server"]["queued"] == 1)
+        status, headers, body = call(env, "POST", "/v1/chat/completions", chat_body("c"))
+        assert status == 503 and headers["Retry-After"] and body["error"]["code"] == "queue_full"
+        blocked.go.set()
+        running.join(60)
+        waiting.join(60)
+        assert waiting_out["value"][0] == 200
+
+
+def test_client_disconnect_cancels_and_frees_the_engine(served):
+    from llm_mlx_streaming.engine.manager import get_manager
+
+    engine = get_manager()
+    done_before = engine.served
+    sock = socket.create_connection(("127.0.0.1", served.server.port), timeout=30)
+    body = json.dumps(chat_body("go on and on", max_tokens=80, stream=True)).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    received = b""
+    while received.count(b"data:") < 3:
+        received += sock.recv(4096)
+    sock.close()  # mid-stream
+    wait_for(lambda: not call(served, "GET", "/api/stats")[2]["server"]["running"])
+    c = client(served)
+    reply = c.chat.completions.create(model="mlx-stream", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert reply.usage.completion_tokens == 4
+    assert engine.served == done_before + 1  # the cut generation never ran to its end
+    assert engine.verify() == 0
+
+
+# -- llm's CLI with the server running ---------------------------------------------------
+
+
+def test_llm_cli_routes_to_the_server_and_logs_the_same_row(served):
+    served.server.service.runtime.values.clear()
+    alone = assert_ok(served.run("-m", "mlx-stream", "hello there", "-o", "max_tokens", "8", "-o", "no_server", "1"))
+    routed = assert_ok(served.run("-m", "mlx-stream", "hello there", "-o", "max_tokens", "8"))
+    assert routed.stdout == alone.stdout
+    rows = served.turns()
+    assert "served_by" not in rows[-2]["stats"]
+    assert rows[-1]["stats"]["served_by"] == served.server.url
+    assert rows[-1]["stats"]["generated_tokens"] == 8 and rows[-1]["output_tokens"] == 8
+    assert rows[-1]["resolved_model"] == rows[-2]["resolved_model"]
+
+    follow = assert_ok(served.run("-c", "and then?", "-o", "max_tokens", "5"))
+    assert follow.stdout.strip()
+    last = served.turns()[-1]["stats"]
+    assert last["served_by"] == served.server.url and last["reused_tokens"] > 0
+
+    assert_ok(served.run("mlxs", "config", "server", "off"))
+    assert "served_by" not in (assert_ok(served.run("-m", "mlx-stream", "hi", "-o", "max_tokens", "2"))
+                               and served.turns()[-1]["stats"])
+    assert_ok(served.run("mlxs", "config", "--unset", "server"))
+
+
+def test_llm_mlxs_stats_live_and_config_push(served):
+    live = assert_ok(served.run("mlxs", "stats", "--live", "--json"))
+    assert json.loads(live.stdout)["state"] in ("loaded", "empty")
+    shown = assert_ok(served.run("mlxs", "stats", "--live")).stdout
+    assert served.server.url in shown
+    out = assert_ok(served.run("mlxs", "config", "max_tokens", "5"))
+    assert "applied to the server" in out.stderr
+    assert call(served, "GET", "/api/engine/config")[2]["max_tokens"] == 5
+    assert_ok(served.run("mlxs", "config", "--unset", "max_tokens"))
+    assert "max_tokens" not in served.server.service.runtime.values
+
+
+def test_server_dying_mid_request_is_one_line(llm_env):
+    from llm_mlx_streaming.server import discovery
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def dying_server():
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        chunk = {"choices": [{"index": 0, "delta": {"content": "partial"}, "finish_reason": None}]}
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
+                     + f"data: {json.dumps(chunk)}\n\n".encode())
+        conn.close()
+
+    t = threading.Thread(target=dying_server, daemon=True)
+    t.start()
+    discovery.write(discovery.ServerInfo(os.getpid(), "127.0.0.1", port, "s"))
+    try:
+        result = llm_env.run("-m", "mlx-stream", "hi")
+        assert_one_line_error(result, "stopped during the request")
+    finally:
+        discovery.remove_stale()
+        listener.close()
+
+
+# -- security and bad input ----------------------------------------------------------------
+
+
+def test_non_loopback_bind_needs_an_api_key(llm_env):
+    result = llm_env.run("mlxs", "serve", "--host", "0.0.0.0", "--port", "0")
+    assert_one_line_error(result, "--api-key")
+
+
+def test_api_key_discovery_file_and_stale_files(tmp_path, monkeypatch, plugin_checkpoint):
+    from llm_mlx_streaming.server import discovery
+    from llm_mlx_streaming.server.run import Server
+
+    monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "llm"))
+    env = LlmEnv(tmp_path / "llm", plugin_checkpoint)
+    env.write_settings(default_model="small", models={"small": {"path": str(plugin_checkpoint), "expert_slots": 4}})
+    with Server(port=0, api_key="sesame") as server:
+        env.server = server
+        path = discovery.discovery_path()
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert discovery.read().port == server.port
+        assert call(env, "GET", "/health")[0] == 200
+        status, _, body = call(env, "GET", "/v1/models")
+        assert status == 401 and body["error"]["code"] == "invalid_api_key"
+        assert call(env, "GET", "/v1/models", headers={"Authorization": "Bearer wrong"})[0] == 401
+        assert call(env, "GET", "/v1/models", headers={"Authorization": "Bearer sesame"})[0] == 200
+        # the llm CLI authenticates with the per-server secret from the discovery file
+        assert_ok(env.run("-m", "mlx-stream", "hi", "-o", "max_tokens", "2"))
+        assert env.turns()[-1]["stats"]["served_by"] == server.url
+        assert_one_line_error(env.run("mlxs", "serve", "--port", "0"), "already runs")
+    assert not path.exists()  # removed when the server stopped
+
+    dead = os.fork()
+    if dead == 0:
+        os._exit(0)
+    os.waitpid(dead, 0)
+    discovery.write(discovery.ServerInfo(dead, "127.0.0.1", 9, "x"))
+    assert discovery.read() is None and not path.exists()  # stale: its process is gone
+
+
+def test_malformed_and_oversized_bodies(served):
+    status, _, body = call(served, "POST", "/v1/chat/completions", raw=b"{not json")
+    assert status == 400 and set(body["error"]) >= {"message", "type"}
+    status, _, body = call(served, "POST", "/v1/chat/completions", {"messages": []})
+    assert status == 400 and body["error"]["param"] == "messages"
+    status, _, body = call(served, "POST", "/v1/chat/completions", chat_body("hi", model="gpt-4"))
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    from llm_mlx_streaming.server.service import MAX_BODY_BYTES
+
+    declared = f"Content-Length: {MAX_BODY_BYTES + 1}\r\n\r\n".encode()
+    assert raw_status(served, declared) == 413  # refused before the body is read
+    chunk = b"x" * 2**20
+    chunked = b"Transfer-Encoding: chunked\r\n\r\n" + (b"100000\r\n" + chunk + b"\r\n") * 9 + b"0\r\n\r\n"
+    assert raw_status(served, chunked) == 413  # counted as it streams in
+    long_prompt = " ".join(["word"] * 400)  # longer than max_context 96: one line, not a 500
+    status, _, body = call(served, "POST", "/v1/chat/completions", chat_body(long_prompt))
+    assert status == 400 and "longer than" in body["error"]["message"]
+
+
+def test_schemathesis_finds_no_server_error(served):
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    url = served.server.url
+    schema = schemathesis.openapi.from_url(url + "/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {op.path for op in operations} >= {"/v1/chat/completions", "/api/engine/config", "/api/stats"}
+
+    @settings(max_examples=40, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(case=st.one_of([op.as_strategy() for op in operations]))
+    def no_server_error(case):
+        response = case.call(base_url=url, timeout=60)
+        assert response.status_code < 500, (case.method, case.path, case.body, response.text[:300])
+
+    no_server_error()
+    served.server.service.runtime.values.clear()  # what the fuzzer configured
+    from llm_mlx_streaming.engine.manager import get_manager
+
+    assert get_manager().verify() == 0
