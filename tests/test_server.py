@@ -107,11 +107,11 @@ class Blocked:
         self.entered, self.go = threading.Event(), threading.Event()
         real = prompting.render_prompt
 
-        def render(tokenizer, prompt):
+        def render(tokenizer, prompt, **kwargs):
             if not self.go.is_set():
                 self.entered.set()
                 assert self.go.wait(60)
-            return real(tokenizer, prompt)
+            return real(tokenizer, prompt, **kwargs)
 
         monkeypatch.setattr(prompting, "render_prompt", render)
 
