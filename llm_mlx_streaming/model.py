@@ -262,7 +262,7 @@ class MlxStreamModel(llm.Model):
         # -- serve: a running `llm mlxs serve` for this user dir answers instead ---
         from .server.client import running_server
 
-        server = running_server(options, settings)
+        server = running_server(options, settings, prompt)
         if server is not None:
             yield from server.answer(self.model_id, prompt, response)
             return

@@ -465,3 +465,19 @@ def test_schemathesis_finds_no_server_error(served):
     from llm_mlx_streaming.engine.manager import get_manager
 
     assert get_manager().verify() == 0
+
+
+def test_schema_through_the_api_and_through_a_routed_llm_prompt(served):
+    import llm
+
+    schema = llm.schema_dsl("word, count int")
+    body = call(served, "POST", "/v1/chat/completions", chat_body("a word", max_tokens=40, response_format={
+        "type": "json_schema", "json_schema": {"name": "w", "schema": schema}}))[2]
+    value = json.loads(body["choices"][0]["message"]["content"])
+    assert set(value) == {"word", "count"} and isinstance(value["count"], int)
+
+    args = ["-m", "mlx-stream", "a word", "--schema", "word, count int", "-o", "max_tokens", "40"]
+    alone = assert_ok(served.run(*args, "-o", "no_server", "1")).stdout
+    routed = assert_ok(served.run(*args)).stdout
+    assert routed == alone and json.loads(routed)
+    assert served.turns()[-1]["stats"]["served_by"] == served.server.url

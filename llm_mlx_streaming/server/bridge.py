@@ -45,8 +45,8 @@ class Run:
     """A prompt running on its own thread; `events()` yields ("text"|"reasoning", chunk)
     and ends with ("done", Result); `cancel()` stops it at its next token."""
 
-    def __init__(self, model_id: str, messages: list, options: dict) -> None:
-        self.model_id, self.messages, self.options = model_id, messages, options
+    def __init__(self, model_id: str, messages: list, options: dict, schema: Optional[dict] = None) -> None:
+        self.model_id, self.messages, self.options, self.schema = model_id, messages, options, schema
         self.result = Result()
         self.finished = threading.Event()
         self._cancel = threading.Event()
@@ -84,7 +84,8 @@ class Run:
 
         serving_thread(True)
         try:
-            response = llm.get_model(self.model_id).prompt(messages=self.messages, **self.options)
+            response = llm.get_model(self.model_id).prompt(messages=self.messages, schema=self.schema,
+                                                           **self.options)
             events = response.stream_events()
             try:
                 for event in events:

@@ -25,9 +25,12 @@ def serving_thread(on: bool) -> None:
     _local.serving = on
 
 
-def running_server(options, settings) -> Optional["ServerClient"]:
-    """The server a prompt with these options should go to, or None for in-process."""
+def running_server(options, settings, prompt=None) -> Optional["ServerClient"]:
+    """The server a prompt with these options should go to, or None for in-process
+    (also for a prompt with tools, which the API here does not carry)."""
     if getattr(_local, "serving", False):
+        return None
+    if prompt is not None and (getattr(prompt, "tools", None) or getattr(prompt, "tool_results", None)):
         return None
     if getattr(options, "no_server", None) or getattr(settings, "server", "auto") == "off":
         return None
@@ -101,6 +104,11 @@ class ServerClient:
         options = {k: v for k, v in prompt.options.model_dump(exclude_none=True).items() if k != "no_server"}
         body = {"model": model_id, "messages": openai_messages(prompt), "stream": True,
                 "stream_options": {"include_usage": True}, **options}
+        if prompt.schema:
+            schema = prompt.schema
+            if hasattr(schema, "model_json_schema"):
+                schema = schema.model_json_schema()
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}
         conn, resp = self._request("POST", "/v1/chat/completions", body)
         extension = None
         try:

@@ -54,6 +54,28 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: Optional[str] = None
+    schema_: dict[str, Any] = Field(alias="schema", description="The JSON schema the reply must follow")
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    def schema_dict(self) -> Optional[dict]:
+        """The schema to constrain the reply to (None: free text)."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        if self.type == "json_schema":
+            return self.json_schema.schema_ if self.json_schema else {"type": "object"}
+        return None
+
+
 class _GenerationRequest(Options):
     """What both generation routes take: the plugin's options plus OpenAI's fields."""
 
@@ -67,6 +89,9 @@ class _GenerationRequest(Options):
     stop: Union[str, list[str], None] = Field(None, description="Stop before any of these strings")
     max_completion_tokens: Optional[int] = Field(None, ge=1, description="Same as max_tokens")
     n: int = Field(1, ge=1, le=1, description="Only one choice is generated")
+    response_format: Optional[ResponseFormat] = Field(
+        None, description="json_object or json_schema: the reply is constrained to it (llm's --schema)"
+    )
 
     def stops(self) -> list[str]:
         if self.stop is None:

@@ -251,7 +251,8 @@ class Service:
                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
         try:
             options = self.request_options(body)  # now: a config change made while it waited applies
-            run = Run(model_id, messages, options).start()
+            schema = body.response_format.schema_dict() if body.response_format else None
+            run = Run(model_id, messages, options, schema).start()
         except BaseException:
             self.gate.release()
             raise
