@@ -278,3 +278,70 @@ def test_a_damaged_head_is_one_line(build, tmp_path):
         assert "\n" not in str(raised.value) and loaded.mtp_head is None
     finally:
         loaded.store.close()
+
+
+# -- through the engine and the plugin -----------------------------------------------
+
+
+def _run(engine, prompt, **request):
+    from llm_mlx_streaming.engine.request import Request
+
+    generation = engine.run(None, Request(prompt=list(prompt), max_tokens=16, **request))
+    return [r.token for r in generation], generation.stats
+
+
+@pytest.mark.parametrize("arch,quant", [("deepseek_v3", "4bit"), ("qwen3_next", None)])
+def test_engine_greedy_with_draft_mtp_equals_plain_decoding(build, arch, quant):
+    """k > 0 with the head drafting emits what k = 0 emits, at a pool smaller than a verify
+    pass needs and at full size; the next turn (the session's cache reused, the head's
+    kept) too. The head's pool streams and stays intact."""
+    from llm_mlx_streaming.engine.manager import EngineManager
+
+    path = build(arch, quant=quant, mtp=True)
+    prompt = [11, 42, 97, 230, 55, 66, 11, 42]
+    for slots in (3, None):
+        engine = EngineManager()
+        engine.load(path, expert_slots=slots)
+        try:
+            plain, _ = _run(engine, prompt, k=0)
+            for k in (3, "auto"):
+                tokens, stats = _run(engine, prompt, k=k, draft="mtp")
+                assert tokens == plain, (slots, k)
+                assert stats["draft"] == "mtp" and stats["draft_tokens"] > 0
+                assert stats["unplaced"] == 0
+            follow = prompt + plain + [97, 230]
+            assert _run(engine, follow, k=3, draft="mtp")[0] == _run(engine, follow, k=0)[0]
+            head = engine.loaded.mtp_head.pool
+            assert head.counters.hits + head.counters.misses > 0
+            assert engine.verify() == 0
+        finally:
+            engine.unload()
+
+
+def _cli_env(tmp_path, monkeypatch, checkpoint):
+    from plugin_support import LlmEnv
+
+    monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "llm"))
+    env = LlmEnv(tmp_path / "llm", checkpoint)
+    env.write_settings(default_model="m", models={"m": {"path": str(checkpoint), "expert_slots": 3}})
+    return env
+
+
+def test_cli_draft_mtp_prints_what_k0_prints(build, tmp_path, monkeypatch):
+    from plugin_support import assert_ok
+
+    env = _cli_env(tmp_path, monkeypatch, build("qwen3_next", mtp=True))
+    common = ["-m", "mlx-stream/m", "-o", "temperature", "0", "-o", "max_tokens", "12"]
+    plain = assert_ok(env.run(*common, "-o", "k", "0", "tell me"))
+    drafted = assert_ok(env.run(*common, "-o", "k", "3", "-o", "draft", "mtp", "tell me"))
+    assert drafted.stdout == plain.stdout and plain.stdout.strip()
+    stats = env.turns()[-1]["stats"]
+    assert stats["draft"] == "mtp" and stats["draft_tokens"] > 0
+
+
+def test_cli_draft_mtp_without_a_head_is_one_line(llm_env):
+    from plugin_support import assert_one_line_error
+
+    result = llm_env.run("-m", "mlx-stream", "-o", "k", "2", "-o", "draft", "mtp", "hi")
+    assert_one_line_error(result, "no multi-token-prediction (MTP) head")
+    assert llm_env.turns() == []
