@@ -199,7 +199,7 @@ class Resolved:
 class MlxStreamModel(llm.Model):
     can_stream = True
     supports_schema = True  # constrained decoding (constrained.py)
-    supports_tools = False
+    supports_tools = True  # through the chat template (tools.py)
     Options = Options
 
     def __init__(self, name: Optional[str] = None):
@@ -255,7 +255,8 @@ class MlxStreamModel(llm.Model):
         (the async model cancels through it)."""
         from .engine.manager import get_manager
         from .prompting import render_prompt, reply_metadata
-        from .thinking import ThinkSplitter, opens_thinking
+        from .replies import ReplySplitter, opens_thinking
+        from .tools import function_tools, template_tools
 
         settings = load_settings()
         options = prompt.options
@@ -272,9 +273,11 @@ class MlxStreamModel(llm.Model):
         processors: list = []  # filled in by render, which knows the tokenizer
         grammar = _schema_grammar(prompt.schema) if prompt.schema else None
 
+        tools = template_tools(function_tools(prompt))
+
         def render(tokenizer):
             tokens, rendered["generation_prompt"] = render_prompt(
-                tokenizer, prompt, thinking=options.thinking
+                tokenizer, prompt, thinking=options.thinking, tools=tools
             )
             if grammar is not None:
                 from .constrained import SchemaProcessor
@@ -305,15 +308,18 @@ class MlxStreamModel(llm.Model):
             tokenizer = generation.tokenizer
             start = getattr(tokenizer, "think_start", None)
             end = getattr(tokenizer, "think_end", None)
-            splitter = ThinkSplitter(start, end, opens_thinking(rendered["generation_prompt"], start, end))
+            splitter = ReplySplitter(
+                start, end, opens_thinking(rendered["generation_prompt"], start, end),
+                *((tokenizer.tool_call_start, tokenizer.tool_call_end) if tools else ()),
+            )
             eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
             for result in generation:
                 if result.token not in eos or result.finish_reason != "stop":
                     generated.append(int(result.token))
                 for kind, chunk in splitter.feed(result.text):
-                    yield _event(kind, chunk)
+                    yield from _events(kind, chunk, tokenizer, tools, response)
         for kind, chunk in splitter.flush():
-            yield _event(kind, chunk)
+            yield from _events(kind, chunk, tokenizer, tools, response)
         # The reply's own token ids, logged with it, so a later turn can
         # reuse the KV cache exactly (see prompting.py).
         yield _event("text", "", reply_metadata(generated))
@@ -352,6 +358,7 @@ def _one_line_errors(r: Resolved):
     from .constrained import SchemaError
     from .engine.manager import EngineError, LoadError
     from .prompting import PromptError
+    from .tools import ToolError
 
     try:
         yield
@@ -359,7 +366,7 @@ def _one_line_errors(r: Resolved):
         raise
     except LoadError as exc:
         raise MlxStreamError(f"Could not load '{r.name}' ({r.path}): {exc}") from None
-    except (EngineError, PromptError, SchemaError) as exc:
+    except (EngineError, PromptError, SchemaError, ToolError) as exc:
         raise MlxStreamError(str(exc)) from None
     except Exception as exc:  # template errors, OSError from a changed file, mlx errors
         raise MlxStreamError(f"{type(exc).__name__}: {one_line(exc)}") from None
@@ -435,6 +442,32 @@ def _plan_figures(stats: dict, r: Resolved) -> dict:
     if r.budget is not None:
         out["memory_budget_bytes"] = r.budget
     return {k: v for k, v in out.items() if k not in stats}
+
+
+def _events(kind: str, chunk: str, tokenizer, tools: list[dict], response):
+    """Stream events for one piece of the split reply. A tool-call block becomes
+    llm tool calls (events and `response.add_tool_call`); markup its parser cannot
+    read, or cut off by the end of the reply, is shown as the text the model wrote."""
+    from llm.parts import StreamEvent
+
+    from .replies import TOOL, UNFINISHED_TOOL
+    from .tools import parse_tool_calls
+
+    if kind == TOOL:
+        calls = parse_tool_calls(tokenizer, chunk, tools)
+        if calls is None:
+            yield _event("text", f"{tokenizer.tool_call_start}{chunk}{tokenizer.tool_call_end}")
+            return
+        for call in calls:
+            response.add_tool_call(llm.ToolCall(
+                name=call["name"], arguments=call["arguments"], tool_call_id=call["id"]
+            ))
+            yield StreamEvent(type="tool_call_name", chunk=call["name"], tool_call_id=call["id"])
+            yield StreamEvent(type="tool_call_args", chunk=json.dumps(call["arguments"]), tool_call_id=call["id"])
+    elif kind == UNFINISHED_TOOL:
+        yield _event("text", f"{tokenizer.tool_call_start}{chunk}")
+    elif chunk:
+        yield _event(kind, chunk)
 
 
 def _event(kind: str, chunk: str, metadata: Optional[dict] = None):

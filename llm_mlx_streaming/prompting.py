@@ -45,12 +45,17 @@ def chat_messages(prompt, think_start=None, think_end=None) -> tuple[list[dict],
     Earlier replies keep their reasoning inside the think tags, so the
     rendered conversation is what the model generated.
     """
-    from llm.parts import ReasoningPart, TextPart
+    from llm.parts import ReasoningPart, TextPart, ToolCallPart
+
+    from .tools import assistant_tool_calls, tool_result_messages
 
     out, stored = [], {}
     for message in prompt.messages:
+        if message.role == "tool":  # results of the tools the model called
+            out.extend(tool_result_messages(message))
+            continue
         if message.role not in ("system", "user", "assistant"):
-            raise PromptError(f"mlx-stream cannot send '{message.role}' messages (no tool support)")
+            raise PromptError(f"mlx-stream cannot send '{message.role}' messages")
         bits = []
         for part in message.parts:
             if isinstance(part, ReasoningPart):
@@ -58,13 +63,16 @@ def chat_messages(prompt, think_start=None, think_end=None) -> tuple[list[dict],
                     bits.append(f"{think_start}{part.text}{think_end}")
             elif isinstance(part, TextPart):
                 bits.append(part.text)
-            else:
+            elif not isinstance(part, ToolCallPart):
                 raise PromptError(f"mlx-stream supports text only, not {type(part).__name__}")
+        item = {"role": message.role, "content": "".join(bits)}
         if message.role == "assistant":
             tokens = _stored_tokens(message)
             if tokens is not None:
                 stored[len(out)] = tokens
-        out.append({"role": message.role, "content": "".join(bits)})
+            if calls := assistant_tool_calls(message.parts):
+                item["tool_calls"] = calls
+        out.append(item)
     return out, stored
 
 
@@ -83,22 +91,31 @@ def _raw_text(prompt) -> Optional[str]:
     return None
 
 
-def render_prompt(tokenizer, prompt, *, thinking: Optional[bool] = None) -> tuple[list[int], str]:
+def render_prompt(tokenizer, prompt, *, thinking: Optional[bool] = None,
+                  tools: Optional[list[dict]] = None) -> tuple[list[int], str]:
     """Token ids for the conversation, plus the text of the generation prompt.
 
-    `thinking` sets the template's thinking switch (None: the template's default)."""
+    `thinking` sets the template's thinking switch (None: the template's default);
+    `tools` are function specs for the template (tools.py)."""
+    from .tools import check_tool_support
+
     raw = _raw_text(prompt)
     if raw is not None:
         return _encode(tokenizer, raw), ""
     start = getattr(tokenizer, "think_start", None)
     end = getattr(tokenizer, "think_end", None)
     messages, stored = chat_messages(prompt, start, end)
+    uses_tools = bool(tools) or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+    if uses_tools:
+        check_tool_support(tokenizer)
     if not getattr(tokenizer, "has_chat_template", False):
         if thinking is not None:
             raise PromptError("-o thinking: this model has no chat template, so no thinking switch")
         text = "\n\n".join(m["content"] for m in messages)
         return _encode(tokenizer, text), ""
     extra = template_switches(tokenizer, thinking)
+    if tools:
+        extra["tools"] = tools
 
     def render(msgs, generation=True):
         return tokenizer.apply_chat_template(

@@ -106,9 +106,9 @@ TOKENS = 8
 
 
 def _split(text: str) -> str:
-    from llm_mlx_streaming.thinking import ThinkSplitter
+    from llm_mlx_streaming.replies import ReplySplitter
 
-    s = ThinkSplitter("<think>", "</think>")
+    s = ReplySplitter("<think>", "</think>")
     return "".join(c for k, c in s.feed(text) + s.flush() if k == "text")
 
 

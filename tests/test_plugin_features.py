@@ -181,3 +181,120 @@ def test_cancelling_the_async_task_stops_the_generation(llm_env, monkeypatch):
     assert engine.session.tokens == []  # its half-fed cache was dropped
     # the engine goes on serving
     assert llm.get_model("mlx-stream").prompt("hi", max_tokens=2).text()
+
+
+# -- tools -------------------------------------------------------------------------------
+
+
+class Force:
+    """A test logits processor: the reply is exactly `ids` (then it stays on the last)."""
+
+    def __init__(self, ids):
+        self.ids = list(ids)
+        self.calls = 0
+
+    def __call__(self, tokens, logits):
+        import mlx.core as mx
+
+        token = self.ids[min(self.calls, len(self.ids) - 1)]
+        self.calls += 1
+        hit = mx.arange(logits.shape[-1]) == token
+        return mx.where(hit, mx.zeros_like(logits), mx.full(logits.shape, -mx.inf, dtype=logits.dtype))
+
+
+@pytest.fixture
+def tools_env(llm_env, build, monkeypatch):
+    """llm_env serving a checkpoint whose chat template supports tools, as 'tools'; `script`
+    lists the replies the next generations are forced to write (text, then end of turn)."""
+    from llm_mlx_streaming.engine import manager as manager_mod
+    from llm_mlx_streaming.checkpoints.tokenizer import IM_END, token_ids
+
+    path = build("qwen3_moe", tool_template=True)
+    llm_env.write_settings(default_model="tools", models={"tools": {"path": str(path), "expert_slots": 4}})
+    engine = manager_mod.get_manager()
+    real_run = engine.run
+    llm_env.script, llm_env.prompts = [], []
+
+    def run(load, request):
+        if llm_env.script:
+            text = llm_env.script.pop(0)
+            tokenizer = _tokenizer(path)
+            request.logits_processors.append(Force(tokenizer.encode(text) + [token_ids()[IM_END]]))
+        generation = real_run(load, request)
+        llm_env.prompts.append(generation)
+        return generation
+
+    monkeypatch.setattr(engine, "run", run)
+    return llm_env
+
+
+def _tokenizer(path):
+    from pathlib import Path
+
+    from mlx_lm.tokenizer_utils import load
+
+    return load(Path(path))
+
+
+CALL = 'Let me check.<tool_call>\n{"name": "llm_version", "arguments": {}}\n</tool_call>'
+
+
+def test_a_tool_call_is_parsed_executed_and_its_result_fed_back(tools_env):
+    from importlib.metadata import version
+
+    tools_env.script = [CALL, "It is that."]
+    out = assert_ok(tools_env.run("-m", "mlx-stream", "-T", "llm_version", "Which llm version?")).stdout
+    assert "tool_call" not in out and "llm_version" not in out  # the markup is not shown
+    assert out.split() == ["Let", "me", "check.", "It", "is", "that."]  # (llm joins a chain's replies)
+    first, second = tools_env.turns()
+    import sqlite3
+
+    db = sqlite3.connect(tools_env.user_dir / "logs.db")
+    [(name, payload)] = db.execute("select tool_name, payload from parts where type = 'tool_call'").fetchall()
+    assert (name, json.loads(payload)["arguments"]) == ("llm_version", {})
+    # the second turn's prompt holds the call, as the template writes it, and the result
+    tokenizer = _tokenizer(tools_env.read_settings()["models"]["tools"]["path"])
+    prompt = tokenizer.decode(tools_env.prompts[1].started.prompt_tokens)
+    assert '<tool_call>\n{"name": "llm_version", "arguments": {}}\n</tool_call>' in prompt
+    assert f"<tool_response>\n{version('llm')}\n</tool_response>" in prompt
+    assert second["stats"]["reused_tokens"] > 0
+
+
+def test_tool_calls_reach_the_python_api(tools_env):
+    def add(a: int, b: int) -> int:
+        "Add two numbers"
+        return a + b
+
+    tools_env.script = ['<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>']
+    response = llm.get_model("mlx-stream").prompt("2 + 3?", tools=[add])
+    assert response.text() == ""
+    [call] = response.tool_calls()
+    assert (call.name, call.arguments) == ("add", {"a": 2, "b": 3}) and call.tool_call_id
+    [result] = response.execute_tool_calls()
+    assert result.output == "5"
+
+
+def test_unparseable_tool_markup_is_shown_as_written(tools_env):
+    tools_env.script = ["<tool_call>\nnot json\n</tool_call>"]
+    out = assert_ok(tools_env.run("-m", "mlx-stream", "-T", "llm_version", "hi")).stdout
+    assert out == "<tool_call>\nnot json\n</tool_call>\n"
+
+
+def test_tools_on_a_template_without_tool_support_is_one_line(llm_env):
+    assert_one_line_error(llm_env.run("-m", "mlx-stream", "-T", "llm_version", "hi"), "no tool support")
+    assert llm_env.turns() == []
+
+
+def test_reply_splitter_cuts_tool_markup_split_anywhere():
+    from llm_mlx_streaming.replies import ReplySplitter
+
+    text = "a<think>r</think>b<tool_call>{x}</tool_call>c<tool_call>{y"
+    for cut in range(1, len(text)):
+        s = ReplySplitter("<think>", "</think>", False, "<tool_call>", "</tool_call>")
+        pieces = s.feed(text[:cut]) + s.feed(text[cut:]) + s.flush()
+        kinds = {}
+        for kind, chunk in pieces:
+            kinds.setdefault(kind, []).append(chunk)
+        assert "".join(kinds["text"]) == "abc", cut
+        assert "".join(kinds["reasoning"]) == "r"
+        assert kinds["tool_call"] == ["{x}"] and kinds["tool_call_unfinished"] == ["{y"]

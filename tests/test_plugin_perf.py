@@ -15,9 +15,9 @@ PROMPT = "Tell me about tea"
 
 def _split(text: str) -> str:
     """The answer text, the way the plugin splits off <think> blocks."""
-    from llm_mlx_streaming.thinking import ThinkSplitter
+    from llm_mlx_streaming.replies import ReplySplitter
 
-    s = ThinkSplitter("<think>", "</think>")
+    s = ReplySplitter("<think>", "</think>")
     return "".join(c for k, c in s.feed(text) + s.flush() if k == "text")
 
 

@@ -15,9 +15,9 @@ from plugin_support import assert_ok, mlx_lm_text
 
 def _split(text: str) -> tuple[str, str]:
     """(answer text, reasoning) the way the plugin splits <think> blocks."""
-    from llm_mlx_streaming.thinking import ThinkSplitter
+    from llm_mlx_streaming.replies import ReplySplitter
 
-    s = ThinkSplitter("<think>", "</think>")
+    s = ReplySplitter("<think>", "</think>")
     pieces = s.feed(text) + s.flush()
     return (
         "".join(c for k, c in pieces if k == "text"),

@@ -91,6 +91,7 @@ def build_checkpoint(
     top_k: int = 2,
     moe_intermediate_size: int = 32,
     mtp: bool = False,
+    tool_template: bool = False,
     **overrides,
 ) -> Path:
     """Write a random mlx-lm checkpoint into `path` and return the path.
@@ -102,7 +103,8 @@ def build_checkpoint(
     records them and is written last, so an interrupted build is redone.
     `overrides` go into config.json (see `tiny_config`). `mtp` adds a multi-token-
     prediction head under the names the real checkpoints use (checkpoints/mtp.py), for
-    the architectures in HEAD_ARCHITECTURES.
+    the architectures in HEAD_ARCHITECTURES. `tool_template` gives the tokenizer a chat
+    template with tool support (Qwen's `<tool_call>` format).
     """
     path = Path(path)
     if quant not in supported_quants(arch):
@@ -126,6 +128,7 @@ def build_checkpoint(
             moe_intermediate_size=moe_intermediate_size,
             overrides=overrides,
             **({"mtp": True} if mtp else {}),
+            **({"tool_template": True} if tool_template else {}),
         )
     )
     path.mkdir(parents=True, exist_ok=True)
@@ -151,7 +154,7 @@ def build_checkpoint(
             files = _save_weights(path, model, shards, head)
         del model
         save_config(config, path / "config.json")
-        tokenizer.write_tokenizer(path)
+        tokenizer.write_tokenizer(path, tool_template=tool_template)
 
         marker = {"factory_version": FACTORY_VERSION, "arguments": arguments, "files": files}
         tmp = path / (MARKER + ".tmp")

@@ -37,6 +37,43 @@ CHAT_TEMPLATE = (
     "{%- endif %}"
 )
 
+# ChatML with tools, in Qwen's format (mlx-lm recognises it as its `json_tools`
+# parser): the tool specs in a system block, calls as <tool_call>{json}</tool_call>,
+# results as <tool_response> in a user turn.
+TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags.<|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' + message.content }}"
+    "{%- for tool_call in message.tool_calls or [] %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' "
+    "+ (tool_call.arguments | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role != 'system' %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+
 CORPUS = """\
 The quick brown fox jumps over the lazy dog. A mixture of experts model routes
 every token to a few of its many experts, so only a small part of the weights
@@ -143,7 +180,7 @@ def unprintable_ids() -> tuple:
     return tuple(sorted(bad))
 
 
-def tokenizer_config() -> dict:
+def tokenizer_config(tool_template: bool = False) -> dict:
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None,
@@ -153,13 +190,13 @@ def tokenizer_config() -> dict:
         "add_prefix_space": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": 4096,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": TOOL_CHAT_TEMPLATE if tool_template else CHAT_TEMPLATE,
     }
 
 
-def write_tokenizer(path: Path) -> None:
+def write_tokenizer(path: Path, tool_template: bool = False) -> None:
     """Write tokenizer.json and tokenizer_config.json into `path`."""
     path = Path(path)
     (path / "tokenizer.json").write_text(tokenizer_json(), encoding="utf-8")
     with open(path / "tokenizer_config.json", "w", encoding="utf-8") as f:
-        json.dump(tokenizer_config(), f, indent=2, ensure_ascii=False)
+        json.dump(tokenizer_config(tool_template), f, indent=2, ensure_ascii=False)
