@@ -211,8 +211,11 @@ def test_drafter_drafts_the_heads_greedy_chain(build, arch):
 
         drafter.accept([drafts[0]], hidden[0, -1:])
         assert drafter.cache.offset == len(prompt)
-        drafter.reset(prompt + [drafts[0], 5])  # the next chat turn: the cache is kept
+        # the next chat turn: its prefill starts at the reply's last token, unfed so far
+        drafter.reset(prompt + [drafts[0]])
         assert drafter.cache.offset == len(prompt) and drafter.propose(2) == []
+        drafter.reset(prompt[:2])  # a prompt sharing two tokens: one pair still holds
+        assert drafter.cache.offset == 1
         drafter.reset([7, 8])  # another conversation: a new cache
         assert drafter.cache.offset == 0
     finally:
@@ -303,12 +306,18 @@ def test_engine_greedy_with_draft_mtp_equals_plain_decoding(build, arch, quant):
         engine = EngineManager()
         engine.load(path, expert_slots=slots)
         try:
+            first, stats = _run(engine, prompt, k=3, draft="mtp")  # a fresh session
+            (drafter,) = engine.drafters.values()
+            # the head saw every position: the prompt as it was prefilled, then the passes
+            assert drafter.start == 0 and drafter.cache.offset == len(drafter.seen) - 1
             plain, _ = _run(engine, prompt, k=0)
+            assert first == plain and stats["draft"] == "mtp" and stats["draft_tokens"] > 0
             for k in (3, "auto"):
                 tokens, stats = _run(engine, prompt, k=k, draft="mtp")
                 assert tokens == plain, (slots, k)
-                assert stats["draft"] == "mtp" and stats["draft_tokens"] > 0
-                assert stats["unplaced"] == 0
+                assert stats["draft_tokens"] > 0 and stats["unplaced"] == 0
+                # a prefix the session reused: the head's pairs start where it saw it
+                assert drafter.cache.offset == len(drafter.seen) - 1 - drafter.start
             follow = prompt + plain + [97, 230]
             assert _run(engine, follow, k=3, draft="mtp")[0] == _run(engine, follow, k=0)[0]
             head = engine.loaded.mtp_head.pool

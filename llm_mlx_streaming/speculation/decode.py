@@ -81,13 +81,16 @@ class SpeculativeRun:
         if self.max_tokens <= 0:
             return
         with mx.stream(generation_stream):
+            if self.drafter.needs_hidden:  # it is shown the prompt as it is prefilled
+                self.drafter.reset(self.history + self.prompt[:1])
             last = self._prefill()
             logits, hidden = heads.forward(self.model, mx.array([last])[None], self.cache,
                                            self.drafter.needs_hidden)
             self.fed.append(last)
             logprobs = _logprobs(logits[0])
             y = int(self.sampler(logprobs).item())
-            self.drafter.reset(self.history + self.fed)
+            if not self.drafter.needs_hidden:
+                self.drafter.reset(self.history + self.fed)
             self.drafter.accept([y], None if hidden is None else hidden[0])
             emitted = 1
             yield y, logprobs[0], False
@@ -115,7 +118,15 @@ class SpeculativeRun:
         prompt = self.prompt
         while len(prompt) > 1:
             n = min(PREFILL_STEP, len(prompt) - 1)
-            self.model(mx.array(prompt[:n])[None], cache=self.cache)
+            chunk = mx.array(prompt[:n])[None]
+            if self.drafter.needs_hidden:
+                # A drafter that reads hidden states (an MTP head) builds its own cache
+                # over the prompt: each position's state with the token it produced. The
+                # target's cache is what `self.model(chunk)` leaves, without the logits.
+                hidden = self.model.model(chunk, cache=self.cache)
+                self.drafter.accept(prompt[1 : n + 1], hidden[0])
+            else:
+                self.model(chunk, cache=self.cache)
             mx.eval([c.state for c in self.cache])
             self.fed.extend(prompt[:n])
             prompt = prompt[n:]

@@ -1,7 +1,8 @@
 """The `mtp` drafter: the checkpoint's own multi-token-prediction head drafts.
 
-After each verify pass the engine hands over the accepted tokens and the target's final
-hidden states at the positions that produced them. Each pair (h_t, x_{t+1}) goes
+The engine shows the drafter the prompt as it prefills it, then after each verify pass
+the accepted tokens, with the target's final hidden states at the positions that
+produced them. Each pair (h_t, x_{t+1}) goes
 through the head (engine/mtp_head.py), which extends its own small KV cache and leaves
 the logits for the token after x_{t+1}: the first draft, greedy. Further drafts chain
 the head on its own output hidden state and its own draft; those chained positions are
@@ -28,15 +29,26 @@ class MTPDrafter:
         self.head = head
         self.cache = KVCache()
         self.seen: list[int] = []  # the sequence the head's cache belongs to
+        self.start = 0  # position of the pair in the cache's first entry
         self._hidden = None  # head output at the last accepted pair: (1, 1, H)
         self._logits = None  # head logits there: the first draft's
 
     def reset(self, tokens: list[int]) -> None:
-        """A continuation of what the head has seen (the next chat turn) keeps its cache;
-        anything else starts a new one."""
+        """Keep the head's pairs that still hold for `tokens` (the prefix shared with what
+        it has seen) when they reach up to where the next pair goes: the next chat turn,
+        or the same prompt again; otherwise start a new cache there."""
         tokens = [int(t) for t in tokens]
-        if tokens[: len(self.seen)] != self.seen or not self.seen:
-            self.cache = KVCache()
+        common = 0
+        for a, b in zip(tokens, self.seen):
+            if a != b:
+                break
+            common += 1
+        # pair j is (h_j, x_j+1): it holds while x_j+1 is in the shared prefix
+        keep = min(self.cache.offset, common - 1 - self.start)
+        if keep >= 0 and self.start + keep == len(tokens) - 1:
+            self.cache.trim(self.cache.offset - keep)
+        else:
+            self.cache, self.start = KVCache(), len(tokens) - 1
         self.seen = tokens
         self._hidden = self._logits = None
 
