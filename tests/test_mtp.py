@@ -3,6 +3,7 @@ them (mlx-lm drops them), their experts stream through a pool, and the head comp
 what the published formula says."""
 
 import json
+import shutil
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -265,8 +266,6 @@ def test_the_engine_counts_and_rewires_the_head_pool(build):
 def test_a_damaged_head_is_one_line(build, tmp_path):
     """A head tensor of the wrong shape is refused at load, naming it; the drafter says
     so in one line instead of failing inside a generation."""
-    import shutil
-
     from llm_mlx_streaming.speculation.drafter import DraftError
 
     path = tmp_path / "damaged"
@@ -354,3 +353,27 @@ def test_cli_draft_mtp_without_a_head_is_one_line(llm_env):
     result = llm_env.run("-m", "mlx-stream", "-o", "k", "2", "-o", "draft", "mtp", "hi")
     assert_one_line_error(result, "no multi-token-prediction (MTP) head")
     assert llm_env.turns() == []
+
+
+def test_a_checkpoint_with_a_head_packs_and_serves_as_a_draft_model(build, tmp_path):
+    """`llm mlxs pack` and a draft model load it like the engine does (stock mlx-lm would
+    refuse the head's tensors); the head then reads from the safetensors next to a packed
+    store that holds the layers."""
+    from llm_mlx_streaming.experts.packed import pack_checkpoint
+    from llm_mlx_streaming.speculation.draft_model import build_draft_model
+    from llm_mlx_streaming.speculation.drafter import DraftContext
+
+    path = tmp_path / "packed"
+    shutil.copytree(build("deepseek_v3", mtp=True), path)
+    pack_checkpoint(path)
+    loaded = load_streaming(path, expert_slots=2)
+    try:
+        assert loaded.store.packed is not None
+        head = mtp_head(loaded)
+        tokens = mx.array(TOKENS)
+        mx.eval(head.head.step(loaded.model, tokens, loaded.model.model(tokens), KVCache()))
+        assert head.pool.counters.misses > 0 and head.pool.verify() == 0
+        context = DraftContext(model=loaded.model, tokenizer=loaded.tokenizer, loaded=loaded)
+        assert build_draft_model(context, "self", path).name
+    finally:
+        loaded.store.close()

@@ -228,12 +228,13 @@ def layer_maps(path: Path) -> list[LayerExperts]:
     from mlx_lm.utils import load_model
 
     from ..checkpoints.config import check_checkpoint
+    from ..checkpoints.mtp import classes_without_head
     from .index import CheckpointIndex
     from .switch import expert_containers
 
     check_checkpoint(path)
     index = CheckpointIndex(path)
-    model, _ = load_model(path, lazy=True)
+    model, _ = load_model(path, lazy=True, get_model_classes=classes_without_head)
     maps = []
     for name, container in expert_containers(model):
         params = dict(tree_flatten(container.parameters()))

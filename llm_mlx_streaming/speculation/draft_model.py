@@ -73,8 +73,10 @@ def build_draft_model(context: DraftContext, name: str, path: Path) -> DraftMode
     """Load the draft model `name` at `path`; DraftError if its vocabulary differs."""
     from mlx_lm.utils import load_model, load_tokenizer
 
+    from ..checkpoints.mtp import classes_without_head
+
     try:
-        model, config = load_model(Path(path))
+        model, config = load_model(Path(path), get_model_classes=classes_without_head)
         tokenizer = load_tokenizer(Path(path), eos_token_ids=config.get("eos_token_id"))
     except (OSError, ValueError, KeyError) as e:
         raise DraftError(f"draft model {name!r} ({path}) cannot be loaded: {one_line(e)}") from None
