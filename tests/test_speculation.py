@@ -73,6 +73,24 @@ def test_greedy_speculation_equals_plain_decoding(build, arch, quant):
         engine.unload()
 
 
+def test_a_verify_pass_gives_stock_mlx_lm_logits_bit_for_bit(build):
+    """The streamed layers over several positions (routes split over two streams, or run
+    expert-major when the pass needs more experts than slots) compute what mlx-lm does."""
+    path = build("qwen3_moe", quant="4bit", num_experts=EXPERTS, top_k=TOP_K)
+    stock, _ = load_model(path)
+    prompt = _prompt(path)
+    stock_cache = make_prompt_cache(stock)
+    stock(mx.array(prompt)[None], cache=stock_cache)
+    want = np.array(stock(mx.array([[5, 9, 11, 2]]), cache=stock_cache))
+    for slots in (EXPERTS, TOP_K + 2):
+        engine = _engine(path, slots)
+        cache = make_prompt_cache(engine.loaded.model)
+        engine.loaded.model(mx.array(prompt)[None], cache=cache)
+        got = np.array(engine.loaded.model(mx.array([[5, 9, 11, 2]]), cache=cache))
+        assert np.array_equal(got, want), slots
+        engine.unload()
+
+
 def test_sliding_window_cache_stops_drafting_once_it_wraps(build):
     # gpt_oss's sliding-window layers (window 16 here) cannot be trimmed after wrapping.
     path = build("gpt_oss", num_experts=EXPERTS, top_k=TOP_K)
@@ -194,9 +212,9 @@ def test_k_auto_backs_off_from_failing_drafts_and_grows_on_good_ones(build):
     V = vocab_size(path)
     tokens, bad = _generate(engine, prompt, k="auto", drafter=ScriptedDrafter(prompt + plain, V, wrong=True), max_tokens=40)
     assert tokens == plain
-    assert bad["k"] == "auto" and 0 < bad["draft_tokens"] <= 4 + 3 + 2 + 1  # down to 0, and stays there
+    assert bad["k"] == "auto" and bad["draft_tokens"] == 1  # one failed draft: down to 0, and stays there
     tokens, good = _generate(engine, prompt, k="auto", drafter=ScriptedDrafter(prompt + plain, V), max_tokens=40)
-    assert tokens == plain and good["acceptance_rate"] == 1.0 and good["tokens_per_pass"] > 4
+    assert tokens == plain and good["acceptance_rate"] == 1.0 and good["tokens_per_pass"] > 4  # grew to 4
     engine.unload()
 
 

@@ -100,6 +100,7 @@ def aggregate(rows: list[dict]) -> dict:
         "calls_loaded": total("calls_loaded"),
         "peak_memory_bytes": max((_num(x, "peak_memory_bytes") for x in s), default=0),
         **_long_context_totals(s),
+        **_speculation_totals(s, total),
     }
 
 
@@ -133,6 +134,37 @@ def _long_context_lines(st: dict) -> list[list[str]]:
         step = st.get("prefill_step")
         lines.append(["first token", f"{st['ttft_seconds']} s" + (f" (prefill chunks of {step} tokens)" if step else "")])
     return lines
+
+
+# -- speculation (issue 9) -------------------------------------------------------
+def _speculation_totals(s: list[dict], total) -> dict:
+    drafted, passes = total("draft_tokens"), total("verify_passes")
+    return {
+        "draft_tokens": drafted,
+        "accepted_tokens": total("accepted_tokens"),
+        "acceptance_rate": round(total("accepted_tokens") / drafted, 4) if drafted else None,
+        "verify_passes": passes,
+        "tokens_per_pass": round(sum(_num(x, "tokens_per_pass") * _num(x, "verify_passes") for x in s) / passes, 3)
+        if passes else None,
+    }
+
+
+def _speculation_line(st: dict) -> list[str] | None:
+    """"k 3 (ngram): 12 of 30 drafts accepted (40.0%), 1.8 tokens per pass"."""
+    if "draft_tokens" not in st:
+        return None
+    head = f"k {st['k']} ({st.get('draft')})" if "k" in st else "totals"
+    if st.get("k") == 0:
+        return ["speculation", "off (k 0)"]
+    text = f"{head}: {st['accepted_tokens']} of {st['draft_tokens']} drafts accepted"
+    if isinstance(st.get("acceptance_rate"), (int, float)):
+        text += f" ({st['acceptance_rate'] * 100:.1f}%)"
+    if isinstance(st.get("tokens_per_pass"), (int, float)):
+        text += f", {st['tokens_per_pass']} tokens per pass"
+    if st.get("speculation_off"):
+        text += f"; no drafts: {st['speculation_off']}"
+    return ["speculation", text]
+# -- end speculation -------------------------------------------------------------
 
 
 def _slots_text(slots) -> str:
@@ -178,6 +210,8 @@ def _stat_lines(st: dict) -> list[list[str]]:
             extra.append(f"page cache {st['page_cache']}")
         lines.append(["expert reads", st["store"] + (f" ({', '.join(extra)})" if extra else "")])
     lines += _long_context_lines(st)
+    if (spec := _speculation_line(st)) is not None:
+        lines.append(spec)
     return lines
 
 

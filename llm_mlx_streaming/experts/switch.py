@@ -43,7 +43,10 @@ class StreamingExperts(nn.Module):
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         pool = self.pool
         single_token = indices.size == indices.shape[-1]
-        if pool.whole and single_token and self.observer is None:
+        # A decode step or a short verify pass (speculation): below mlx-lm's sorting
+        # threshold every route is computed alone, so the routes may be split.
+        few_routes = indices.size < SORT_THRESHOLD
+        if pool.whole and few_routes and self.observer is None:
             # Every expert resident: no need to read the router's choice back.
             pool.counters.hits += indices.size
             pool.counters.calls_no_load += 1
@@ -54,9 +57,11 @@ class StreamingExperts(nn.Module):
         if self.observer is not None:
             self.observer(self.ordinal, needed, single_token)
         if len(needed) <= pool.slots:
-            if single_token and indices.size < SORT_THRESHOLD:
+            if single_token and few_routes:
                 return self._decode_call(x, indices, ids, needed)
             self._load(needed, ids)
+            if few_routes:
+                return self._two_ways(x, pool.remap(indices))
             return self.experts(x, pool.remap(indices))
         return self._expert_major(x, indices, ids, needed)
 

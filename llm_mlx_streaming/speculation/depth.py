@@ -1,7 +1,8 @@
 """How many drafts to verify next: a fixed k, or `auto`, which follows acceptance.
 
-`auto` starts at MAX_AUTO and moves one step per pass: up when every draft was kept,
-down when none was. At depth 0 nothing is verified, so it watches instead: it asks
+`auto` starts at one draft and moves one step per pass, up to MAX_AUTO: up when every
+draft was kept, down when none was, so drafts that never land cost one wasted position
+once. At depth 0 nothing is verified, so it watches instead: it asks
 the drafter for one token (free for n-gram lookup) and compares it with the token the
 plain step produces; after a hit it verifies one draft again. Drafts that keep failing
 thus cost one wasted position per pass only until the depth reaches 0.
@@ -15,7 +16,7 @@ MAX_AUTO = 4
 class Depth:
     def __init__(self, k):
         self.auto = k == "auto"
-        self.k = MAX_AUTO if self.auto else int(k)
+        self.k = 1 if self.auto else int(k)
 
     def __str__(self) -> str:
         return "auto" if self.auto else str(self.k)

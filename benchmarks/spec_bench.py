@@ -1,0 +1,170 @@
+"""Speculative decoding on the streamed benchmark checkpoint: what a verify pass costs and saves.
+
+Builds (once, then reuses) engine_bench's checkpoint (qwen3_moe shape, 4-bit, 128
+experts, top-8, 4 layers) and, for each resident share and page-cache mode, decodes
+greedily with k in {0, 1, 2, 3, 4, 6, auto} and these drafters:
+
+- oracle: replays the k = 0 run's own greedy tokens (always right, costs nothing);
+- adversary: proposes a wrong token at every position (the floor);
+- ngram on a repetitive prompt (a passage given twice, to quote back) and on ordinary
+  (random) text.
+
+Every row checks that its tokens equal the k = 0 run's. Prints one table (decode tok/s,
+its ratio to k = 0, MB read per generated token, distinct experts per MoE call of a
+verify pass, acceptance, tokens per pass) and, per resident share, the least-squares
+split of a pass's time into a fixed part and a part per position, from the oracle rows,
+with the forecast for a GPU that adds a fixed host round-trip per MoE layer per pass.
+
+    python benchmarks/spec_bench.py [--tokens 32] [--fractions 1.0,0.5,0.25] \\
+        [--page-cache keep,bypass] [--k 0,1,2,3,4,6,auto] [--out results.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from llm_mlx_streaming.checkpoints.factory import build_checkpoint  # noqa: E402
+from llm_mlx_streaming.engine.manager import EngineManager  # noqa: E402
+from llm_mlx_streaming.engine.request import Request  # noqa: E402
+from llm_mlx_streaming.speculation.scripted import ScriptedDrafter  # noqa: E402
+
+CACHE = Path(__file__).resolve().parent / ".cache"
+SHAPE = dict(hidden_size=1024, moe_intermediate_size=768, num_experts=128, top_k=8, num_layers=4)
+GPU_ROUND_TRIP_S = 0.002  # per MoE layer per pass: the router read-back on an Apple GPU
+
+
+def prompts(vocab: int) -> dict[str, list[int]]:
+    rng = np.random.default_rng(1)
+    passage = [int(t) for t in rng.integers(3, vocab - 40, 24)]
+    return {"ordinary": [int(t) for t in rng.integers(3, vocab - 40, 48)],
+            "repetitive": passage + passage}
+
+
+def decode(engine: EngineManager, prompt: list[int], tokens: int, k, drafter=None) -> dict:
+    """One greedy generation from an empty cache; decode-only figures."""
+    engine.session.reset()
+    calls: list[int] = []
+    for module in engine.loaded.layers:
+        module.observer = lambda layer, needed, single: calls.append(len(needed))
+    first = None
+    generation = engine.run(None, Request(prompt=prompt, max_tokens=tokens, k=k, drafter=drafter))
+    out = []
+    for response in generation:
+        if first is None:
+            first = engine.counters()
+            prefill_calls = len(calls)
+        out.append(response.token)
+    for module in engine.loaded.layers:
+        module.observer = None
+    stats = generation.stats
+    end = engine.counters()
+    decoded = stats["generated_tokens"] - 1
+    passes = stats["verify_passes"] or decoded
+    verify_calls = calls[prefill_calls:]
+    return {
+        "tokens": out,
+        "tps": stats["decode_tps"],
+        "seconds": decoded / stats["decode_tps"] if stats["decode_tps"] else None,
+        "passes": passes,
+        "positions": (stats["draft_tokens"] + passes) if stats["k"] != 0 else decoded,
+        "mb_per_token": (end.bytes_read - first.bytes_read) / 1e6 / max(decoded, 1),
+        "experts_per_call": float(np.mean(verify_calls)) if verify_calls else None,
+        "acceptance": stats["acceptance_rate"],
+        "tokens_per_pass": stats["tokens_per_pass"],
+        "unplaced": stats["unplaced"],
+    }
+
+
+def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(fixed seconds per pass, seconds per position) by least squares."""
+    x = np.array([p for p, _ in points])
+    y = np.array([s for _, s in points])
+    per_position, fixed = np.polyfit(x, y, 1)
+    return float(fixed), float(per_position)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=32, help="tokens per generation")
+    parser.add_argument("--fractions", default="1.0,0.5,0.25")
+    parser.add_argument("--page-cache", default="keep,bypass")
+    parser.add_argument("--k", default="0,1,2,3,4,6,auto")
+    parser.add_argument("--drafters", default="oracle,adversary,ngram-repetitive,ngram-ordinary")
+    parser.add_argument("--out", type=Path, help="append each row as a JSON line here")
+    args = parser.parse_args()
+    ks = [k if k == "auto" else int(k) for k in args.k.split(",")]
+    drafters = args.drafters.split(",")
+
+    path = build_checkpoint(CACHE / "qwen3_moe-bench", "qwen3_moe", quant="4bit", seed=0, **SHAPE)
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    E, moe_layers = SHAPE["num_experts"], SHAPE["num_layers"]
+    texts = prompts(vocab)
+    print(f"checkpoint {path}; {args.tokens} tokens per run; greedy", flush=True)
+    header = (f"{'resident':>8} {'cache':>6} {'drafter':<16} {'k':>4} {'tok/s':>7} {'vs k=0':>6} "
+              f"{'MB/tok':>7} {'experts/call':>12} {'accept':>6} {'tok/pass':>8} {'s/pass':>7}")
+    print(header, flush=True)
+    engine = EngineManager()
+    splits = []
+    for fraction in (float(f) for f in args.fractions.split(",")):
+        slots = max(1, round(E * fraction))
+        for page_cache in args.page_cache.split(","):
+            engine.load(path, expert_slots=slots, page_cache=page_cache)
+            for _ in engine.run(None, Request(prompt=texts["ordinary"], max_tokens=8)):
+                pass  # warm-up: fills the pool, compiles kernels
+            base = {name: decode(engine, text, args.tokens, 0) for name, text in texts.items()}
+            oracle_points = []
+            for drafter_name in drafters:
+                text_name = drafter_name.split("-")[1] if "-" in drafter_name else "ordinary"
+                text, plain = texts[text_name], base[text_name]
+                for k in ks:
+                    if k == 0:
+                        row = plain
+                    else:
+                        drafter = None
+                        if drafter_name in ("oracle", "adversary"):
+                            drafter = ScriptedDrafter(text + plain["tokens"], vocab, wrong=drafter_name == "adversary")
+                        row = decode(engine, text, args.tokens, k, drafter)
+                    assert row["tokens"] == plain["tokens"], (drafter_name, k, "tokens differ from k=0")
+                    assert row["unplaced"] == 0
+                    per_pass = row["seconds"] / row["passes"] if row["seconds"] else None
+                    if drafter_name == "oracle" and k != "auto" and per_pass:
+                        oracle_points.append((row["positions"] / row["passes"], per_pass))
+                    ratio = row["tps"] / plain["tps"] if plain["tps"] else float("nan")
+                    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+                    print(f"{fraction:>8.0%} {page_cache:>6} {drafter_name:<16} {str(k):>4} {row['tps']:>7.2f} "
+                          f"{ratio:>5.2f}x {row['mb_per_token']:>7.2f} {fmt(row['experts_per_call'], '.1f'):>12} "
+                          f"{fmt(row['acceptance'], '.2f'):>6} {fmt(row['tokens_per_pass'], '.2f'):>8} "
+                          f"{fmt(per_pass, '.4f'):>7}", flush=True)
+                    if args.out:
+                        with args.out.open("a") as f:
+                            f.write(json.dumps({"fraction": fraction, "page_cache": page_cache,
+                                                "drafter": drafter_name, "k": k, "vs_k0": ratio,
+                                                **{key: v for key, v in row.items() if key != "tokens"}}) + "\n")
+            if len(oracle_points) >= 2:
+                fixed, per_position = fit(oracle_points)
+                splits.append((fraction, page_cache, fixed, per_position))
+    engine.unload()
+
+    if splits:
+        print("\nOne verify pass = fixed + per_position x positions (least squares over the oracle rows);")
+        print(f"the GPU forecast adds {GPU_ROUND_TRIP_S * 1e3:.0f} ms per MoE layer ({moe_layers} layers) to the fixed part.")
+        print(f"{'resident':>8} {'cache':>6} {'fixed ms':>8} {'ms/position':>11} "
+              f"{'oracle k=3 bound':>16} {'GPU fixed ms':>12} {'GPU k=3 bound':>13}")
+        for fraction, page_cache, fixed, per_position in splits:
+            gpu_fixed = fixed + GPU_ROUND_TRIP_S * moe_layers
+            bound = lambda a, b, k: (k + 1) * (a + b) / (a + b * (k + 1))  # noqa: E731
+            print(f"{fraction:>8.0%} {page_cache:>6} {fixed * 1e3:>8.1f} {per_position * 1e3:>11.1f} "
+                  f"{bound(fixed, per_position, 3):>15.2f}x {gpu_fixed * 1e3:>12.1f} "
+                  f"{bound(gpu_fixed, per_position, 3):>12.2f}x")
+
+
+if __name__ == "__main__":
+    main()
