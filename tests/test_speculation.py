@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load_model
 
@@ -89,6 +89,26 @@ def test_a_verify_pass_gives_stock_mlx_lm_logits_bit_for_bit(build):
         got = np.array(engine.loaded.model(mx.array([[5, 9, 11, 2]]), cache=cache))
         assert np.array_equal(got, want), slots
         engine.unload()
+
+
+def test_quantized_kv_cache_and_short_prefill_chunks_stay_exact(build):
+    """A quantized KV cache (switched to at the same step as plain decoding) and a prompt
+    prefilled in several chunks: speculation still emits what plain decoding does."""
+    from llm_mlx_streaming.engine.kv import KVSpec
+
+    path = build("qwen3_moe", quant="4bit", num_experts=EXPERTS, top_k=TOP_K, head_dim=64)
+    engine = _engine(path, TOP_K + 2)
+    prompt = _prompt(path)
+    layout = dict(kv=KVSpec(bits=8, group_size=32, start=24), prefill_step=8)
+    plain, _ = _generate(engine, prompt, k=0, **layout)
+    engine.session.reset()
+    V = vocab_size(path)
+    for drafter in (ScriptedDrafter(prompt + plain, V), ScriptedDrafter(prompt + plain, V, wrong=True)):
+        engine.session.reset()
+        tokens, stats = _generate(engine, prompt, k=K, drafter=drafter, **layout)
+        assert tokens == plain and stats["kv_bits"] == 8 and stats["prefill_step"] == 8
+        assert all(isinstance(c, QuantizedKVCache) for c in engine.session.cache)
+    engine.unload()
 
 
 def test_sliding_window_cache_stops_drafting_once_it_wraps(build):

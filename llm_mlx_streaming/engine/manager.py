@@ -301,6 +301,7 @@ class EngineManager:
 
         from .planner import PREFILL_STEP
 
+        prefill_step = request.prefill_step or PREFILL_STEP
         # -- speculation (issue 9): k > 0 runs the draft-and-verify loop -------------
         from ..speculation import start as spec
 
@@ -311,7 +312,8 @@ class EngineManager:
                 figures.speculation_off = spec.off_reason(request)
                 if figures.speculation_off is None:
                     run = spec.make_run(request, self.loaded, cache, prompt[:reused], new_tokens,
-                                        max_tokens, self.drafters, figures)
+                                        max_tokens, self.drafters, figures,
+                                        prefill_step=prefill_step, kv_kwargs=kv.generate_kwargs())
         except (ValueError, spec.DraftError) as e:
             raise EngineError(one_line(e)) from None
         # -- end speculation ---------------------------------------------------------
@@ -323,7 +325,6 @@ class EngineManager:
         generated: list[int] = []
         recorder = self._recorder(request.trace_path)
         stops = StopMatcher(request.stop)
-        prefill_step = request.prefill_step or PREFILL_STEP
         if run is not None:
             from ..speculation.decode import stream_speculative
 
@@ -366,8 +367,6 @@ class EngineManager:
             self.session.fed(generated)
         stats = self._stats(before, last, len(prompt), reused, len(new_tokens), time.perf_counter() - start)
         stats.update(figures.as_dict())
-        if run is not None:  # the speculative loop prefills in mlx-lm's default chunks
-            from ..speculation.decode import PREFILL_STEP as prefill_step
         stats.update(self._kv_figures(self.session.cache, kv, kv_note, prefill_step, ttft))
         if recorder is not None:
             self._write_trace(recorder, request.trace_path, stats)

@@ -16,7 +16,13 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 import mlx.core as mx
-from mlx_lm.generate import GenerationResponse, generate_step, generation_stream, wired_limit
+from mlx_lm.generate import (
+    GenerationResponse,
+    generate_step,
+    generation_stream,
+    maybe_quantize_kv_cache,
+    wired_limit,
+)
 
 from . import heads
 from .depth import Depth
@@ -75,6 +81,8 @@ class SpeculativeRun:
     figures: SpecFigures
     fed: list[int] = field(default_factory=list)
     observer: object = None  # called with (inputs, kept) after each verify pass (benchmarks)
+    prefill_step: int = PREFILL_STEP  # prompt tokens per prefill chunk, as the plain path uses
+    kv_kwargs: dict = field(default_factory=dict)  # a quantized KV layout (stream_generate's kv_*)
 
     def tokens(self) -> Iterator[tuple[int, mx.array, bool]]:
         """(token, logprobs, from_draft) as mlx-lm's step generators yield them."""
@@ -87,6 +95,7 @@ class SpeculativeRun:
             logits, hidden = heads.forward(self.model, mx.array([last])[None], self.cache,
                                            self.drafter.needs_hidden)
             self.fed.append(last)
+            self._quantize()
             logprobs = _logprobs(logits[0])
             y = int(self.sampler(logprobs).item())
             if not self.drafter.needs_hidden:
@@ -114,10 +123,10 @@ class SpeculativeRun:
                 y = out[-1]
 
     def _prefill(self) -> int:
-        """Feed all but the last prompt token in generate_step's chunks; return the last."""
+        """Feed all but the last prompt token in chunks as generate_step does; return the last."""
         prompt = self.prompt
         while len(prompt) > 1:
-            n = min(PREFILL_STEP, len(prompt) - 1)
+            n = min(self.prefill_step, len(prompt) - 1)
             chunk = mx.array(prompt[:n])[None]
             if self.drafter.needs_hidden:
                 # A drafter that reads hidden states (an MTP head) builds its own cache
@@ -127,11 +136,18 @@ class SpeculativeRun:
                 self.drafter.accept(prompt[1 : n + 1], hidden[0])
             else:
                 self.model(chunk, cache=self.cache)
+            self._quantize()
             mx.eval([c.state for c in self.cache])
             self.fed.extend(prompt[:n])
             prompt = prompt[n:]
             mx.clear_cache()
         return prompt[0]
+
+    def _quantize(self) -> None:
+        """mlx-lm's switch to a quantized KV cache, at the same points generate_step makes it."""
+        kw = self.kv_kwargs
+        maybe_quantize_kv_cache(self.cache, kw.get("quantized_kv_start", 0),
+                                kw.get("kv_group_size", 64), kw.get("kv_bits"))
 
     def _verify(self, y: int, drafts: list[int]):
         """One forward over [y, *drafts]; (tokens to emit, their logprobs, hidden or None)."""
@@ -143,6 +159,7 @@ class SpeculativeRun:
         logprobs = _logprobs(logits[0])
         accepted, token = choose(logprobs, drafts, self.target, self.sampler)
         verify.keep(1 + accepted)
+        self._quantize()
         self.fed.extend(inputs[: 1 + accepted])
         f = self.figures
         f.verify_passes += 1

@@ -44,15 +44,19 @@ def off_reason(request) -> Optional[str]:
     return None
 
 
-def make_run(request, loaded, cache, history, prompt, max_tokens, drafters: dict, figures) -> SpeculativeRun:
-    """The speculative run for `request`; DraftError (one line) if its drafter cannot be built."""
+def make_run(request, loaded, cache, history, prompt, max_tokens, drafters: dict, figures, *,
+             prefill_step: int, kv_kwargs: dict) -> SpeculativeRun:
+    """The speculative run for `request`; DraftError (one line) if its drafter cannot be built.
+
+    `prefill_step` and `kv_kwargs` (a quantized KV layout) are what the plain path
+    would pass to stream_generate, so both paths fill the cache alike."""
     drafter = request.drafter or _drafter(request, loaded, drafters)
     return SpeculativeRun(
         model=loaded.model, cache=cache, history=list(history), prompt=list(prompt),
         drafter=drafter, depth=Depth(check_k(request.k)),
         target=TargetSampler(request.temperature, request.top_p, request.min_p, request.top_k),
         sampler=request.make_sampler(), max_tokens=max_tokens, figures=figures,
-        observer=request.spec_observer,
+        observer=request.spec_observer, prefill_step=prefill_step, kv_kwargs=kv_kwargs,
     )
 
 
