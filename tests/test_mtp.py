@@ -338,7 +338,10 @@ def _cli_env(tmp_path, monkeypatch, checkpoint):
 def test_cli_draft_mtp_prints_what_k0_prints(build, tmp_path, monkeypatch):
     from plugin_support import assert_ok
 
-    env = _cli_env(tmp_path, monkeypatch, build("qwen3_next", mtp=True))
+    checkpoint = build("qwen3_next", mtp=True)
+    env = _cli_env(tmp_path, monkeypatch, checkpoint)
+    added = assert_ok(env.run("mlxs", "add", str(checkpoint), "--name", "withhead"))
+    assert "an MTP head for -o draft mtp" in added.stdout
     common = ["-m", "mlx-stream/m", "-o", "temperature", "0", "-o", "max_tokens", "12"]
     plain = assert_ok(env.run(*common, "-o", "k", "0", "tell me"))
     drafted = assert_ok(env.run(*common, "-o", "k", "3", "-o", "draft", "mtp", "tell me"))
@@ -348,8 +351,10 @@ def test_cli_draft_mtp_prints_what_k0_prints(build, tmp_path, monkeypatch):
 
 
 def test_cli_draft_mtp_without_a_head_is_one_line(llm_env):
-    from plugin_support import assert_one_line_error
+    from plugin_support import assert_ok, assert_one_line_error
 
+    added = assert_ok(llm_env.run("mlxs", "add", str(llm_env.checkpoint), "--name", "nohead"))
+    assert "MTP" not in added.stdout
     result = llm_env.run("-m", "mlx-stream", "-o", "k", "2", "-o", "draft", "mtp", "hi")
     assert_one_line_error(result, "no multi-token-prediction (MTP) head")
     assert llm_env.turns() == []

@@ -32,7 +32,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
-__all__ = ["HEAD_ARCHITECTURES", "MTPHead", "build_head", "declared_layers", "head_prefix"]
+__all__ = ["HEAD_ARCHITECTURES", "MTPHead", "build_head", "declared_layers", "has_head",
+           "head_prefix"]
 
 HEAD_ARCHITECTURES = ("deepseek_v3", "glm4_moe", "qwen3_next")
 
@@ -56,6 +57,17 @@ def declared_layers(config: dict) -> int:
         if config.get(name):
             return int(config[name])
     return 0
+
+
+def has_head(path, config: dict) -> bool:
+    """Whether the checkpoint at `path` declares an MTP head and holds its tensors
+    (read from the safetensors headers only)."""
+    from ..experts.index import CheckpointIndex
+
+    if not declared_layers(config):
+        return False
+    prefix = head_prefix(config)
+    return any(k.startswith(prefix) for k in CheckpointIndex(path).tensors)
 
 
 def head_prefix(config: dict) -> str:

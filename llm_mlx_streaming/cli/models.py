@@ -11,6 +11,7 @@ import llm
 
 from .. import registry
 from ..checkpoints.config import check_checkpoint, describe, read_config
+from ..checkpoints.mtp import has_head
 from ..errors import CheckpointError, SettingsError, one_line
 from ..settings import BUNDLED_NAME, Settings, load_settings
 
@@ -128,6 +129,8 @@ def add(source, aliases, name, expert_slots, hash_):
             f"Note: {path} has no routed experts; it will run fully resident.", err=True
         )
     shape = f"{info['experts']} experts x {info['layers']} layers" if info["experts"] else "dense"
+    if has_head(path, config_dict):
+        shape += ", an MTP head for -o draft mtp"
     click.echo(
         f"Added {registry.MODEL_PREFIX}/{name} ({info['architecture']}, {shape}, "
         f"{format_size(registry.dir_size(path))})"
