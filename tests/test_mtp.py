@@ -196,6 +196,9 @@ def test_drafter_drafts_the_heads_greedy_chain(build, arch):
         hidden = loaded.model.model(mx.array([prompt]))
         drafter.reset(prompt[:1])
         drafter.accept(prompt[1:], hidden[0, :-1])  # pairs (h_t, x_t+1)
+        drafter.gate = 1.01  # no draft is that sure: the chain stops after the first
+        assert len(drafter.propose(3)) == 1 and drafter.cache.offset == len(prompt) - 1
+        drafter.gate = 0.0  # every draft chains
         drafts = drafter.propose(3)
         assert drafts == drafter.propose(3) and drafter.cache.offset == len(prompt) - 1
         expected = _reference(path, arch, mx.array([prompt[1:]]), hidden[:, :-1])
@@ -311,10 +314,13 @@ def test_engine_greedy_with_draft_mtp_equals_plain_decoding(build, arch, quant):
             assert drafter.start == 0 and drafter.cache.offset == len(drafter.seen) - 1
             plain, _ = _run(engine, prompt, k=0)
             assert first == plain and stats["draft"] == "mtp" and stats["draft_tokens"] > 0
+            drafter.gate = 0.0  # a random head is never confident: make it chain k drafts
             for k in (3, "auto"):
                 tokens, stats = _run(engine, prompt, k=k, draft="mtp")
                 assert tokens == plain, (slots, k)
                 assert stats["draft_tokens"] > 0 and stats["unplaced"] == 0
+                if k == 3:  # several drafts per pass (fewer only near max_tokens)
+                    assert stats["draft_tokens"] > 2 * stats["verify_passes"]
                 # a prefix the session reused: the head's pairs start where it saw it
                 assert drafter.cache.offset == len(drafter.seen) - 1 - drafter.start
             follow = prompt + plain + [97, 230]
