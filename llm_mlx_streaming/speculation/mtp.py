@@ -21,8 +21,8 @@ from .drafter import DraftContext, DraftError, register
 
 
 # Chain a further draft only while the head gives its latest one at least this
-# probability: the value a peer engine measured best on real MTP heads (threshold 0.3,
-# +5-6% decode, docs/architecture.md); random test heads cannot measure it.
+# probability: the threshold a peer engine (Vates) reported best on real MTP heads
+# (+5-6% decode); random test heads are never that confident, so it cannot be tuned here.
 CONFIDENCE_GATE = 0.3
 
 
