@@ -111,6 +111,49 @@ def test_quantized_kv_cache_and_short_prefill_chunks_stay_exact(build):
     engine.unload()
 
 
+class _ScriptedDraftModel:
+    """A stand-in draft model for mlx-lm's speculative_generate_step: its greedy token at
+    each position is the recorded continuation (or a wrong token), like ScriptedDrafter."""
+
+    def __init__(self, expected, vocab, wrong):
+        self.expected, self.vocab, self.wrong = expected, vocab, wrong
+        self.layers = [None]
+
+    def make_cache(self):
+        return [KVCache()]
+
+    def __call__(self, inputs, cache):
+        start, n = cache[0].offset, inputs.shape[1]
+        cache[0].update_and_fetch(mx.zeros((1, 1, n, 1)), mx.zeros((1, 1, n, 1)))
+        logits = np.zeros((1, n, self.vocab), dtype=np.float32)
+        for i in range(n):
+            nxt = start + i + 1
+            token = self.expected[nxt] if nxt < len(self.expected) else 0
+            logits[0, i, (token + self.wrong) % self.vocab] = 1.0
+        return mx.array(logits)
+
+
+def test_deepseek_v3_verify_passes_match_mlx_lm_speculative_decoding(build):
+    """mlx-lm's MLA attention takes another path for several positions than for one
+    (docs/architecture.md), so a verify pass rounds differently from a decode step. The
+    tokens still equal plain decoding's here; they also equal mlx-lm's own
+    speculative_generate_step driven by the same drafts."""
+    from mlx_lm.generate import speculative_generate_step
+
+    path = build("deepseek_v3", num_experts=EXPERTS, top_k=TOP_K)
+    stock, config = load_model(path)
+    prompt, V = _prompt(path), config["vocab_size"]
+    engine = _engine(path, TOP_K + 2)
+    plain, _ = _generate(engine, prompt, k=0)
+    for wrong in (False, True):
+        draft = _ScriptedDraftModel(prompt + plain, V, wrong)
+        theirs = [t for t, _, _ in speculative_generate_step(
+            mx.array(prompt), stock, draft, num_draft_tokens=K, max_tokens=TOKENS)]
+        ours, _ = _generate(engine, prompt, k=K, drafter=ScriptedDrafter(prompt + plain, V, wrong=wrong))
+        assert ours == theirs == plain
+    engine.unload()
+
+
 def test_sliding_window_cache_stops_drafting_once_it_wraps(build):
     # gpt_oss's sliding-window layers (window 16 here) cannot be trimmed after wrapping.
     path = build("gpt_oss", num_experts=EXPERTS, top_k=TOP_K)
