@@ -432,7 +432,7 @@ def test_malformed_and_oversized_bodies(served):
     assert status == 400 and body["error"]["param"] == "messages"
     status, _, body = call(served, "POST", "/v1/chat/completions", chat_body("hi", model="gpt-4"))
     assert status == 404 and body["error"]["code"] == "model_not_found"
-    from llm_mlx_streaming.server.service import MAX_BODY_BYTES
+    from llm_mlx_streaming.server.http_layer import MAX_BODY_BYTES
 
     declared = f"Content-Length: {MAX_BODY_BYTES + 1}\r\n\r\n".encode()
     assert raw_status(served, declared) == 413  # refused before the body is read

@@ -1,4 +1,4 @@
-"""The ASGI app: OpenAI-compatible routes, the runtime API and their errors.
+"""The ASGI app: OpenAI-compatible routes, the runtime API, and the server's state.
 
 FastAPI, because its routes are typed by pydantic models (the same pydantic llm and the
 plugin's Options use), which gives request validation and an OpenAPI schema for free;
@@ -11,153 +11,31 @@ import asyncio
 import json
 import secrets
 import time
-import uuid
-from collections import OrderedDict
 from contextlib import asynccontextmanager
 from typing import Any, Optional
 
 from fastapi import APIRouter, Body, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
+from fastapi.responses import StreamingResponse
 
 from ..errors import one_line
 from .bridge import Result, Run
 from .gate import Gate, QueueFull
+from .http_layer import ApiError, BodyLimit, error_for
+from .replies import ReplyMemory, StopCut
 from .runtime import POOL_KEYS, ConfigError, RuntimeConfig, touches_pools
 from .schemas import (
     ChatCompletion,
     ChatCompletionRequest,
-    ChatMessage,
     Completion,
     CompletionRequest,
     ErrorResponse,
     ModelList,
     engine_option_names,
 )
+from .shapes import ChatShape, TextShape
 
-MAX_BODY_BYTES = 8 * 2**20  # a request body larger than this is refused (413)
 RETRY_AFTER_SECONDS = 2
-
-
-class ApiError(Exception):
-    """An error answered as OpenAI's error object."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 code: Optional[str] = None, param: Optional[str] = None, headers: Optional[dict] = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.code, self.param = status, one_line(message), kind, code, param
-        self.headers = headers
-
-    def response_body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.response_body(), status_code=self.status, headers=self.headers)
-
-
-def _too_large() -> ApiError:
-    return ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="body_too_large")
-
-
-class BodyLimit:
-    """ASGI middleware: refuse bodies over MAX_BODY_BYTES, declared or streamed.
-
-    The body is read here first (it is small by then) and handed on whole, so a body
-    that grows past the limit is refused before any route sees it."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            return await _too_large().response()(scope, receive, send)
-        body, more = bytearray(), True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away
-                return
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > MAX_BODY_BYTES:
-                return await _too_large().response()(scope, receive, send)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": bytes(body), "more_body": False}
-            return await receive()  # after the body: the disconnect, for streaming responses
-
-        await self.app(scope, replay, send)
-
-
-class ReplyMemory:
-    """Replies this server generated, by text, with the token ids they were generated
-    as: an OpenAI client sends a reply back as text, and re-encoding text does not
-    always give the same ids, so without this a follow-up would not reuse the KV cache."""
-
-    def __init__(self, size: int = 64) -> None:
-        self.size = size
-        self._by_text: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()
-
-    def remember(self, text: str, reasoning: str, tokens: list[int]) -> None:
-        if tokens:
-            self._by_text[text] = (reasoning, tokens)
-            self._by_text.move_to_end(text)
-            while len(self._by_text) > self.size:
-                self._by_text.popitem(last=False)
-
-    def llm_messages(self, messages: list[ChatMessage]) -> list:
-        from llm.parts import Message, ReasoningPart, TextPart
-
-        from ..prompting import reply_metadata
-
-        out = []
-        for m in messages:
-            text = m.text()
-            role = "system" if m.role == "developer" else m.role
-            if role != "assistant":
-                out.append(Message(role=role, parts=[TextPart(text=text)]))
-                continue
-            reasoning, tokens = m.reasoning_content or "", m.tokens
-            if tokens is None and text in self._by_text:
-                known_reasoning, tokens = self._by_text[text]
-                reasoning = reasoning or known_reasoning
-            parts = [ReasoningPart(text=reasoning)] if reasoning else []
-            parts.append(TextPart(text=text, provider_metadata=reply_metadata(tokens) if tokens else None))
-            out.append(Message(role="assistant", parts=parts))
-        return out
-
-
-class StopCut:
-    """Cut the text before the first stop string (held back until it is certain)."""
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.buf = ""
-        self.hit = False
-
-    def feed(self, text: str) -> str:
-        if not self.stops:
-            return text
-        self.buf += text
-        found = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
-        if found:
-            out, self.buf, self.hit = self.buf[: min(found)], "", True
-            return out
-        cut = max(len(self.buf) - self.hold, 0)
-        out, self.buf = self.buf[:cut], self.buf[cut:]
-        return out
-
-    def flush(self) -> str:
-        out, self.buf = self.buf, ""
-        return out
 
 
 class Turn:
@@ -262,13 +140,13 @@ class Service:
             events = turn.run.events()
             first = await _first(events)  # a load or prompt error is still an HTTP error
             if body.stream:
-                shape = _ChatShape if chat else _TextShape
+                shape = ChatShape if chat else TextShape
                 stream = self._stream(turn, events, first, shape(model_id, body), StopCut(body.stops()))
                 return GatedStream(turn, stream, media_type="text/event-stream")
             return await self._whole(turn, events, first, model_id, body, chat)
         except Exception as e:
             turn.finish()
-            raise _error_for(e) from None
+            raise error_for(e) from None
         except BaseException:
             turn.finish()
             raise
@@ -293,7 +171,7 @@ class Service:
         result = result or turn.run.result
         self._remember("".join(text), "".join(reasoning), result, cut.hit)
         finish = "stop" if cut.hit else result.finish_reason
-        shape = _ChatShape(model_id, body) if chat else _TextShape(model_id, body)
+        shape = ChatShape(model_id, body) if chat else TextShape(model_id, body)
         return shape.whole("".join(text), "".join(reasoning), finish, result)
 
     async def _stream(self, turn: Turn, events, first, shape, cut: StopCut):
@@ -324,7 +202,7 @@ class Service:
             if shape.include_usage:
                 yield _sse(shape.usage_chunk(result))
         except Exception as e:  # the status line is sent: the error goes in the stream
-            yield _sse(_error_for(e).response_body())
+            yield _sse(error_for(e).response_body())
         yield "data: [DONE]\n\n"
 
     def _remember(self, text: str, reasoning: str, result: Result, cut: bool) -> None:
@@ -340,8 +218,8 @@ class Service:
     async def change_config(self, changes: Any) -> dict:
         values = self.runtime.validate(changes)
         pools = touches_pools(changes)
-        if pools and self.model_id:
-            await asyncio.to_thread(self._check_plan, self.model_id, values)
+        if pools:  # planned with the model the next request would get
+            await asyncio.to_thread(self._check_plan, self.model_id or self.model_for(None), values)
         self.runtime.values = values
         if pools and self.model_id and _engine().state == "loaded":
             self.schedule_load(self.model_id)
@@ -437,84 +315,6 @@ def _sse(data: dict) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
-def _error_for(exc: BaseException) -> ApiError:
-    import llm
-
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, (llm.ModelError, ValidationError, ValueError)):
-        return ApiError(400, one_line(exc))
-    return ApiError(500, f"{type(exc).__name__}: {one_line(exc)}", kind="server_error")
-
-
-class _Shape:
-    """How one route's chunks and bodies look."""
-
-    def __init__(self, model_id: str, body) -> None:
-        self.model = model_id
-        self.created = int(time.time())
-        self.id = f"{self.prefix}-{uuid.uuid4().hex[:24]}"
-        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-    def _base(self, choices: list) -> dict:
-        return {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
-                "choices": choices}
-
-    @staticmethod
-    def usage(result: Result) -> dict:
-        return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-                "total_tokens": result.prompt_tokens + result.completion_tokens}
-
-    @staticmethod
-    def extension(result: Result) -> dict:
-        return {"stats": result.stats, "tokens": result.tokens, "resolved_model": result.resolved_model}
-
-    def usage_chunk(self, result: Result) -> dict:
-        return {**self._base([]), "usage": self.usage(result)}
-
-
-class _ChatShape(_Shape):
-    prefix, chunk_object = "chatcmpl", "chat.completion.chunk"
-
-    def opening(self) -> dict:
-        return self._base([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
-
-    def delta(self, text: str = "", reasoning: str = "") -> dict:
-        delta = {"reasoning_content": reasoning} if reasoning else {"content": text}
-        return self._base([{"index": 0, "delta": delta, "finish_reason": None}])
-
-    def closing(self, finish: Optional[str], result: Result) -> dict:
-        return {**self._base([{"index": 0, "delta": {}, "finish_reason": finish}]),
-                "mlx_stream": self.extension(result)}
-
-    def whole(self, text: str, reasoning: str, finish, result: Result) -> dict:
-        message = {"role": "assistant", "content": text}
-        if reasoning:
-            message["reasoning_content"] = reasoning
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-                "usage": self.usage(result), "mlx_stream": self.extension(result)}
-
-
-class _TextShape(_Shape):
-    prefix, chunk_object = "cmpl", "text_completion"
-
-    def opening(self) -> dict:
-        return self._base([{"index": 0, "text": "", "finish_reason": None}])
-
-    def delta(self, text: str = "", reasoning: str = "") -> dict:
-        return self._base([{"index": 0, "text": text, "finish_reason": None}])
-
-    def closing(self, finish: Optional[str], result: Result) -> dict:
-        return {**self._base([{"index": 0, "text": "", "finish_reason": finish}]),
-                "mlx_stream": self.extension(result)}
-
-    def whole(self, text: str, reasoning: str, finish, result: Result) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": text, "finish_reason": finish}],
-                "usage": self.usage(result), "mlx_stream": self.extension(result)}
-
-
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 422, 503)}
 
 
@@ -544,7 +344,7 @@ def create_app(service: Service) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _unexpected(request, exc: Exception):
-        return _error_for(exc).response()
+        return error_for(exc).response()
 
     @app.get("/health")
     async def health() -> dict:

@@ -1,0 +1,166 @@
+"""`llm mlxs serve`: one-shot `llm` prompts in-process against routed to a warm server,
+and the server's throughput with several clients queued at once.
+
+On the benchmark checkpoint (benchmarks/engine_bench.py's, 25% of each layer's experts
+resident), ten one-shot `llm -m mlx-stream "..."` processes run in-process
+(`-o no_server 1`: each loads the model and starts with an empty pool), then ten
+routed to a server started with the model loaded. Time to first token is measured
+from the process start to its first byte on stdout, as a user sees it; MB read per
+call and the engine's own time to first token (prefill, `ttft_seconds`) come from the
+response's logged figures. Then N clients each send one request,
+one after another and then all at once; total tokens/s of the two are compared.
+
+    python benchmarks/serve_bench.py [--calls 10] [--tokens 16] [--clients 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine_bench import CACHE, SHAPE  # noqa: E402  (the same checkpoint)
+
+from llm_mlx_streaming.checkpoints.factory import build_checkpoint  # noqa: E402
+
+PROMPTS = [
+    "Tell me about solid state drives", "What is a B-tree?", "Name three file systems",
+    "Why do caches help?", "Explain virtual memory", "What does an SSD controller do?",
+    "How does a page cache work?", "What is write amplification?", "Describe NVMe briefly",
+    "What is wear levelling?", "Explain mixture of experts", "What is a KV cache?",
+]
+
+
+def last_figures(user_dir: Path) -> dict:
+    conn = sqlite3.connect(user_dir / "logs.db")
+    try:
+        row = conn.execute("select response_json from turns order by id desc limit 1").fetchone()
+    finally:
+        conn.close()
+    return json.loads(row[0] or "{}")
+
+
+def one_shot(llm_bin: Path, env: dict, user_dir: Path, prompt: str, tokens: int, extra: list[str]) -> dict:
+    start = time.perf_counter()
+    proc = subprocess.Popen([str(llm_bin), "-m", "mlx-stream", prompt, "-o", "max_tokens", str(tokens), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    first = proc.stdout.read(1)
+    ttft = time.perf_counter() - start
+    proc.stdout.read()
+    err = proc.stderr.read()
+    if proc.wait() != 0 or not first:
+        raise SystemExit(f"llm failed: {err.decode()[-500:]}")
+    wall = time.perf_counter() - start
+    figures = last_figures(user_dir)
+    return {"ttft": ttft, "wall": wall, "mb": figures.get("mb_read") or 0.0, "served_by": figures.get("served_by"),
+            "engine_ttft": figures.get("ttft_seconds") or 0.0}
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as resp:
+        return json.loads(resp.read())
+
+
+def throughput(url: str, prompts: list[str], tokens: int, at_once: bool) -> tuple[int, float]:
+    """(tokens generated, wall seconds) for one request per prompt."""
+    counts: list[int] = []
+
+    def ask(prompt):
+        body = {"model": "mlx-stream", "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens}
+        counts.append(post(url, body)["usage"]["completion_tokens"])
+
+    start = time.perf_counter()
+    if at_once:
+        threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    else:
+        for p in prompts:
+            ask(p)
+    return sum(counts), time.perf_counter() - start
+
+
+def start_server(llm_bin: Path, env: dict, user_dir: Path) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([str(llm_bin), "mlxs", "serve", "--port", "0", "-m", "mlx-stream"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    found = user_dir / "mlx-streaming" / "server.json"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if found.exists():
+            info = json.loads(found.read_text())
+            url = f"http://{info['host']}:{info['port']}"
+            try:
+                with urllib.request.urlopen(url + "/api/stats", timeout=5) as resp:
+                    stats = json.loads(resp.read())
+                if stats["state"] == "loaded" and not stats["rebuilding"]:
+                    return proc, url
+            except OSError:
+                pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("the server did not come up")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=10, help="one-shot llm calls per mode")
+    parser.add_argument("--tokens", type=int, default=16, help="tokens per reply")
+    parser.add_argument("--clients", type=int, default=8, help="clients queued at once")
+    args = parser.parse_args()
+
+    path = build_checkpoint(CACHE / "qwen3_moe-bench", "qwen3_moe", quant="4bit", seed=0, **SHAPE)
+    slots = SHAPE["num_experts"] // 4
+    user_dir = Path(tempfile.mkdtemp(prefix="serve-bench-"))
+    (user_dir / "mlx-streaming.json").write_text(json.dumps(
+        {"default_model": "bench", "models": {"bench": {"path": str(path), "expert_slots": slots}}}))
+    env = {**os.environ, "LLM_USER_PATH": str(user_dir)}
+    llm_bin = Path(sys.executable).parent / "llm"
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.calls)]
+    print(f"checkpoint {path}, {slots} of {SHAPE['num_experts']} experts per layer resident (25%), "
+          f"{args.tokens} tokens per reply")
+
+    in_process = [one_shot(llm_bin, env, user_dir, p, args.tokens, ["-o", "no_server", "1"]) for p in prompts]
+    server, url = start_server(llm_bin, env, user_dir)
+    try:
+        routed = [one_shot(llm_bin, env, user_dir, p, args.tokens, []) for p in prompts]
+        assert all(r["served_by"] == url for r in routed)
+        clients = [PROMPTS[i % len(PROMPTS)] + f" ({i})" for i in range(args.clients)]
+        throughput(url, clients[:1], args.tokens, at_once=False)  # warm-up
+        one = throughput(url, clients, args.tokens, at_once=False)
+        many = throughput(url, clients, args.tokens, at_once=True)
+    finally:
+        server.terminate()
+        server.wait(30)
+
+    print(f"\n{'one-shot llm calls':<20} {'calls':>5} {'TTFT median s':>13} {'engine TTFT s':>13} "
+          f"{'wall median s':>13} {'MB read/call':>12}")
+    for name, rows in (("in-process", in_process), ("routed to server", routed)):
+        print(f"{name:<20} {len(rows):>5} {statistics.median(r['ttft'] for r in rows):>13.3f} "
+              f"{statistics.median(r['engine_ttft'] for r in rows):>13.3f} "
+              f"{statistics.median(r['wall'] for r in rows):>13.3f} {statistics.median(r['mb'] for r in rows):>12.1f}")
+    ratio = statistics.median(r["ttft"] for r in routed) / statistics.median(r["ttft"] for r in in_process)
+    print(f"routed TTFT / in-process TTFT: {ratio:.2f}x")
+
+    print(f"\n{'clients':<22} {'requests':>8} {'tokens':>6} {'wall s':>7} {'tokens/s':>8} {'vs one':>6}")
+    base = one[0] / one[1]
+    for name, (tokens, wall) in (("one after another", one), (f"{args.clients} at once", many)):
+        print(f"{name:<22} {args.clients:>8} {tokens:>6} {wall:>7.2f} {tokens / wall:>8.2f} {tokens / wall / base:>5.2f}x")
+
+
+if __name__ == "__main__":
+    main()

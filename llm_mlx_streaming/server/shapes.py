@@ -1,0 +1,81 @@
+"""The OpenAI layouts of a reply: chat or text, streamed chunks or one body.
+
+Both carry the `mlx_stream` extension (the engine's figures, the reply's token ids, the
+checkpoint) so `llm` can log exactly what an in-process run logs.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Optional
+
+from .bridge import Result
+
+
+class Shape:
+    """How one route's chunks and bodies look."""
+
+    def __init__(self, model_id: str, body) -> None:
+        self.model = model_id
+        self.created = int(time.time())
+        self.id = f"{self.prefix}-{uuid.uuid4().hex[:24]}"
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def _base(self, choices: list) -> dict:
+        return {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    @staticmethod
+    def usage(result: Result) -> dict:
+        return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+                "total_tokens": result.prompt_tokens + result.completion_tokens}
+
+    @staticmethod
+    def extension(result: Result) -> dict:
+        return {"stats": result.stats, "tokens": result.tokens, "resolved_model": result.resolved_model}
+
+    def usage_chunk(self, result: Result) -> dict:
+        return {**self._base([]), "usage": self.usage(result)}
+
+
+class ChatShape(Shape):
+    prefix, chunk_object = "chatcmpl", "chat.completion.chunk"
+
+    def opening(self) -> dict:
+        return self._base([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+
+    def delta(self, text: str = "", reasoning: str = "") -> dict:
+        delta = {"reasoning_content": reasoning} if reasoning else {"content": text}
+        return self._base([{"index": 0, "delta": delta, "finish_reason": None}])
+
+    def closing(self, finish: Optional[str], result: Result) -> dict:
+        return {**self._base([{"index": 0, "delta": {}, "finish_reason": finish}]),
+                "mlx_stream": self.extension(result)}
+
+    def whole(self, text: str, reasoning: str, finish, result: Result) -> dict:
+        message = {"role": "assistant", "content": text}
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                "usage": self.usage(result), "mlx_stream": self.extension(result)}
+
+
+class TextShape(Shape):
+    prefix, chunk_object = "cmpl", "text_completion"
+
+    def opening(self) -> dict:
+        return self._base([{"index": 0, "text": "", "finish_reason": None}])
+
+    def delta(self, text: str = "", reasoning: str = "") -> dict:
+        return self._base([{"index": 0, "text": text, "finish_reason": None}])
+
+    def closing(self, finish: Optional[str], result: Result) -> dict:
+        return {**self._base([{"index": 0, "text": "", "finish_reason": finish}]),
+                "mlx_stream": self.extension(result)}
+
+    def whole(self, text: str, reasoning: str, finish, result: Result) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "text": text, "finish_reason": finish}],
+                "usage": self.usage(result), "mlx_stream": self.extension(result)}
