@@ -15,7 +15,7 @@ verify pass, acceptance, tokens per pass) and, per resident share, the least-squ
 split of a pass's time into a fixed part and a part per position, from the oracle rows,
 with the forecast for a GPU that adds a fixed host round-trip per MoE layer per pass.
 
-    python benchmarks/spec_bench.py [--tokens 32] [--fractions 0.25,1.0,0.5] \\
+    python benchmarks/spec_bench.py [--tokens 24] [--fractions 0.25,1.0,0.5] \\
         [--page-cache keep,bypass] [--k 0,1,2,3,4,6,auto] [--out results.jsonl]
 """
 
@@ -56,7 +56,16 @@ def decode(engine: EngineManager, prompt: list[int], tokens: int, k, drafter=Non
         if not module.pool.whole:  # observing a whole pool would add the router read-back it skips
             module.observer = lambda layer, needed, single: calls.append(len(needed))
     first = None
-    generation = engine.run(None, Request(prompt=prompt, max_tokens=tokens, k=k, drafter=drafter))
+    passes: list[tuple[int, float]] = []  # (positions, seconds) of each verify pass
+
+    def timed(inputs, kept, clock=[None]):  # noqa: B006 - the previous pass's end
+        now = time.perf_counter()
+        if clock[0] is not None:
+            passes.append((len(inputs), now - clock[0]))
+        clock[0] = now
+
+    generation = engine.run(None, Request(prompt=prompt, max_tokens=tokens, k=k, drafter=drafter,
+                                          spec_observer=timed))
     out = []
     for response in generation:
         if first is None:
@@ -81,24 +90,28 @@ def decode(engine: EngineManager, prompt: list[int], tokens: int, k, drafter=Non
         "acceptance": stats["acceptance_rate"],
         "tokens_per_pass": stats["tokens_per_pass"],
         "unplaced": stats["unplaced"],
+        "pass_times": passes,
     }
 
 
-def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """(fixed seconds per pass, seconds per position) by least squares."""
-    x = np.array([p for p, _ in points])
-    y = np.array([s for _, s in points])
+def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(fixed seconds per pass, seconds per position): least squares over the median
+    time of the passes of each width (medians: other processes share this machine)."""
+    widths = sorted({p for p, _ in points})
+    x = np.array(widths, dtype=float)
+    y = np.array([np.median([s for p, s in points if p == w]) for w in widths])
     per_position, fixed = np.polyfit(x, y, 1)
     return float(fixed), float(per_position)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=32, help="tokens per generation")
+    parser.add_argument("--tokens", type=int, default=24, help="tokens per generation")
     parser.add_argument("--fractions", default="0.25,1.0,0.5")
     parser.add_argument("--page-cache", default="keep,bypass")
     parser.add_argument("--k", default="0,1,2,3,4,6,auto")
     parser.add_argument("--drafters", default="oracle,adversary,ngram-repetitive,ngram-ordinary")
+    parser.add_argument("--ngram-k", default="0,2,4,auto", help="k values for the ngram rows")
     parser.add_argument("--out", type=Path, help="append each row as a JSON line here")
     args = parser.parse_args()
     ks = [k if k == "auto" else int(k) for k in args.k.split(",")]
@@ -125,7 +138,9 @@ def main() -> None:
             for drafter_name in drafters:
                 text_name = drafter_name.split("-")[1] if "-" in drafter_name else "ordinary"
                 text, plain = texts[text_name], base[text_name]
-                for k in ks:
+                row_ks = ks if not drafter_name.startswith("ngram") else [
+                    k if k == "auto" else int(k) for k in args.ngram_k.split(",")]
+                for k in row_ks:
                     if k == 0:
                         row = plain
                     else:
@@ -136,8 +151,8 @@ def main() -> None:
                     assert row["tokens"] == plain["tokens"], (drafter_name, k, "tokens differ from k=0")
                     assert row["unplaced"] == 0
                     per_pass = row["seconds"] / row["passes"] if row["seconds"] else None
-                    if drafter_name == "oracle" and k != "auto" and per_pass:
-                        oracle_points.append((row["positions"] / row["passes"], per_pass))
+                    if drafter_name == "oracle" and k != 0:
+                        oracle_points.extend(row["pass_times"])
                     ratio = row["tps"] / plain["tps"] if plain["tps"] else float("nan")
                     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
                     print(f"{fraction:>8.0%} {page_cache:>6} {drafter_name:<16} {str(k):>4} {row['tps']:>7.2f} "
@@ -148,14 +163,15 @@ def main() -> None:
                         with args.out.open("a") as f:
                             f.write(json.dumps({"fraction": fraction, "page_cache": page_cache,
                                                 "drafter": drafter_name, "k": k, "vs_k0": ratio,
-                                                **{key: v for key, v in row.items() if key != "tokens"}}) + "\n")
-            if len(oracle_points) >= 2:
+                                                **{key: v for key, v in row.items()
+                                                   if key not in ("tokens", "pass_times")}}) + "\n")
+            if len({p for p, _ in oracle_points}) >= 2:
                 fixed, per_position = fit(oracle_points)
                 splits.append((fraction, page_cache, fixed, per_position))
     engine.unload()
 
     if splits:
-        print("\nOne verify pass = fixed + per_position x positions (least squares over the oracle rows);")
+        print("\nOne verify pass = fixed + per_position x positions (least squares over the median pass time per width, oracle rows);")
         print(f"the GPU forecast adds {GPU_ROUND_TRIP_S * 1e3:.0f} ms per MoE layer ({moe_layers} layers) to the fixed part.")
         print(f"{'resident':>8} {'cache':>6} {'fixed ms':>8} {'ms/position':>11} "
               f"{'oracle k=3 bound':>16} {'GPU fixed ms':>12} {'GPU k=3 bound':>13}")
