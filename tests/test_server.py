@@ -315,13 +315,38 @@ def test_client_disconnect_cancels_and_frees_the_engine(served):
     received = b""
     while received.count(b"data:") < 3:
         received += sock.recv(4096)
+    gone = call(served, "GET", "/api/stats")[2]["server"]["disconnects"]
     sock.close()  # mid-stream
     wait_for(lambda: not call(served, "GET", "/api/stats")[2]["server"]["running"])
+    assert call(served, "GET", "/api/stats")[2]["server"]["disconnects"] == gone + 1
     c = client(served)
     reply = c.chat.completions.create(model="mlx-stream", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert reply.usage.completion_tokens == 4
     assert engine.served == done_before + 1  # the cut generation never ran to its end
     assert engine.verify() == 0
+
+
+def test_disconnect_before_the_first_token_cancels_a_whole_reply(served, blocked):
+    from llm_mlx_streaming.engine.manager import get_manager
+
+    engine = get_manager()
+    blocked.go.set()
+    call(served, "POST", "/v1/chat/completions", chat_body("warm"))
+    blocked.go.clear()
+    done_before = engine.served
+    sock = socket.create_connection(("127.0.0.1", served.server.port), timeout=30)
+    body = json.dumps(chat_body("a long answer please", max_tokens=80)).encode()  # not streamed
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    assert blocked.entered.wait(30)  # the engine holds it, before its first token
+    gone = call(served, "GET", "/api/stats")[2]["server"]["disconnects"]
+    sock.close()
+    wait_for(lambda: call(served, "GET", "/api/stats")[2]["server"]["disconnects"] == gone + 1)
+    blocked.go.set()
+    wait_for(lambda: not call(served, "GET", "/api/stats")[2]["server"]["running"])
+    assert engine.served == done_before  # cut at its first tokens, never ran to its end
+    assert call(served, "POST", "/v1/chat/completions", chat_body("hi"))[0] == 200
+    assert engine.served == done_before + 1 and engine.verify() == 0
 
 
 # -- llm's CLI with the server running ---------------------------------------------------

@@ -62,6 +62,10 @@ class Run:
     def cancel(self) -> None:
         self._cancel.set()
 
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
     async def events(self) -> AsyncIterator[tuple[str, Any]]:
         while True:
             kind, value = await self._queue.get()

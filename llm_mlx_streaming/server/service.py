@@ -46,6 +46,10 @@ class Turn:
         self.service, self.run = service, run
         self._done = False
 
+    @property
+    def finished(self) -> bool:
+        return self._done
+
     def finish(self, served: bool = False) -> None:
         if self._done:
             return
@@ -67,6 +71,8 @@ class GatedStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
+            if not self.turn.finished:  # the client went before the end
+                self.turn.service.disconnects += 1
             self.turn.finish()
 
 
@@ -84,6 +90,7 @@ class Service:
         self.served = 0
         self.rebuilds = 0  # rebuilds queued or running
         self.rebuild_error: Optional[str] = None
+        self.disconnects = 0  # clients that went before their reply was complete
         self._tasks: set = set()
 
     # -- requests -------------------------------------------------------------
@@ -120,7 +127,7 @@ class Service:
             fields["max_tokens"] = body.max_completion_tokens
         return self.runtime.for_request({k: v for k, v in fields.items() if v is not None})
 
-    async def generate(self, body, model_id: str, messages: list, chat: bool):
+    async def generate(self, request: Request, body, model_id: str, messages: list, chat: bool):
         try:
             await self.gate.acquire()
         except QueueFull:
@@ -136,10 +143,14 @@ class Service:
             raise
         self.model_id = model_id
         turn = Turn(self, run)
+        # A client that goes away cancels the run; once a stream has started, the
+        # streaming response watches for that itself.
+        watcher = asyncio.get_running_loop().create_task(self._cancel_on_disconnect(request, run))
         try:
             events = turn.run.events()
             first = await _first(events)  # a load or prompt error is still an HTTP error
             if body.stream:
+                watcher.cancel()
                 shape = ChatShape if chat else TextShape
                 stream = self._stream(turn, events, first, shape(model_id, body), StopCut(body.stops()))
                 return GatedStream(turn, stream, media_type="text/event-stream")
@@ -150,6 +161,8 @@ class Service:
         except BaseException:
             turn.finish()
             raise
+        finally:
+            watcher.cancel()
 
     async def _whole(self, turn: Turn, events, first, model_id: str, body, chat: bool) -> dict:
         text, reasoning, cut = [], [], StopCut(body.stops())
@@ -165,7 +178,7 @@ class Service:
                     if cut.hit:
                         break
         finally:
-            turn.finish(served=True)
+            turn.finish(served=not turn.run.cancelled)
         if not cut.hit:
             text.append(cut.flush())
         result = result or turn.run.result
@@ -204,6 +217,12 @@ class Service:
         except Exception as e:  # the status line is sent: the error goes in the stream
             yield _sse(error_for(e).response_body())
         yield "data: [DONE]\n\n"
+
+    async def _cancel_on_disconnect(self, request: Request, run: Run) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.disconnects += 1
+        run.cancel()
 
     def _remember(self, text: str, reasoning: str, result: Result, cut: bool) -> None:
         if not cut:
@@ -284,7 +303,8 @@ class Service:
             "rebuilding": self.rebuilds > 0,
             "rebuild_error": self.rebuild_error,
             "server": {"running": self.gate.busy, "queued": self.gate.waiting,
-                       "max_queue": self.gate.max_waiting, "served": self.served},
+                       "max_queue": self.gate.max_waiting, "served": self.served,
+                       "disconnects": self.disconnects},
             "layers": layers,
         })
         return out
@@ -365,17 +385,18 @@ def create_app(service: Service) -> FastAPI:
 
     @api.post("/v1/chat/completions", responses={200: {"model": ChatCompletion, "description":
               "The reply, or with stream: true an SSE stream of chat.completion.chunk objects"}})
-    async def chat_completions(body: ChatCompletionRequest):
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
         model_id = service.model_for(body.model)
-        return await service.generate(body, model_id, service.replies.llm_messages(body.messages), chat=True)
+        return await service.generate(request, body, model_id, service.replies.llm_messages(body.messages),
+                                      chat=True)
 
     @api.post("/v1/completions", responses={200: {"model": Completion, "description":
               "The text, or with stream: true an SSE stream of text_completion objects"}})
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         from ..prompting import raw_message
 
         model_id = service.model_for(body.model)
-        return await service.generate(body, model_id, [raw_message(body.text())], chat=False)
+        return await service.generate(request, body, model_id, [raw_message(body.text())], chat=False)
 
     @api.get("/api/stats")
     async def stats() -> dict:
