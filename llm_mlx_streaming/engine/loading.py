@@ -26,6 +26,7 @@ from ..experts.pool import ExpertPool
 from ..experts.packed import CHECK_MODES, open_packed
 from ..experts.store import DEFAULT_THREADS, ExpertStore
 from ..experts.switch import StreamingExperts, expert_containers
+from .prefill import tile_attention
 
 
 @dataclass
@@ -134,6 +135,7 @@ def load_streaming(
     except BaseException:
         loaded.store.close()
         raise
+    tile_attention(model)  # long prefill chunks: attention in tiles (engine/prefill.py)
     mx.eval(model.parameters())
     return loaded
 

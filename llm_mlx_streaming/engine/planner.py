@@ -274,17 +274,14 @@ def kv_cache_bytes(
 # -- the prefill chunk ---------------------------------------------------------------
 
 
-def prefill_bytes_per_token(config: dict, top_k: int, context: int, bytes_per_element: int | None = None) -> int:
-    """Activation bytes one prompt token of a prefill chunk needs at once (an estimate):
+ATTENTION_TILE = 2048  # engine/prefill.py: attention takes a long chunk in tiles of this many tokens
 
-    - hidden states, queries, keys and values: about 8 x hidden + (heads + 2 x kv_heads)
-      x head_dim elements;
-    - the experts' routes: top_k x (2 x hidden + 3 x expert width) elements (the gathered
-      rows, gate, up, their product, the output rows);
-    - attention scores against `context` keys, heads x context float32 values: mlx
-      materializes them on the CPU and for a quantized cache (Metal's fused kernel for a
-      full-precision cache does not, so there this over-estimates).
-    """
+
+def prefill_bytes_per_token(config: dict, top_k: int, bytes_per_element: int | None = None) -> int:
+    """Activation bytes one prompt token of a prefill chunk holds at once (an estimate):
+    hidden states, queries, keys and values, about 8 x hidden + (heads + 2 x kv_heads)
+    x head_dim elements; and its expert routes, top_k x (2 x hidden + 3 x expert width)
+    elements (the gathered rows, gate, up, their product, the output rows)."""
     width = bytes_per_element or _activation_bytes(config)
     hidden = int(config_field(config, ("hidden_size",)) or 0)
     heads = int(config_field(config, ("num_attention_heads",)) or 1)
@@ -292,7 +289,15 @@ def prefill_bytes_per_token(config: dict, top_k: int, context: int, bytes_per_el
     head_dim = int(config_field(config, ("head_dim",)) or hidden // heads)
     expert_width = int(config_field(config, ("moe_intermediate_size", "intermediate_size")) or hidden)
     elements = 8 * hidden + (heads + 2 * kv_heads) * head_dim + top_k * (2 * hidden + 3 * expert_width)
-    return elements * width + heads * context * 4
+    return elements * width
+
+
+def attention_tile_bytes(config: dict, context: int) -> int:
+    """The scores of one attention tile against `context` keys: tile x heads x context
+    float32 values, what mlx materializes on the CPU and for a quantized cache (Metal's
+    fused kernel for a full-precision cache does not, so there this over-estimates)."""
+    heads = int(config_field(config, ("num_attention_heads",)) or 1)
+    return ATTENTION_TILE * heads * context * 4
 
 
 def prefill_step_for(
@@ -306,17 +311,20 @@ def prefill_step_for(
     """Prompt tokens per prefill chunk for a memory budget ("auto" prefill_step).
 
     Each expert a chunk routes to is read at most once per chunk (experts/switch.py),
-    so the bytes read per prompt token fall as the chunk grows; what bounds it is the
-    memory a chunk's activations take, which must fit the plan's working reserve. The
-    step is the largest multiple of 256 tokens that does, never below mlx-lm's 2048
-    (stock behaviour) and never above max_context.
+    so the bytes read per prompt token fall as the chunk grows. Attention takes a long
+    chunk in tiles (engine/prefill.py), so what a chunk adds per token is its hidden
+    states and expert routes; those, plus one tile's attention scores, must fit the
+    plan's working reserve. The step is the largest multiple of 256 tokens that fits,
+    never below mlx-lm's 2048 and never above max_context (rounded up to 256).
+    `kv` does not change the step: the chunk's own keys are quantized only once stored.
     """
     budget = parse_size(budget_bytes)
     context = max_context or DEFAULT_MAX_CONTEXT
     layout = checkpoint_layout(path)
     reserve = default_reserve(budget) if reserve_bytes is None else parse_size(reserve_bytes)
-    per_token = prefill_bytes_per_token(layout.config, max(1, layout.top_k), context)
-    fits = reserve // per_token // KV_STEP * KV_STEP
+    per_token = prefill_bytes_per_token(layout.config, max(1, layout.top_k))
+    room = reserve - attention_tile_bytes(layout.config, context)
+    fits = max(0, room) // per_token // KV_STEP * KV_STEP
     ceiling = -(-context // KV_STEP) * KV_STEP
     return int(max(PREFILL_STEP, min(fits, ceiling)))
 

@@ -1,0 +1,71 @@
+"""Long prompts: large prefill chunks for the experts, attention in tiles.
+
+A prompt is prefilled in chunks of `prefill_step` tokens, and each MoE layer sees a
+whole chunk in one call, so each expert the chunk routes to is read at most once per
+chunk (experts/switch.py): the larger the chunk, the fewer bytes read per prompt token.
+What makes a large chunk costly is attention: a chunk of T tokens against C cached keys
+computes T x C scores (mlx materializes them on the CPU and for a quantized cache), and
+a causal chunk computes its masked half too. So every full-attention layer takes a
+chunk longer than `ATTENTION_TILE` tokens in tiles, in order, each tile against the
+cache the earlier tiles filled: the attention work and memory of mlx-lm's default
+2048-token chunks, the expert reads of one large chunk.
+
+A tile is exactly the call mlx-lm makes for a chunk of that size: the same cache, the
+same causal mask (the rows of the chunk's mask), so the tiles' outputs are the rows the
+whole chunk's attention would give. Caches whose masks are not plain causal rows
+(sliding windows) and non-causal calls are left whole.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .planner import ATTENTION_TILE  # mlx-lm's own default prefill chunk
+
+
+class TiledAttention(nn.Module):
+    """An mlx-lm attention module that takes long chunks in tiles."""
+
+    def __init__(self, attention: nn.Module, tile: int = ATTENTION_TILE):
+        super().__init__()
+        self.attention = attention
+        self.tile = tile
+
+    def __call__(self, x: mx.array, mask=None, cache=None):
+        length = x.shape[1]
+        if length <= self.tile or not _tileable(mask, cache, length):
+            return self.attention(x, mask, cache)
+        offset = cache.offset
+        outputs = []
+        for start in range(0, length, self.tile):
+            end = min(length, start + self.tile)
+            rows = mask if isinstance(mask, str) else mask[..., start:end, : offset + end]
+            outputs.append(self.attention(x[:, start:end], rows, cache))
+        return mx.concatenate(outputs, axis=1)
+
+
+def _tileable(mask, cache, length: int) -> bool:
+    """A causal call on a plain (or quantized) KV cache, whose mask rows can be cut."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    if type(cache) not in (KVCache, QuantizedKVCache):
+        return False
+    if isinstance(mask, str):
+        return mask == "causal"
+    return isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] == length \
+        and mask.shape[-1] == cache.offset + length
+
+
+def tile_attention(model: nn.Module, tile: int = ATTENTION_TILE) -> int:
+    """Wrap every decoder layer's `self_attn` in a TiledAttention; the count wrapped."""
+    count = 0
+    for layer in getattr(model, "layers", []):
+        attention = layer.get("self_attn") if isinstance(layer, nn.Module) else None
+        if isinstance(attention, TiledAttention):
+            attention.tile = tile
+            count += 1
+        elif isinstance(attention, nn.Module):
+            layer.self_attn = TiledAttention(attention, tile)
+            count += 1
+    return count
