@@ -233,6 +233,19 @@ class Settings(BaseModel):
         ),
     )
     # -- end serve ---------------------------------------------------------------
+    # -- features (#11): the conversation cache on disk (engine/disk_cache.py) ------
+    conversation_cache: bool = Field(
+        True,
+        description=(
+            "on: save each response's KV cache under <llm user dir>/mlx-streaming/kv-cache, "
+            "so `llm -c` in a new process prefills only the new tokens; off: never."
+        ),
+    )
+    conversation_cache_size: str = Field(
+        "2GB",
+        description="Most disk space the conversation cache takes (least recently used files go first).",
+    )
+    # -- end features (#11) ----------------------------------------------------------
     models: dict[str, ModelEntry] = Field(
         default_factory=dict,
         description="User-added models (managed by `llm mlxs add/remove`).",
@@ -278,6 +291,24 @@ class Settings(BaseModel):
     def _check_trace(cls, value):
         return parse_switch(value)
 
+    @field_validator("conversation_cache", mode="before")
+    @classmethod
+    def _check_conversation_cache(cls, value):
+        return parse_switch(value)
+
+    @field_validator("conversation_cache_size", mode="before")
+    @classmethod
+    def _check_conversation_cache_size(cls, value):
+        if isinstance(value, bool) or not isinstance(value, (str, int)):
+            raise ValueError("a size like 2GB or 500MB")
+        try:
+            size = parse_size(value)
+        except ValueError:
+            raise ValueError("not a size; use e.g. 2GB, 500MB, 1.5GiB") from None
+        if size < 0:
+            raise ValueError("must be 0 bytes or more")
+        return str(value).strip()
+
 
 # Settings shown and edited by `llm mlxs config` (the registry is managed by
 # its own commands).
@@ -310,6 +341,15 @@ def budget_bytes(value: str) -> int:
             )
         return int(total * AUTO_BUDGET_SHARE)
     return parse_size(value)
+
+
+def conversation_cache_spec(settings: "Settings"):
+    """Where and how large the conversation cache on disk is (None: it is off)."""
+    from .engine.disk_cache import DiskCacheSpec
+
+    if not settings.conversation_cache:
+        return None
+    return DiskCacheSpec(llm.user_dir() / "mlx-streaming" / "kv-cache", parse_size(settings.conversation_cache_size))
 
 
 def traces_dir() -> Path:

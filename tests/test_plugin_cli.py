@@ -10,7 +10,8 @@ from plugin_support import assert_ok, assert_one_line_error
 
 def test_models_options_lists_every_option(llm_env):
     out = assert_ok(llm_env.run("models", "--options", "-m", "mlx-stream")).stdout
-    for option in ("max_tokens", "temperature", "top_p", "min_p", "top_k", "seed", "expert_slots", "policy", "memory_budget"):
+    for option in ("max_tokens", "temperature", "top_p", "min_p", "top_k", "seed", "expert_slots", "policy", "memory_budget",
+                   "stop", "thinking"):
         assert f"{option}:" in out
     assert "greedy" in out  # descriptions are shown
     listed = assert_ok(llm_env.run("models", "list")).stdout
@@ -26,6 +27,7 @@ def test_config_show_set_unset(llm_env):
         "k", "draft",  # speculation (issue 9)
         "kv_bits", "kv_group_size", "kv_start", "prefill_step",  # long context (#13)
         "server",
+        "conversation_cache", "conversation_cache_size",  # features (#11)
     }
     assert " set " in lines["default_model"] and " default " in lines["max_tokens"]
 

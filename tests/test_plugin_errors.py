@@ -67,11 +67,11 @@ def test_prompt_longer_than_context(llm_env):
     assert_ok(llm_env.run("-m", "mlx-stream", "-o", "max_tokens", "2", "short"))  # still usable
 
 
-def test_attachments_and_tools_are_refused_by_llm(llm_env, tmp_path):
+def test_attachments_and_tools_are_refused(llm_env, tmp_path):
     image = tmp_path / "x.png"
     image.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 32)
     assert_one_line_error(llm_env.run("-m", "mlx-stream", "-a", str(image), "describe"),
                           "does not support attachments")
     assert_one_line_error(llm_env.run("-m", "mlx-stream", "--functions", "def f(): return 1", "hi"),
-                          "mlx-stream does not support tools")
+                          "chat template has no tool support")  # the small model's template has none
     _no_rows(llm_env)

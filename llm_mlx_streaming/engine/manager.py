@@ -65,6 +65,8 @@ class EngineManager:
         self._lock = threading.RLock()
         self._count_lock = threading.Lock()
         self._warned: set[str] = set()  # warnings already printed once
+        self._disk = self._disk_key = None  # the conversation cache on disk in use
+        self._disk_loaded = 0  # tokens the current request took from it
         self.drafters: dict = {}  # speculation: the drafter kept between generations
 
     # -- loading -----------------------------------------------------------------
@@ -242,8 +244,54 @@ class EngineManager:
                     processor.limit_tokens(max_tokens)
             kv, kv_note = self._kv_layout(request.kv)
             cache, new_tokens, reused = self.session.prepare(prompt, kv)
+            cache, new_tokens, reused = self._from_disk(request, prompt, kv, cache, new_tokens, reused)
             out.put("started", Started(tokenizer, self.checkpoint, prompt, reused))
             self._generate(request, out, cache, prompt, new_tokens, reused, max_tokens, kv, kv_note)
+
+    # -- features (#11): the conversation cache on disk (engine/disk_cache.py) -----
+    def _disk_cache(self, request: Request, kv):
+        """The conversation cache for this request's checkpoint and KV layout, or None."""
+        spec = request.conversation_cache
+        if spec is None:
+            return None
+        from .disk_cache import DiskCache, namespace
+
+        key = (spec, str(self.checkpoint), kv)
+        if self._disk_key != key:  # the namespace reads the checkpoint's fingerprint
+            self._disk, self._disk_key = DiskCache(spec, namespace(self.checkpoint, kv)), key
+        return self._disk
+
+    def _from_disk(self, request: Request, prompt, kv, cache, new_tokens, reused):
+        """A longer prefix than the session holds, from disk, when there is one."""
+        self._disk_loaded = 0
+        disk = self._disk_cache(request, kv)
+        if disk is None or reused >= len(prompt) - 1:
+            return cache, new_tokens, reused
+        from .kv import make_cache
+
+        found = disk.lookup(prompt, reused, make_cache(self.loaded.model, kv))
+        if found is None:
+            return cache, new_tokens, reused
+        self.session.adopt(found.cache, found.tokens, kv)
+        cache, new_tokens, reused = self.session.prepare(prompt, kv)
+        self._disk_loaded = reused
+        return cache, new_tokens, reused
+
+    def _save_to_disk(self, request: Request, kv, stats: dict) -> None:
+        """Save the session's cache for a later process; a failed write is a warning
+        and a figure, never a lost reply."""
+        disk = self._disk_cache(request, kv)
+        stats["disk_cache_tokens"] = self._disk_loaded
+        if disk is None or not self.session.tokens:
+            return
+        try:
+            stats["disk_cache_saved_bytes"] = disk.save(self.session.cache, self.session.tokens)
+        except Exception as e:  # OSError, a cache class save_prompt_cache cannot write
+            stats["disk_cache_error"] = one_line(e)
+            if "disk_cache" not in self._warned:
+                self._warned.add("disk_cache")
+                print(f"mlx-stream: warning: conversation cache not saved: {one_line(e)}", file=sys.stderr)
+    # -- end features (#11) ---------------------------------------------------------
 
     # -- long context (engine/kv.py) ---------------------------------------------
     def _kv_layout(self, spec):
@@ -370,6 +418,7 @@ class EngineManager:
         stats.update(self._kv_figures(self.session.cache, kv, kv_note, prefill_step, ttft))
         if recorder is not None:
             self._write_trace(recorder, request.trace_path, stats)
+        self._save_to_disk(request, kv, stats)
         self.last_stats, self.last_decode_tps = stats, stats["decode_tps"]
         self.served += 1
         out.put("done", stats)

@@ -55,6 +55,7 @@ class Request:
     trace_path: Optional[Path] = None  # when set, this generation's routing is appended here
     # -- features (#11) --
     stop: Sequence[str] = ()  # the reply ends before the first of these in its text
+    conversation_cache: Optional[Any] = None  # engine.disk_cache.DiskCacheSpec: save/load KV on disk
     # -- speculation (issue 9) --------------------------------------------------
     k: Union[int, str] = 0  # drafts per verify pass; 0: plain mlx-lm decoding; "auto": adaptive
     draft: str = "ngram"  # a drafter kind (speculation/drafter.py) or an added model's name

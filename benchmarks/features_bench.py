@@ -1,0 +1,137 @@
+"""What the llm features of #11 cost and save, on a synthetic checkpoint.
+
+1. `--schema`: the constrained-decoding processor's time per token (llguidance's mask
+   plus applying it), and decode tok/s with and without a schema.
+2. The conversation cache on disk: a second turn in a "new process" (the in-process
+   KV cache dropped) with the saved cache loaded, against prefilling it again.
+
+    python benchmarks/features_bench.py [--prompt-tokens 1500] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from llm_mlx_streaming.checkpoints.factory import build_checkpoint  # noqa: E402
+from llm_mlx_streaming.engine.disk_cache import DiskCacheSpec  # noqa: E402
+from llm_mlx_streaming.engine.manager import EngineManager  # noqa: E402
+from llm_mlx_streaming.engine.request import LoadSpec, Request  # noqa: E402
+
+CACHE = Path(__file__).resolve().parent / ".cache"
+SHAPE = dict(hidden_size=512, moe_intermediate_size=256, num_experts=32, top_k=4, num_layers=8, quant="4bit")
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "address": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+    "required": ["name", "age", "tags", "address"],
+}
+
+
+def run(engine, load, request):
+    generation = engine.run(load, request)
+    for _ in generation:
+        pass
+    return generation
+
+
+def schema_rows(engine, load, tokenizer, tokens: int, runs: int) -> list[tuple]:
+    from llm_mlx_streaming.constrained import SchemaProcessor, schema_grammar
+
+    grammar = schema_grammar(SCHEMA)
+    prompt = tokenizer.encode("Describe a person as JSON.")
+    rows = []
+    for label in ("no schema", "schema"):
+        tps, per_token = [], []
+        for _ in range(runs):
+            engine.session.reset()
+            processors = []
+            if label == "schema":
+                processor = SchemaProcessor(grammar, tokenizer)
+                timed = _Timed(processor)
+                processors = [timed]
+            stats = run(engine, load, Request(prompt=prompt, max_tokens=tokens, temperature=1.0, seed=1,
+                                              logits_processors=processors)).stats
+            tps.append(stats["decode_tps"])
+            if label == "schema":
+                per_token.append(timed.seconds / max(1, timed.calls) * 1e6)
+        rows.append((label, statistics.median(tps), statistics.median(per_token) if per_token else None))
+    return rows
+
+
+class _Timed:
+    """Wall time of a logits processor's calls (the mask is computed on the host)."""
+
+    def __init__(self, inner):
+        self.inner, self.seconds, self.calls = inner, 0.0, 0
+
+    def limit_tokens(self, budget):
+        self.inner.limit_tokens(budget)
+
+    def __call__(self, tokens, logits):
+        import mlx.core as mx
+
+        start = time.perf_counter()
+        out = self.inner(tokens, logits)
+        mx.eval(out)
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        return out
+
+
+def restart_rows(engine, load, tokenizer, prompt_tokens: int, runs: int) -> list[tuple]:
+    words = ("the quick brown fox jumps over the lazy dog and " * (prompt_tokens // 8 + 1)).split()
+    first = tokenizer.encode(" ".join(words))[:prompt_tokens]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = DiskCacheSpec(Path(tmp), 10**10)
+        for label, disk in (("prefill again", None), ("disk cache", spec)):
+            seconds, reused = [], 0
+            for _ in range(runs):
+                engine.session.reset()
+                done = run(engine, load, Request(prompt=first, max_tokens=8, conversation_cache=spec))
+                second = first + done.tokens + tokenizer.encode(" and then what happened next?")
+                engine.session.reset()  # a new process: nothing in memory
+                start = time.perf_counter()
+                stats = run(engine, load, Request(prompt=second, max_tokens=8, conversation_cache=disk)).stats
+                seconds.append(time.perf_counter() - start)
+                reused = stats["reused_tokens"]
+            rows.append((label, len(second), reused, statistics.median(seconds)))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt-tokens", type=int, default=1500)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    path = build_checkpoint(CACHE / "features-q4", "qwen3_moe", **SHAPE)
+    engine = EngineManager()
+    load = LoadSpec(path=path, expert_slots=SHAPE["num_experts"] // 2)
+    engine.load(path, expert_slots=load.expert_slots)
+    tokenizer = engine.tokenizer
+    print(f"checkpoint {path.name}: {SHAPE}, {load.expert_slots} slots per layer, CPU")
+    print()
+    print(f"{'decode':<12} {'tok/s':>8} {'mask us/token':>14}")
+    for label, tps, us in schema_rows(engine, load, tokenizer, args.tokens, args.runs):
+        print(f"{label:<12} {tps:>8.1f} {('%.0f' % us) if us is not None else '-':>14}")
+    print()
+    print(f"{'second turn':<14} {'prompt':>7} {'reused':>7} {'seconds':>8}")
+    for label, prompt, reused, seconds in restart_rows(engine, load, tokenizer, args.prompt_tokens, args.runs):
+        print(f"{label:<14} {prompt:>7} {reused:>7} {seconds:>8.3f}")
+    print(f"(median of {args.runs}; second turn: prompt {args.prompt_tokens} tokens + 8 generated + a new message)")
+
+
+if __name__ == "__main__":
+    main()

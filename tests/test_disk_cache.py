@@ -1,0 +1,122 @@
+"""The conversation cache on disk (#11): a later process continues a conversation from
+the saved KV cache; foreign or damaged files are never loaded, the answer stays right.
+
+A "later process" is simulated by dropping the engine's in-process session cache; the
+separate-process case through llm's CLI is in test_plugin_prompt.py."""
+
+from __future__ import annotations
+
+import shutil
+
+import llm
+import pytest
+
+from plugin_support import assert_ok, assert_one_line_error
+
+
+def _fresh_process():
+    """Forget the in-process KV cache, as a new `llm` process would not have it."""
+    from llm_mlx_streaming.engine.manager import get_manager
+
+    get_manager().session.reset()
+
+
+def _cache_files(llm_env):
+    root = llm_env.user_dir / "mlx-streaming" / "kv-cache"
+    return sorted(p for p in root.glob("*/*.safetensors") if not p.name.startswith("."))
+
+
+def _first_turn(llm_env):
+    model = llm.get_model("mlx-stream")
+    conversation = model.conversation()
+    first = conversation.prompt("Tell me about tea", max_tokens=8)
+    first.text()
+    return model, conversation, first
+
+
+def _cold_second_turn(llm_env, model, first) -> str:
+    """The second turn prefilled from scratch (conversation cache off)."""
+    settings = llm_env.read_settings()
+    llm_env.write_settings(**{**settings, "conversation_cache": False})
+    _fresh_process()
+    conversation = model.conversation()
+    conversation.responses.append(first)
+    cold = conversation.prompt("And then?", max_tokens=8)
+    text = cold.text()
+    assert cold.response_json["reused_tokens"] == 0
+    llm_env.write_settings(**settings)
+    return text
+
+
+def test_a_later_process_continues_from_disk(llm_env):
+    model, conversation, first = _first_turn(llm_env)
+    [saved] = _cache_files(llm_env)
+    stats = first.response_json
+    assert saved.name.startswith(f"{stats['prompt_tokens'] + stats['generated_tokens']}-")
+    assert stats["disk_cache_saved_bytes"] == saved.stat().st_size > 0
+    _fresh_process()
+    second = conversation.prompt("And then?", max_tokens=8)
+    warm = second.text()
+    s2 = second.response_json
+    assert s2["reused_tokens"] == s2["disk_cache_tokens"] == stats["prompt_tokens"] + stats["generated_tokens"]
+    # the longer prefix replaced the shorter one it extends
+    [latest] = _cache_files(llm_env)
+    assert latest.name.startswith(f"{s2['prompt_tokens'] + s2['generated_tokens']}-")
+    assert warm == _cold_second_turn(llm_env, model, first)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_a_damaged_cache_file_is_removed_with_a_notice(llm_env, capfd, damage):
+    model, conversation, first = _first_turn(llm_env)
+    [saved] = _cache_files(llm_env)
+    data = saved.read_bytes()
+    saved.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\x00" * 64)
+    _fresh_process()
+    capfd.readouterr()
+    second = conversation.prompt("And then?", max_tokens=8)
+    text = second.text()
+    assert "conversation cache" in capfd.readouterr().err
+    assert second.response_json["disk_cache_tokens"] == 0
+    assert not saved.exists()
+    assert text == _cold_second_turn(llm_env, model, first)
+
+
+def test_a_cache_from_another_checkpoint_is_never_loaded(llm_env, build, capfd):
+    other = build("qwen3_moe", seed=7)
+    llm_env.write_settings(default_model="other", models={"other": {"path": str(other), "expert_slots": 4}})
+    model, conversation, first = _first_turn(llm_env)
+    [foreign] = _cache_files(llm_env)
+    # the same conversation on the test checkpoint, whose file then holds the other's cache
+    llm_env.write_settings(default_model="small", models={"small": {"path": str(llm_env.checkpoint), "expert_slots": 4}})
+    model, conversation, first = _first_turn(llm_env)
+    [own] = [p for p in _cache_files(llm_env) if p != foreign]
+    shutil.copyfile(foreign, own)
+    _fresh_process()
+    capfd.readouterr()
+    second = conversation.prompt("And then?", max_tokens=8)
+    text = second.text()
+    assert "another checkpoint" in capfd.readouterr().err
+    assert second.response_json["disk_cache_tokens"] == 0
+    assert text == _cold_second_turn(llm_env, model, first)
+
+
+def test_the_cache_is_bounded_by_size_lru(llm_env):
+    _first_turn(llm_env)
+    [one] = _cache_files(llm_env)
+    size = one.stat().st_size
+    llm_env.write_settings(**{**llm_env.read_settings(), "conversation_cache_size": str(int(size * 1.5))})
+    llm.get_model("mlx-stream").prompt("Name a boat", max_tokens=8).text()
+    files = _cache_files(llm_env)
+    assert len(files) == 1 and files[0] != one  # the older one was evicted
+
+
+def test_off_writes_nothing(llm_env):
+    llm_env.write_settings(**{**llm_env.read_settings(), "conversation_cache": "off"})
+    assert_ok(llm_env.run("-m", "mlx-stream", "-o", "max_tokens", "4", "hi"))
+    assert _cache_files(llm_env) == []
+    assert "disk_cache_saved_bytes" not in llm_env.turns()[-1]["stats"]
+
+
+@pytest.mark.parametrize("key, value", [("conversation_cache", "maybe"), ("conversation_cache_size", "lots")])
+def test_bad_settings_are_one_line(llm_env, key, value):
+    assert_one_line_error(llm_env.run("mlxs", "config", key, value), key)
