@@ -267,16 +267,23 @@ def test_config_change_while_requests_queue_rebuilds_before_they_run(served, blo
 # -- one at a time, queue bound, disconnects -------------------------------------------
 
 
-def test_four_clients_at_once_get_what_each_gets_alone(served):
+def test_four_clients_at_once_are_served_one_at_a_time_as_alone(served, blocked):
     c = client(served)
 
     def ask(prompt):
         return c.chat.completions.create(model="mlx-stream", messages=[{"role": "user", "content": prompt}],
                                          max_tokens=8).choices[0].message.content
 
+    blocked.go.set()
     alone = {p: ask(p) for p in PROMPTS}
     served_before = call(served, "GET", "/api/stats")[2]["server"]["served"]
+    blocked.go.clear()
     runs = [in_thread(ask, p) for p in PROMPTS]
+    assert blocked.entered.wait(30)
+    # one runs (held inside the engine), the other three wait their turn
+    wait_for(lambda: call(served, "GET", "/api/stats")[2]["server"]["queued"] == 3)
+    assert call(served, "GET", "/api/stats")[2]["server"]["running"] is True
+    blocked.go.set()
     for t, _ in runs:
         t.join(120)
     assert [out.get("value") for _, out in runs] == [alone[p] for p in PROMPTS]
@@ -367,6 +374,12 @@ def test_llm_cli_routes_to_the_server_and_logs_the_same_row(served):
     assert follow.stdout.strip()
     last = served.turns()[-1]["stats"]
     assert last["served_by"] == served.server.url and last["reused_tokens"] > 0
+
+    rows = len(served.turns())
+    assert_ok(served.run("chat", "-m", "mlx-stream", "-o", "max_tokens", "4", input="hello\nand again\nquit\n"))
+    chat = served.turns()[rows:]
+    assert len(chat) == 2 and all(t["stats"]["served_by"] == served.server.url for t in chat)
+    assert chat[1]["stats"]["reused_tokens"] >= chat[0]["stats"]["prompt_tokens"]
 
     assert_ok(served.run("mlxs", "config", "server", "off"))
     assert "served_by" not in (assert_ok(served.run("-m", "mlx-stream", "hi", "-o", "max_tokens", "2"))
@@ -464,6 +477,9 @@ def test_malformed_and_oversized_bodies(served):
     chunk = b"x" * 2**20
     chunked = b"Transfer-Encoding: chunked\r\n\r\n" + (b"100000\r\n" + chunk + b"\r\n") * 9 + b"0\r\n\r\n"
     assert raw_status(served, chunked) == 413  # counted as it streams in
+    status, _, body = call(served, "POST", "/v1/chat/completions", chat_body("hi", max_tokens=100000))
+    assert status == 200 and body["usage"]["total_tokens"] <= 96  # capped by the context
+    assert body["choices"][0]["finish_reason"] == "length"
     long_prompt = " ".join(["word"] * 400)  # longer than max_context 96: one line, not a 500
     status, _, body = call(served, "POST", "/v1/chat/completions", chat_body(long_prompt))
     assert status == 400 and "longer than" in body["error"]["message"]
