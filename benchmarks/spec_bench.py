@@ -56,12 +56,12 @@ def decode(engine: EngineManager, prompt: list[int], tokens: int, k, drafter=Non
         if not module.pool.whole:  # observing a whole pool would add the router read-back it skips
             module.observer = lambda layer, needed, single: calls.append(len(needed))
     first = None
-    passes: list[tuple[int, float]] = []  # (positions, seconds) of each verify pass
+    pass_log: list[tuple[int, float]] = []  # (positions, seconds) of each verify pass
 
     def timed(inputs, kept, clock=[None]):  # noqa: B006 - the previous pass's end
         now = time.perf_counter()
         if clock[0] is not None:
-            passes.append((len(inputs), now - clock[0]))
+            pass_log.append((len(inputs), now - clock[0]))
         clock[0] = now
 
     generation = engine.run(None, Request(prompt=prompt, max_tokens=tokens, k=k, drafter=drafter,
@@ -90,7 +90,7 @@ def decode(engine: EngineManager, prompt: list[int], tokens: int, k, drafter=Non
         "acceptance": stats["acceptance_rate"],
         "tokens_per_pass": stats["tokens_per_pass"],
         "unplaced": stats["unplaced"],
-        "pass_times": passes,
+        "pass_times": pass_log,
     }
 
 

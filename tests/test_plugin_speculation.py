@@ -37,6 +37,15 @@ def test_k_3_prints_what_k_0_prints(llm_env, tmp_path):
     assert "k 3 (twin):" in shown and "(100.0%)" in shown
 
 
+def test_stop_sequences_end_a_speculative_reply_where_they_end_a_plain_one(llm_env):
+    plain = _say(llm_env, "-o", "k", "0")
+    stop = plain.strip()[len(plain.strip()) // 2 :][:3]
+    cut = _say(llm_env, "-o", "k", "0", "-o", "stop", stop)
+    assert len(cut) < len(plain)
+    assert _say(llm_env, "-o", "k", "3", "-o", "stop", stop) == cut
+    assert llm_env.turns()[-1]["stats"]["finish_reason"] == "stop"
+
+
 def test_chat_speculates_and_reuses_its_cache(llm_env):
     turns = "hello there, hello there\nsay it again\nquit\n"
     plain = assert_ok(llm_env.run("chat", "-m", "mlx-stream", "-o", "max_tokens", "10", "-o", "k", "0", input=turns)).stdout
