@@ -11,7 +11,6 @@ import llm
 
 from .. import registry
 from ..checkpoints.config import check_checkpoint, describe, read_config
-from ..checkpoints.mtp import has_head
 from ..errors import CheckpointError, SettingsError, one_line
 from ..settings import BUNDLED_NAME, Settings, load_settings
 
@@ -129,6 +128,8 @@ def add(source, aliases, name, expert_slots, hash_):
             f"Note: {path} has no routed experts; it will run fully resident.", err=True
         )
     shape = f"{info['experts']} experts x {info['layers']} layers" if info["experts"] else "dense"
+    from ..checkpoints.mtp import has_head  # imports mlx: not at `llm --help`
+
     if has_head(path, config_dict):
         shape += ", an MTP head for -o draft mtp"
     click.echo(
