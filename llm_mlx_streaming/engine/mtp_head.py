@@ -40,10 +40,14 @@ class LoadedHead:
         return self.experts.pool
 
     def build_pool(self, loaded: StreamingModel) -> None:
-        """A pool as large as the model's largest layer pool, under its policy."""
+        """A pool like a typical layer's, under the model's policy: the one slot count
+        every layer has, or the lower median of a memory plan's (whose whole layers would
+        otherwise make the head whole too, which the plan did not budget)."""
         slots = loaded.expert_slots
         if isinstance(slots, (list, tuple)):
-            slots = max(slots)
+            whole = self.experts.layout.num_experts
+            counts = sorted(whole if n is None else n for n in slots)
+            slots = counts[(len(counts) - 1) // 2]
         attach_pool(self.experts, self.dtypes, slots, loaded.store, loaded.policy)
 
 
