@@ -2,12 +2,12 @@
 
 The engine shows the drafter the prompt as it prefills it, then after each verify pass
 the accepted tokens, with the target's final hidden states at the positions that
-produced them. Each pair (h_t, x_{t+1}) goes
-through the head (engine/mtp_head.py), which extends its own small KV cache and leaves
-the logits for the token after x_{t+1}: the first draft, greedy. Further drafts chain
-the head on its own output hidden state and its own draft; those chained positions are
-trimmed from the head's cache again at once, so the cache only ever holds pairs of
-accepted tokens and a rollback of the target never needs to touch it.
+produced them. Each pair (h_t, x_{t+1}) goes through the head (engine/mtp_head.py),
+which extends its own small KV cache and leaves the logits for the token after x_{t+1}:
+the first draft, greedy. Further drafts chain the head on its own output hidden state
+and its own draft; those chained positions are trimmed from the head's cache again at
+once, so the cache only ever holds pairs of accepted tokens and a rollback of the
+target never needs to touch it.
 """
 
 from __future__ import annotations
