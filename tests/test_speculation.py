@@ -156,6 +156,21 @@ def test_deepseek_v3_verify_passes_match_mlx_lm_speculative_decoding(build):
     engine.unload()
 
 
+def test_state_caches_of_unknown_layers_decode_without_drafts(build, monkeypatch):
+    # A recurrent layer this module cannot checkpoint: no drafts, and the figures say so.
+    from llm_mlx_streaming.speculation import rollback
+
+    monkeypatch.setattr(rollback, "_linear_layers", lambda model: [])
+    path = build("qwen3_next", num_experts=EXPERTS, top_k=TOP_K)
+    engine = _engine(path, EXPERTS)
+    prompt = _prompt(path)
+    plain, _ = _generate(engine, prompt, k=0)
+    tokens, stats = _generate(engine, prompt, k=K, drafter=ScriptedDrafter(prompt + plain, vocab_size(path)))
+    assert tokens == plain and stats["draft_tokens"] == 0
+    assert stats["speculation_off"] == "state cache cannot be rolled back"
+    engine.unload()
+
+
 def test_sliding_window_cache_stops_drafting_once_it_wraps(build):
     # gpt_oss's sliding-window layers (window 16 here) cannot be trimmed after wrapping.
     path = build("gpt_oss", num_experts=EXPERTS, top_k=TOP_K)

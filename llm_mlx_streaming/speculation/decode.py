@@ -103,6 +103,9 @@ class SpeculativeRun:
             self.drafter.accept([y], None if hidden is None else hidden[0])
             emitted = 1
             yield y, logprobs[0], False
+            if not VerifyPass(self.model, self.cache).supported:
+                self.figures.speculation_off = "state cache cannot be rolled back"
+                self.depth = Depth(0)
             while emitted < self.max_tokens:
                 k = min(self.depth.next(), self.max_tokens - emitted - 1)
                 if k > 0 and room(self.cache) <= k:

@@ -51,10 +51,8 @@ class VerifyPass:
         self.cache = cache
         self.linear = [c for c in cache if isinstance(c, ArraysCache)]
         self.layers = _linear_layers(model) if self.linear else []
-        if len(self.layers) != len(self.linear):
-            raise RollbackError(
-                f"{len(self.linear)} linear-attention caches but {len(self.layers)} layers found"
-            )
+        # State caches of another kind of layer (not gated delta) cannot be checkpointed.
+        self.supported = len(self.layers) == len(self.linear)
         self.conv_inputs: list[mx.array] = []
         self.states: list[list[mx.array]] = []
         self.positions = 0
@@ -63,7 +61,9 @@ class VerifyPass:
     def recording(self, positions: int):
         """Run the verify forward of `positions` tokens inside this block."""
         self.positions = positions
-        if not self.linear:
+        if positions > 1 and not self.supported:
+            raise RollbackError("this model's state caches cannot be rolled back")
+        if not self.linear or positions == 1:
             yield self
             return
         restore = []
@@ -81,6 +81,7 @@ class VerifyPass:
             for owner, name, value in reversed(restore):
                 setattr(owner, name, value)
         if len(self.conv_inputs) != len(self.linear) or len(self.states) != len(self.linear):
+            # A layer ran twice or not at all: the checkpoints would not match the caches.
             raise RollbackError("the verify pass did not run every linear-attention layer once")
 
     def keep(self, kept: int) -> None:
