@@ -9,7 +9,8 @@ Two tables (docs/benchmarks.md, "Long context"):
    attention cost), then the engine decodes from it.
 2. Prefill of 1k/8k/32k-token prompts at 25% of the experts resident: time to first
    token and MB read per prompt token with mlx-lm's 2048-token chunks ("before") and
-   with one chunk per prompt, attention in 2048-token tiles ("after").
+   with one chunk per prompt, attention in 2048-token tiles ("after"), and for the
+   sizes in --untiled the same chunk with attention over it whole ("no tiles").
 
     python benchmarks/kv_bench.py [--contexts 4096,16384,65536] [--prompts 1024,8192,32768]
     python benchmarks/kv_bench.py --skip-kv      # only the prefill table (and vice versa)
@@ -30,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from llm_mlx_streaming.checkpoints.factory import build_checkpoint  # noqa: E402
 from llm_mlx_streaming.engine.kv import KVSpec, cache_bytes, make_cache  # noqa: E402
 from llm_mlx_streaming.engine.manager import EngineManager  # noqa: E402
-from llm_mlx_streaming.engine.planner import plan_memory  # noqa: E402
+from llm_mlx_streaming.engine.planner import ATTENTION_TILE, plan_memory  # noqa: E402
+from llm_mlx_streaming.engine.prefill import tile_attention  # noqa: E402
 from llm_mlx_streaming.engine.request import Request  # noqa: E402
 
 CACHE = Path(__file__).resolve().parent / ".cache"
@@ -98,7 +100,7 @@ def kv_table(contexts: list[int], decode_tokens: int) -> None:
     engine.unload()
 
 
-def prefill_table(prompts: list[int], share: float) -> None:
+def prefill_table(prompts: list[int], share: float, untiled: set[int]) -> None:
     path = build_checkpoint(CACHE / "prefill-bench", "qwen3_moe", quant="4bit", seed=0, **PREFILL_SHAPE)
     E = PREFILL_SHAPE["num_experts"]
     slots = max(PREFILL_SHAPE["top_k"], int(E * share))
@@ -111,7 +113,11 @@ def prefill_table(prompts: list[int], share: float) -> None:
     print(f"{'prompt':>7} {'chunks':>14} {'TTFT s':>8} {'prefill tok/s':>13} {'MB read':>8} {'MB/prompt tok':>13} {'peak MB':>8}")
     for n in prompts:
         prompt = [int(t) for t in rng.integers(3, vocab, n)]
-        for label, step in (("2048 (before)", 2048), (f"{n} (after)", max(n, 2048))):
+        rows = [("2048 (before)", 2048, ATTENTION_TILE), (f"{max(n, 2048)} (after)", max(n, 2048), ATTENTION_TILE)]
+        if n in untiled:  # the same large chunk with attention over the whole chunk at once
+            rows.append((f"{n}, no tiles", n, n))
+        for label, step, tile in rows:
+            tile_attention(engine.loaded.model, tile)
             engine.configure(expert_slots=slots + 1)
             engine.configure(expert_slots=slots)  # every row starts from an empty pool
             engine.session.reset()
@@ -132,13 +138,16 @@ def main() -> None:
     parser.add_argument("--prompts", default="1024,8192,32768")
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--resident", type=float, default=0.25, help="share of each layer's experts resident")
+    parser.add_argument("--untiled", default="8192",
+                        help="prompt sizes that also get a one-chunk row without attention tiles")
     parser.add_argument("--skip-kv", action="store_true")
     parser.add_argument("--skip-prefill", action="store_true")
     args = parser.parse_args()
     if not args.skip_kv:
         kv_table([int(c) for c in args.contexts.split(",")], args.decode_tokens)
     if not args.skip_prefill:
-        prefill_table([int(p) for p in args.prompts.split(",")], args.resident)
+        prefill_table([int(p) for p in args.prompts.split(",")], args.resident,
+                      {int(p) for p in args.untiled.split(",") if p})
 
 
 if __name__ == "__main__":

@@ -163,3 +163,31 @@ def test_sliding_windows_stay_full_precision_beside_quantized_layers():
         assert isinstance(cache[0], QuantizedKVCache) and cache[1] is window
     with pytest.raises(NotImplementedError):
         maybe_quantize_kv_cache([reference], 0, 64, 4)
+
+
+def test_quantized_caches_and_windows_survive_mlx_lm_save_and_load(tmp_path):
+    """What a conversation cache on disk needs: mlx-lm's save/load keeps a quantized
+    cache bit for bit, and a FullPrecisionWindow comes back as one."""
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    from llm_mlx_streaming.engine.kv import after_loading, for_saving, layout_key
+
+    rng = np.random.default_rng(1)
+    cache = [KVCache(), FullPrecisionWindow(16, 0)]
+    k = mx.array(rng.standard_normal((1, 2, 40, 64)).astype(np.float32))
+    for c in cache:
+        c.update_and_fetch(k, k)
+    maybe_quantize_kv_cache(cache, 0, 64, 4)
+    save_prompt_cache(str(tmp_path / "c.safetensors"), for_saving(cache))
+    loaded = after_loading(load_prompt_cache(str(tmp_path / "c.safetensors")), KVSpec(4))
+    assert [type(c) for c in loaded] == [QuantizedKVCache, FullPrecisionWindow]
+    for a, b in zip(cache, loaded):
+        assert a.offset == b.offset
+        assert all(np.array_equal(np.array(x), np.array(y)) for x, y in zip(_arrays(a), _arrays(b)))
+    assert layout_key(KVSpec(4)) != layout_key(KVSpec(8)) != layout_key(KVSpec()) != layout_key(KVSpec(4, 32))
+
+
+def _arrays(cache) -> list:
+    from mlx.utils import tree_flatten
+
+    return [v for _, v in tree_flatten(cache.state) if isinstance(v, mx.array)]

@@ -207,3 +207,51 @@ def kept_note(cache) -> Optional[str]:
     if linear:
         parts.append(f"{linear} linear-attention layer{'s' if linear != 1 else ''} keep their fixed state")
     return "; ".join(parts) or None
+
+
+# -- caches on disk (for a conversation cache that saves and loads prompt caches) --------
+
+
+def layout_key(spec: KVSpec) -> str:
+    """The KV layout as a cache key: a cache saved under one layout is never loaded
+    under another (e.g. "kv-off", "kv4-g64-s0")."""
+    if not spec.quantized:
+        return "kv-off"
+    return f"kv{spec.bits}-g{spec.group_size}-s{spec.start}"
+
+
+def for_saving(cache) -> list:
+    """The caches as mlx-lm's `save_prompt_cache` can name them: a FullPrecisionWindow
+    (not one of mlx-lm's classes, which `load_prompt_cache` looks names up in) is saved
+    as the RotatingKVCache it is."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from .kv_window import FullPrecisionWindow
+
+    out = []
+    for c in cache:
+        if type(c) is FullPrecisionWindow:
+            plain = RotatingKVCache(c.max_size, c.keep)
+            plain.state = c.state
+            c = plain
+        out.append(c)
+    return out
+
+
+def after_loading(cache, spec: KVSpec) -> list:
+    """Caches from mlx-lm's `load_prompt_cache`, made what `make_cache` makes for `spec`
+    (sliding windows back to FullPrecisionWindows under a quantized layout)."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from .kv_window import FullPrecisionWindow
+
+    if not spec.quantized:
+        return list(cache)
+    out = []
+    for c in cache:
+        if type(c) is RotatingKVCache:
+            window = FullPrecisionWindow(c.max_size, c.keep)
+            window.state = c.state
+            c = window
+        out.append(c)
+    return out
