@@ -170,7 +170,7 @@ def test_quantized_caches_and_windows_survive_mlx_lm_save_and_load(tmp_path):
     cache bit for bit, and a FullPrecisionWindow comes back as one."""
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-    from llm_mlx_streaming.engine.kv import after_loading, for_saving, layout_key
+    from llm_mlx_streaming.engine.kv import after_loading, for_saving, layout_key, same_layout
 
     rng = np.random.default_rng(1)
     cache = [KVCache(), FullPrecisionWindow(16, 0)]
@@ -179,8 +179,10 @@ def test_quantized_caches_and_windows_survive_mlx_lm_save_and_load(tmp_path):
         c.update_and_fetch(k, k)
     maybe_quantize_kv_cache(cache, 0, 64, 4)
     save_prompt_cache(str(tmp_path / "c.safetensors"), for_saving(cache))
-    loaded = after_loading(load_prompt_cache(str(tmp_path / "c.safetensors")), KVSpec(4))
+    loaded = after_loading(load_prompt_cache(str(tmp_path / "c.safetensors")), [KVCache(), FullPrecisionWindow(16, 0)])
     assert [type(c) for c in loaded] == [QuantizedKVCache, FullPrecisionWindow]
+    assert same_layout(loaded, [KVCache(), FullPrecisionWindow(16, 0)])
+    assert not same_layout(loaded, [KVCache(), RotatingKVCache(16, 0)])
     for a, b in zip(cache, loaded):
         assert a.offset == b.offset
         assert all(np.array_equal(np.array(x), np.array(y)) for x, y in zip(_arrays(a), _arrays(b)))
@@ -191,3 +193,36 @@ def _arrays(cache) -> list:
     from mlx.utils import tree_flatten
 
     return [v for _, v in tree_flatten(cache.state) if isinstance(v, mx.array)]
+
+
+def test_a_later_process_continues_a_quantized_conversation_from_disk(qwen64, tmp_path):
+    """The conversation cache on disk keeps a quantized cache: a fresh engine loads it
+    (its key includes the KV layout) and continues exactly as the engine that made it."""
+    from llm_mlx_streaming.engine.disk_cache import DiskCacheSpec
+
+    disk = DiskCacheSpec(tmp_path / "kv", 10**9)
+    kv = KVSpec(4)
+    vocab = vocab_size(qwen64)
+    prompt, extra = prompt_tokens(vocab, n=40), prompt_tokens(vocab, n=10, seed=3)
+
+    def run(engine, tokens, layout=kv):
+        out = list(engine.run(None, Request(prompt=tokens, max_tokens=8, kv=layout, conversation_cache=disk)))
+        return [r.token for r in out], [np.array(r.logprobs) for r in out]
+
+    first_engine, later = EngineManager(), EngineManager()
+    first_engine.load(qwen64, expert_slots=6)
+    later.load(qwen64, expert_slots=6)
+    first = run(first_engine, prompt)
+    assert first_engine.last_stats["disk_cache_saved_bytes"] > 0
+    follow = prompt + first[0] + extra
+    continued = run(later, follow)
+    assert later.last_stats["disk_cache_tokens"] == len(prompt) + 8
+    assert isinstance(later.session.cache[0], QuantizedKVCache)
+    assert same(continued, run(first_engine, follow))  # the engine that kept it in memory
+    # a layout the file was not made under never loads it
+    fresh = EngineManager()
+    fresh.load(qwen64, expert_slots=6)
+    run(fresh, follow, KVSpec(8))
+    assert fresh.last_stats["disk_cache_tokens"] == 0
+    for engine in (first_engine, later, fresh):
+        engine.unload()

@@ -124,6 +124,8 @@ class DiskCache:
     def _load(self, path: Path, n: int, expected) -> Optional[list]:
         from mlx_lm.models.cache import load_prompt_cache
 
+        from .kv import after_loading, same_layout
+
         try:
             cache, meta = load_prompt_cache(str(path), return_metadata=True)
         except Exception as exc:  # truncated, not safetensors, unknown cache class
@@ -133,7 +135,8 @@ class DiskCache:
         if meta.get("namespace") != self.space or meta.get("format") != FORMAT:
             notice(f"conversation cache {path.name} was made for another checkpoint, version or KV layout; ignored")
             return None
-        shapes_match = [type(c).__name__ for c in cache] == [type(c).__name__ for c in expected]
+        cache = after_loading(cache, expected)  # long context (#13): our window class back
+        shapes_match = same_layout(cache, expected)
         offsets = {getattr(c, "offset", n) for c in cache}
         if meta.get("tokens") != str(n) or not shapes_match or offsets - {n}:
             notice(f"conversation cache {path.name} does not match its name or this model; removed")
@@ -146,8 +149,9 @@ class DiskCache:
         prefixes it extends; keep the tree under its size bound. Returns the bytes written."""
         from mlx_lm.models.cache import save_prompt_cache
 
-        if any(type(c).__module__ != "mlx_lm.models.cache" for c in cache):
-            return 0  # a cache class of ours (kv_window.py) that load_prompt_cache cannot rebuild
+        from .kv import for_saving
+
+        cache = for_saving(cache)  # long context (#13): only classes load_prompt_cache knows
         n = len(tokens)
         digest = prefix_hash(tokens)
         self.folder.mkdir(parents=True, exist_ok=True)

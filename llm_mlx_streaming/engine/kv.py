@@ -238,20 +238,30 @@ def for_saving(cache) -> list:
     return out
 
 
-def after_loading(cache, spec: KVSpec) -> list:
-    """Caches from mlx-lm's `load_prompt_cache`, made what `make_cache` makes for `spec`
-    (sliding windows back to FullPrecisionWindows under a quantized layout)."""
+def after_loading(cache, expected) -> list:
+    """Caches from mlx-lm's `load_prompt_cache`, given back the classes of `expected`
+    (a fresh `make_cache`): a RotatingKVCache where a FullPrecisionWindow is expected
+    becomes one again."""
     from mlx_lm.models.cache import RotatingKVCache
 
     from .kv_window import FullPrecisionWindow
 
-    if not spec.quantized:
-        return list(cache)
     out = []
-    for c in cache:
-        if type(c) is RotatingKVCache:
+    for c, want in zip(cache, expected):
+        if type(c) is RotatingKVCache and type(want) is FullPrecisionWindow:
             window = FullPrecisionWindow(c.max_size, c.keep)
             window.state = c.state
             c = window
         out.append(c)
-    return out
+    return out + list(cache[len(out):])
+
+
+def same_layout(cache, expected) -> bool:
+    """Whether `cache` is what `expected` (a fresh `make_cache`) becomes as it fills: the
+    same class per layer, a KVCache having become mlx-lm's QuantizedKVCache allowed."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    if len(cache) != len(expected):
+        return False
+    return all(type(c) is type(want) or (type(c) is QuantizedKVCache and type(want) is KVCache)
+               for c, want in zip(cache, expected))
