@@ -315,16 +315,18 @@ class MlxStreamModel(llm.Model):
                 *((tokenizer.tool_call_start, tokenizer.tool_call_end) if tools else ()),
             )
             eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+            raw: list[str] = []  # the reply's text as generated (tags and markup included)
             for result in generation:
                 if result.token not in eos or result.finish_reason != "stop":
                     generated.append(int(result.token))
+                raw.append(result.text)
                 for kind, chunk in splitter.feed(result.text):
-                    yield from _events(kind, chunk, tokenizer, tools, response)
+                    yield from _events(kind, chunk, tokenizer, tools, response, generated)
         for kind, chunk in splitter.flush():
-            yield from _events(kind, chunk, tokenizer, tools, response)
+            yield from _events(kind, chunk, tokenizer, tools, response, generated)
         # The reply's own token ids, logged with it, so a later turn can
         # reuse the KV cache exactly (see prompting.py).
-        yield _event("text", "", reply_metadata(generated))
+        yield _event("text", "", reply_metadata(_spelled(tokenizer, generated, "".join(raw))))
 
         stats = _jsonable({**generation.stats, **_plan_figures(generation.stats, r)})
         response.set_usage(input=len(generation.started.prompt_tokens), output=stats.get("generated_tokens"))
@@ -446,12 +448,33 @@ def _plan_figures(stats: dict, r: Resolved) -> dict:
     return {k: v for k, v in out.items() if k not in stats}
 
 
-def _events(kind: str, chunk: str, tokenizer, tools: list[dict], response):
+def _spelled(tokenizer, generated: list[int], text: str, scan: int = 32) -> list[int]:
+    """Ids that spell the reply's `text`: the generated ids, or, when a stop sequence
+    cut the text inside them, the longest run of them that spells a prefix of it (the
+    part the KV cache holds) and the rest encoded."""
+    from .prompting import _encode
+
+    def spelled(ids):  # the streaming detokenizer drops a reply's leading space
+        out = tokenizer.decode(ids)
+        return out[1:] if out.startswith(" ") and not text.startswith(" ") else out
+
+    if spelled(generated) == text:
+        return generated
+    for k in range(len(generated) - 1, max(-1, len(generated) - 1 - scan), -1):
+        prefix = spelled(generated[:k]) if k else ""
+        if text.startswith(prefix):
+            rest = text[len(prefix):]
+            return generated[:k] + (_encode(tokenizer, rest) if rest else [])
+    return generated
+
+
+def _events(kind: str, chunk: str, tokenizer, tools: list[dict], response, generated: list[int]):
     """Stream events for one piece of the split reply. A tool-call block becomes
     llm tool calls (events and `response.add_tool_call`); markup its parser cannot
     read, or cut off by the end of the reply, is shown as the text the model wrote."""
     from llm.parts import StreamEvent
 
+    from .prompting import reply_metadata
     from .replies import TOOL, UNFINISHED_TOOL
     from .tools import parse_tool_calls
 
@@ -465,7 +488,10 @@ def _events(kind: str, chunk: str, tokenizer, tools: list[dict], response):
                 name=call["name"], arguments=call["arguments"], tool_call_id=call["id"]
             ))
             yield StreamEvent(type="tool_call_name", chunk=call["name"], tool_call_id=call["id"])
-            yield StreamEvent(type="tool_call_args", chunk=json.dumps(call["arguments"]), tool_call_id=call["id"])
+            # the ids so far ride on the call: a reply that ends in tool calls has no
+            # text part to carry them (prompting.py splices them into the next turn)
+            yield StreamEvent(type="tool_call_args", chunk=json.dumps(call["arguments"]), tool_call_id=call["id"],
+                              provider_metadata=reply_metadata(generated))
     elif kind == UNFINISHED_TOOL:
         yield _event("text", f"{tokenizer.tool_call_start}{chunk}")
     elif chunk:

@@ -128,8 +128,14 @@ def render_prompt(tokenizer, prompt, *, thinking: Optional[bool] = None,
         generation_prompt = text[len(head):] if text.startswith(head) else ""
     except Exception:
         generation_prompt = ""
-    stored = {i: ids for i, ids in stored.items() if _same_text(tokenizer.decode(ids), messages[i]["content"])}
-    tokens = _spliced(tokenizer, render, messages, stored, text) if stored else None
+    overhang = {}  # message index -> what its ids spell past its content (tool-call markup)
+    for i, ids in list(stored.items()):
+        past = _beyond(tokenizer.decode(ids), messages[i]["content"])
+        if past is None or (past and not messages[i].get("tool_calls")):
+            del stored[i]
+        elif past:
+            overhang[i] = past
+    tokens = _spliced(tokenizer, render, messages, stored, text, overhang) if stored else None
     if tokens is None:
         tokens = _encode(tokenizer, text)
     return tokens, generation_prompt
@@ -156,14 +162,23 @@ def _encode(tokenizer, text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _same_text(decoded: str, content: str) -> bool:
-    """Do the stored ids spell the message? (The streaming detokenizer drops
-    the leading space of a reply's first token, as mlx-lm's output does.)"""
-    return decoded == content or (decoded.startswith(" ") and decoded[1:] == content)
+def _beyond(decoded: str, content: str) -> Optional[str]:
+    """What the stored ids spell past the message's content ("" when they spell just
+    it), None when they do not start with it. (The streaming detokenizer drops the
+    leading space of a reply's first token, as mlx-lm's output does.)"""
+    for text in (decoded, decoded[1:] if decoded.startswith(" ") else None):
+        if text is not None and text.startswith(content):
+            return text[len(content):]
+    return None
 
 
-def _spliced(tokenizer, render, messages, stored, text) -> Optional[list[int]]:
-    """Encode the template around each stored reply, keeping the reply's own ids."""
+def _spliced(tokenizer, render, messages, stored, text, overhang=None) -> Optional[list[int]]:
+    """Encode the template around each stored reply, keeping the reply's own ids.
+
+    A reply that ended in tool calls has ids that spell its content and then the
+    call markup (`overhang`); they are kept when the template writes the calls the
+    same way right after the content, so the next turn reuses the whole reply."""
+    overhang = overhang or {}
     marks = {i: f"\x00mlx-stream-reply-{i}\x00" for i in stored}
     marked = [
         {**m, "content": marks[i]} if i in marks else m for i, m in enumerate(messages)
@@ -178,10 +193,22 @@ def _spliced(tokenizer, render, messages, stored, text) -> Optional[list[int]]:
         return None
     if "".join(messages[by_mark[p]]["content"] if p in by_mark else p for p in pieces) != text:
         return None  # the template rewrites content (e.g. strips old reasoning)
+    differ = {
+        by_mark[piece] for j, piece in enumerate(pieces)
+        if overhang.get(by_mark.get(piece)) and not (j + 1 < len(pieces) and pieces[j + 1].startswith(overhang[by_mark[piece]]))
+    }
+    if differ:  # the template writes those calls otherwise: encode those replies' text
+        kept = {i: ids for i, ids in stored.items() if i not in differ}
+        return _spliced(tokenizer, render, messages, kept, text, overhang) if kept else None
     tokens: list[int] = []
+    skip = 0
     for piece in pieces:
         if piece in by_mark:
             tokens.extend(stored[by_mark[piece]])
-        elif piece:
-            tokens.extend(_encode(tokenizer, piece))
+            skip = len(overhang.get(by_mark[piece], ""))
+        elif piece[skip:]:
+            tokens.extend(_encode(tokenizer, piece[skip:]))
+            skip = 0
+        else:
+            skip = 0
     return tokens

@@ -219,7 +219,11 @@ def tools_env(llm_env, build, monkeypatch):
         if llm_env.script:
             text = llm_env.script.pop(0)
             tokenizer = _tokenizer(path)
-            request.logits_processors.append(Force(tokenizer.encode(text) + [token_ids()[IM_END]]))
+            if isinstance(text, tuple):  # ("...", "chars"): one token per character, not BPE's spelling
+                ids = [i for ch in text[0] for i in tokenizer.encode(ch)]
+            else:
+                ids = tokenizer.encode(text)
+            request.logits_processors.append(Force(ids + [token_ids()[IM_END]]))
         generation = real_run(load, request)
         llm_env.prompts.append(generation)
         return generation
@@ -242,7 +246,7 @@ CALL = 'Let me check.<tool_call>\n{"name": "llm_version", "arguments": {}}\n</to
 def test_a_tool_call_is_parsed_executed_and_its_result_fed_back(tools_env):
     from importlib.metadata import version
 
-    tools_env.script = [CALL, "It is that."]
+    tools_env.script = [(CALL, "chars"), "It is that."]
     out = assert_ok(tools_env.run("-m", "mlx-stream", "-T", "llm_version", "Which llm version?")).stdout
     assert "tool_call" not in out and "llm_version" not in out  # the markup is not shown
     assert out.split() == ["Let", "me", "check.", "It", "is", "that."]  # (llm joins a chain's replies)
@@ -257,7 +261,8 @@ def test_a_tool_call_is_parsed_executed_and_its_result_fed_back(tools_env):
     prompt = tokenizer.decode(tools_env.prompts[1].started.prompt_tokens)
     assert '<tool_call>\n{"name": "llm_version", "arguments": {}}\n</tool_call>' in prompt
     assert f"<tool_response>\n{version('llm')}\n</tool_response>" in prompt
-    assert second["stats"]["reused_tokens"] > 0
+    # the whole first reply, tool call included, is reused (the template writes the call as the model did)
+    assert second["stats"]["reused_tokens"] == first["stats"]["prompt_tokens"] + first["stats"]["generated_tokens"]
 
 
 def test_tool_calls_reach_the_python_api(tools_env):
@@ -298,3 +303,35 @@ def test_reply_splitter_cuts_tool_markup_split_anywhere():
         assert "".join(kinds["text"]) == "abc", cut
         assert "".join(kinds["reasoning"]) == "r"
         assert kinds["tool_call"] == ["{x}"] and kinds["tool_call_unfinished"] == ["{y"]
+
+
+# -- the next turn reuses a reply cut by a stop sequence or ending in a tool call -------
+
+
+def _reply_ids(response) -> list[int]:
+    from llm_mlx_streaming.prompting import METADATA_KEY
+
+    found = None
+    for message in response.messages():
+        for part in message.parts:
+            found = ((part.provider_metadata or {}).get(METADATA_KEY) or {}).get("tokens") or found
+    return found
+
+
+def test_the_next_turn_reuses_a_reply_cut_by_a_stop_sequence(llm_env):
+    from pathlib import Path
+
+    from mlx_lm.tokenizer_utils import load
+
+    model = llm.get_model("mlx-stream")
+    full = model.prompt("Tell me about tea", max_tokens=24).text()
+    conversation = model.conversation()
+    first = conversation.prompt("Tell me about tea", max_tokens=24, stop=full[10:13])
+    assert first.text() == full[:10]
+    ids = _reply_ids(first)
+    assert load(Path(llm_env.checkpoint)).decode(ids) in (first.text(), " " + first.text())
+    second = conversation.prompt("And then?", max_tokens=4)
+    second.text()
+    s1, s2 = first.response_json, second.response_json
+    # everything up to the cut is reused; the stop sequence's own tokens are not
+    assert s2["reused_tokens"] >= s1["prompt_tokens"] + len(ids) - 1
