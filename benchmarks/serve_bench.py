@@ -136,6 +136,11 @@ def main() -> None:
     print(f"checkpoint {path}, {slots} of {SHAPE['num_experts']} experts per layer resident (25%), "
           f"{args.tokens} tokens per reply")
 
+    startup = []  # the floor under both: starting an llm process at all
+    for _ in range(3):
+        start = time.perf_counter()
+        subprocess.run([str(llm_bin), "--version"], env=env, check=True, capture_output=True)
+        startup.append(time.perf_counter() - start)
     in_process = [one_shot(llm_bin, env, user_dir, p, args.tokens, ["-o", "no_server", "1"]) for p in prompts]
     server, url = start_server(llm_bin, env, user_dir)
     try:
@@ -158,7 +163,8 @@ def main() -> None:
               f"{statistics.median(r['engine_ttft'] for r in rows):>13.3f} "
               f"{statistics.median(r['wall'] for r in rows):>13.3f} {statistics.median(r['mb'] for r in rows):>12.1f}")
     ratio = statistics.median(r["ttft"] for r in routed) / statistics.median(r["ttft"] for r in in_process)
-    print(f"routed TTFT / in-process TTFT: {ratio:.2f}x")
+    print(f"routed TTFT / in-process TTFT: {ratio:.2f}x; `llm --version` alone takes "
+          f"{statistics.median(startup):.3f} s (median of 3)")
 
     print(f"\n{'clients (median of ' + str(args.rounds) + ')':<22} {'requests':>8} {'tokens':>6} {'wall s':>7} "
           f"{'tokens/s':>8} {'vs one':>6}")

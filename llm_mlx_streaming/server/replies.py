@@ -1,7 +1,5 @@
-"""What goes into a generation and what comes out of it, in text terms: OpenAI messages
-to llm messages (with the token ids of the server's own earlier replies), and stop
-strings cut out of the stream.
-"""
+"""OpenAI messages to llm messages, with the token ids of the server's own earlier
+replies, so a client that sends a reply back as text still extends the KV cache."""
 
 from __future__ import annotations
 
@@ -45,30 +43,4 @@ class ReplyMemory:
             parts = [ReasoningPart(text=reasoning)] if reasoning else []
             parts.append(TextPart(text=text, provider_metadata=reply_metadata(tokens) if tokens else None))
             out.append(Message(role="assistant", parts=parts))
-        return out
-
-
-class StopCut:
-    """Cut the text before the first stop string (held back until it is certain)."""
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.buf = ""
-        self.hit = False
-
-    def feed(self, text: str) -> str:
-        if not self.stops:
-            return text
-        self.buf += text
-        found = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
-        if found:
-            out, self.buf, self.hit = self.buf[: min(found)], "", True
-            return out
-        cut = max(len(self.buf) - self.hold, 0)
-        out, self.buf = self.buf[:cut], self.buf[cut:]
-        return out
-
-    def flush(self) -> str:
-        out, self.buf = self.buf, ""
         return out

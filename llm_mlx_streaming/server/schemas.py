@@ -86,17 +86,11 @@ class _GenerationRequest(Options):
     model: Optional[str] = Field(None, description="A model id from /v1/models (default: the server's)")
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    stop: Union[str, list[str], None] = Field(None, description="Stop before any of these strings")
     max_completion_tokens: Optional[int] = Field(None, ge=1, description="Same as max_tokens")
     n: int = Field(1, ge=1, le=1, description="Only one choice is generated")
     response_format: Optional[ResponseFormat] = Field(
         None, description="json_object or json_schema: the reply is constrained to it (llm's --schema)"
     )
-
-    def stops(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [s for s in ([self.stop] if isinstance(self.stop, str) else self.stop) if s]
 
 
 class ChatCompletionRequest(_GenerationRequest):

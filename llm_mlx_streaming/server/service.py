@@ -22,7 +22,7 @@ from ..errors import one_line
 from .bridge import Result, Run
 from .gate import Gate, QueueFull
 from .http_layer import ApiError, BodyLimit, error_for
-from .replies import ReplyMemory, StopCut
+from .replies import ReplyMemory
 from .runtime import POOL_KEYS, ConfigError, RuntimeConfig, touches_pools
 from .schemas import (
     ChatCompletion,
@@ -152,7 +152,7 @@ class Service:
             if body.stream:
                 watcher.cancel()
                 shape = ChatShape if chat else TextShape
-                stream = self._stream(turn, events, first, shape(model_id, body), StopCut(body.stops()))
+                stream = self._stream(turn, events, first, shape(model_id, body))
                 return GatedStream(turn, stream, media_type="text/event-stream")
             return await self._whole(turn, events, first, model_id, body, chat)
         except Exception as e:
@@ -165,53 +165,32 @@ class Service:
             watcher.cancel()
 
     async def _whole(self, turn: Turn, events, first, model_id: str, body, chat: bool) -> dict:
-        text, reasoning, cut = [], [], StopCut(body.stops())
-        result = None
+        text, reasoning, result = [], [], Result()
         try:
             async for kind, value in _chain(first, events):
                 if kind == "done":
                     result = value
-                elif kind == "reasoning":
-                    reasoning.append(value)
                 else:
-                    text.append(cut.feed(value))
-                    if cut.hit:
-                        break
+                    (reasoning if kind == "reasoning" else text).append(value)
         finally:
             turn.finish(served=not turn.run.cancelled)
-        if not cut.hit:
-            text.append(cut.flush())
-        result = result or turn.run.result
-        self._remember("".join(text), "".join(reasoning), result, cut.hit)
-        finish = "stop" if cut.hit else result.finish_reason
+        self.replies.remember("".join(text), "".join(reasoning), result.tokens)
         shape = ChatShape(model_id, body) if chat else TextShape(model_id, body)
-        return shape.whole("".join(text), "".join(reasoning), finish, result)
+        return shape.whole("".join(text), "".join(reasoning), result.finish_reason, result)
 
-    async def _stream(self, turn: Turn, events, first, shape, cut: StopCut):
-        text, reasoning, result = [], [], None
+    async def _stream(self, turn: Turn, events, first, shape):
+        text, reasoning, result = [], [], Result()
         try:
             yield _sse(shape.opening())
             async for kind, value in _chain(first, events):
                 if kind == "done":
                     result = value
                     break
-                if kind == "reasoning":
-                    reasoning.append(value)
-                    yield _sse(shape.delta(reasoning=value))
-                    continue
-                piece = cut.feed(value)
-                text.append(piece)
-                if piece:
-                    yield _sse(shape.delta(text=piece))
-                if cut.hit:
-                    break
-            if not cut.hit and (rest := cut.flush()):
-                text.append(rest)
-                yield _sse(shape.delta(text=rest))
-            result = result or turn.run.result
-            self._remember("".join(text), "".join(reasoning), result, cut.hit)
+                (reasoning if kind == "reasoning" else text).append(value)
+                yield _sse(shape.delta(**{kind: value}))
+            self.replies.remember("".join(text), "".join(reasoning), result.tokens)
             turn.finish(served=True)
-            yield _sse(shape.closing("stop" if cut.hit else result.finish_reason, result))
+            yield _sse(shape.closing(result.finish_reason, result))
             if shape.include_usage:
                 yield _sse(shape.usage_chunk(result))
         except Exception as e:  # the status line is sent: the error goes in the stream
@@ -223,10 +202,6 @@ class Service:
             pass
         self.disconnects += 1
         run.cancel()
-
-    def _remember(self, text: str, reasoning: str, result: Result, cut: bool) -> None:
-        if not cut:
-            self.replies.remember(text, reasoning, result.tokens)
 
     # -- runtime config -------------------------------------------------------
     def config(self) -> dict:
