@@ -521,3 +521,18 @@ def test_schema_through_the_api_and_through_a_routed_llm_prompt(served):
     routed = assert_ok(served.run(*args)).stdout
     assert routed == alone and json.loads(routed)
     assert served.turns()[-1]["stats"]["served_by"] == served.server.url
+
+
+def test_a_server_that_does_not_answer_is_one_line(llm_env):
+    from llm_mlx_streaming.server import discovery
+
+    closed = socket.create_server(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there now
+    discovery.write(discovery.ServerInfo(os.getpid(), "127.0.0.1", port, "s"))
+    try:
+        line = assert_one_line_error(llm_env.run("-m", "mlx-stream", "hi"), "is not answering", "no_server")
+        assert str(discovery.discovery_path()) in line
+        assert_ok(llm_env.run("-m", "mlx-stream", "hi", "-o", "max_tokens", "2", "-o", "no_server", "1"))
+    finally:
+        discovery.remove_stale()

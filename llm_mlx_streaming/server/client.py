@@ -64,7 +64,8 @@ class ServerClient:
             conn.close()
             raise ServerGone(
                 f"The mlx-stream server at {self.url} (pid {self.info.pid}) is not answering "
-                f"({one_line(e)}); stop it, or run in-process with -o no_server 1"
+                f"({one_line(e)}); stop it (or delete {discovery.discovery_path()} if none runs), "
+                "or run in-process with -o no_server 1"
             ) from None
 
     def _json(self, method: str, path: str, body: Optional[dict] = None) -> tuple[int, dict]:
