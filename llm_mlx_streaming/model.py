@@ -266,7 +266,7 @@ class MlxStreamModel(llm.Model):
 
         server = running_server(options, settings, prompt)
         if server is not None:
-            yield from server.answer(self.model_id, prompt, response)
+            yield from server.answer(self.model_id, prompt, response, on_generation)
             return
         # -- end serve ---------------------------------------------------------------
         r = self._resolve(options, settings)

@@ -536,3 +536,35 @@ def test_a_server_that_does_not_answer_is_one_line(llm_env):
         assert_ok(llm_env.run("-m", "mlx-stream", "hi", "-o", "max_tokens", "2", "-o", "no_server", "1"))
     finally:
         discovery.remove_stale()
+
+
+def test_a_cancelled_async_prompt_hangs_up_on_the_server(served, monkeypatch):
+    import asyncio
+
+    import llm
+    from llm_mlx_streaming.server import bridge
+
+    real_put = bridge.Run._put
+
+    def slow_put(self, kind, value):  # the reply reaches the client slowly
+        time.sleep(0.05)
+        real_put(self, kind, value)
+
+    monkeypatch.setattr(bridge.Run, "_put", slow_put)
+    gone = call(served, "GET", "/api/stats")[2]["server"]["disconnects"]
+
+    async def cancel_after_first_chunk():
+        got = asyncio.Event()
+
+        async def consume():
+            async for _ in llm.get_async_model("mlx-stream").prompt("tell me everything", max_tokens=60):
+                got.set()
+
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(got.wait(), 60)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_after_first_chunk())
+    wait_for(lambda: call(served, "GET", "/api/stats")[2]["server"]["disconnects"] == gone + 1)

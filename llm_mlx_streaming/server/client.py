@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import threading
 from typing import Iterator, Optional
 from urllib.parse import urlsplit
@@ -97,8 +98,10 @@ class ServerClient:
         return data
 
     # -- a prompt -------------------------------------------------------------
-    def answer(self, model_id: str, prompt, response) -> Iterator:
-        """Stream `prompt` from the server as the plugin's own events."""
+    def answer(self, model_id: str, prompt, response, on_generation=None) -> Iterator:
+        """Stream `prompt` from the server as the plugin's own events; `on_generation`
+        is told a handle whose `cancel()` hangs up, which the server takes as a
+        disconnect and cancels the generation (the async model cancels through it)."""
         from ..model import _event
         from ..prompting import reply_metadata
 
@@ -111,6 +114,8 @@ class ServerClient:
                 schema = schema.model_json_schema()
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}
         conn, resp = self._request("POST", "/v1/chat/completions", body)
+        if on_generation is not None:
+            on_generation(_HangUp(conn))
         extension = None
         try:
             if resp.status != 200:
@@ -138,6 +143,17 @@ class ServerClient:
         response.set_usage(input=stats.get("prompt_tokens"), output=stats.get("generated_tokens"))
         if extension.get("resolved_model"):
             response.set_resolved_model(extension["resolved_model"])
+
+
+class _HangUp:
+    def __init__(self, conn: http.client.HTTPConnection) -> None:
+        self.conn = conn
+
+    def cancel(self) -> None:
+        try:
+            self.conn.sock.shutdown(socket.SHUT_RDWR)  # wakes the reading thread too
+        except (AttributeError, OSError):
+            pass
 
 
 def openai_messages(prompt) -> list[dict]:
