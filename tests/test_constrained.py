@@ -108,3 +108,11 @@ def test_closers_follow_the_json_state():
     assert closers('{"a": 12') == ["]}", ","]
     assert closers('{"a": [true') == ["]}", ","]
     assert closers('{"a": ') == []
+
+
+def test_schema_with_speculation_decodes_plainly_and_validates(llm_env):
+    schema = llm.schema_dsl("word, count int")
+    out = assert_ok(llm_env.run("-m", "mlx-stream", "--schema", "word, count int", "-o", "k", "2",
+                                "-o", "max_tokens", "40", "Say a word")).stdout
+    _check(json.loads(out), schema)
+    assert llm_env.turns()[-1]["stats"]["speculation_off"] == "logits processors"
