@@ -71,6 +71,30 @@ def schema_rows(engine, load, tokenizer, tokens: int, runs: int) -> list[tuple]:
     return rows
 
 
+def processor_alone(tokenizer, tokens: int, n_vocab: int) -> tuple[float, float]:
+    """(median, mean) microseconds per call of the schema processor driven on its own,
+    on random logits with greedy picks: the mask's cost without the model's."""
+    import mlx.core as mx
+    import numpy as np
+
+    from llm_mlx_streaming.constrained import SchemaProcessor, schema_grammar
+
+    processor = SchemaProcessor(schema_grammar(SCHEMA), tokenizer)
+    processor.limit_tokens(tokens)
+    rng = np.random.default_rng(0)
+    history, times = [0], []
+    for _ in range(tokens):
+        logits = mx.array(rng.standard_normal((1, n_vocab)).astype(np.float32))
+        start = time.perf_counter()
+        out = processor(mx.array(history), logits)
+        mx.eval(out)
+        times.append(time.perf_counter() - start)
+        history.append(int(mx.argmax(out[0]).item()))
+        if history[-1] == tokenizer.eos_token_id:
+            break
+    return statistics.median(times[1:]) * 1e6, statistics.mean(times[1:]) * 1e6
+
+
 class _Timed:
     """Wall time of a logits processor's calls after the first (the mask is computed on
     the host); the first call, which builds llguidance's tokenizer view and the
@@ -135,6 +159,8 @@ def main() -> None:
     for label, tps, us, first in schema_rows(engine, load, tokenizer, args.tokens, args.runs):
         print(f"{label:<12} {tps:>8.1f} {('%.0f' % us) if us is not None else '-':>14} "
               f"{('%.1f' % first) if first is not None else '-':>14}")
+    median, mean = processor_alone(tokenizer, args.tokens, engine.config["vocab_size"])
+    print(f"processor alone (random logits): median {median:.0f} us, mean {mean:.0f} us per token")
     print()
     print(f"{'second turn':<14} {'prompt':>7} {'reused':>7} {'seconds':>8}")
     for label, prompt, reused, seconds in restart_rows(engine, load, tokenizer, args.prompt_tokens, args.runs):

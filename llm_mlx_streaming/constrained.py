@@ -79,8 +79,8 @@ class SchemaProcessor:
         self.tokenizer = tokenizer  # mlx-lm's TokenizerWrapper
         self.matcher = None
         self.start: Optional[int] = None
-        self.consumed = 0
-        self.mask_calls = 0
+        self.consumed = 0  # reply tokens seen
+        self.fed = 0  # reply tokens the matcher consumed
         self.budget: Optional[int] = None
         self._window: Optional[int] = None
         self._n_vocab = 0
@@ -108,12 +108,13 @@ class SchemaProcessor:
         else:
             generated = len(tokens) - self.start
             if generated < self.consumed:
-                self.matcher.rollback(self.consumed - generated)
-                self.consumed = generated
+                self.matcher.rollback(max(0, self.fed - generated))
+                self.consumed = self.fed = min(self.fed, generated)
             if generated > self.consumed:
                 new = [int(t) for t in tokens[self.start + self.consumed:].tolist()]
-                if not self.matcher.is_stopped():  # the end-of-text token after the end
+                if not self.matcher.is_stopped():  # not the end-of-text token after the end
                     self.matcher.consume_tokens(new)
+                    self.fed = generated
                     self._check()
                 self.consumed = generated
         if self.matcher.is_stopped():
@@ -124,7 +125,6 @@ class SchemaProcessor:
             allowed = np.unpackbits(bits, bitorder="little")[:n_vocab].astype(bool)
             if self.budget is not None and self.budget - self.consumed <= self.closing_window():
                 allowed = self._closing(allowed, tokens)
-        self.mask_calls += 1
         return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))
 
     # -- finishing the document within the token budget --------------------------
@@ -164,17 +164,18 @@ class SchemaProcessor:
 
         matcher = self.matcher.deep_copy()
         n_vocab = self._n_vocab
-        lengths = token_table(self.tokenizer, n_vocab)[1]
-        ids: list[int] = []
-        while not matcher.is_stopped() and len(ids) < limit:
+        _, lengths, texts = token_table(self.tokenizer, n_vocab)
+        text, steps = "", 0
+        while not matcher.is_stopped() and steps < limit:
             bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
             allowed = np.unpackbits(bits, bitorder="little")[:n_vocab].astype(bool)
-            allowed = self._preferred(allowed, self.tokenizer.decode(ids))
+            allowed = self._preferred(allowed, text)
             choice = int(np.argmax(np.where(allowed, lengths, -1)))
             if not allowed[choice] or not matcher.consume_token(choice) or matcher.is_error():
                 break
-            ids.append(choice)
-        return len(ids)
+            text += texts[choice]
+            steps += 1
+        return steps
 
 
 def closers(text: str) -> list[str]:
@@ -206,8 +207,8 @@ _token_tables: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def token_table(tokenizer, n_vocab: int):
-    """(first character, text length) of each token id, as numpy arrays ("" and 0
-    for ids beyond the tokenizer's vocabulary)."""
+    """(first character, text length, text) of each token id, the first two as numpy
+    arrays ("" and 0 for ids beyond the tokenizer's vocabulary)."""
     import numpy as np
 
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
@@ -215,7 +216,7 @@ def token_table(tokenizer, n_vocab: int):
     if table is None or len(table[0]) != n_vocab:
         size = len(hf)
         texts = [hf.decode([i]) if i < size else "" for i in range(n_vocab)]
-        table = (np.array([t[:1] for t in texts], dtype="<U1"), np.array([len(t) for t in texts]))
+        table = (np.array([t[:1] for t in texts], dtype="<U1"), np.array([len(t) for t in texts]), texts)
         _token_tables[hf] = table
     return table
 

@@ -45,7 +45,6 @@ class DiskCacheSpec:
 class Found:
     cache: list
     tokens: list[int]
-    path: Path
 
 
 def package_version() -> str:
@@ -118,7 +117,7 @@ class DiskCache:
                     os.utime(path)  # recently used
                 except OSError:
                     pass
-                return Found(cache, list(prompt[:n]), path)
+                return Found(cache, list(prompt[:n]))
         return None
 
     def _load(self, path: Path, n: int, expected) -> Optional[list]:
