@@ -389,3 +389,110 @@ def test_a_checkpoint_with_a_head_packs_and_serves_as_a_draft_model(build, tmp_p
         assert build_draft_model(context, "self", path).name
     finally:
         loaded.store.close()
+
+
+# -- importing a real checkpoint's head --------------------------------------------
+
+
+def _hf_source(mlx_with_head, arch, out):
+    """The head of a factory checkpoint (float) written back in the Hugging Face layout
+    the original checkpoints use: experts one by one, DeepSeek's kv_b_proj unsplit,
+    Qwen3-Next's norms zero-centred. Only the head's shard, as a download would hold."""
+    config = json.loads((mlx_with_head / "config.json").read_text())
+    prefix = "mtp." if arch == "qwen3_next" else f"model.layers.{config['num_hidden_layers']}."
+    weights = {}
+    for k, v in mx.load(str(mlx_with_head / "model.safetensors")).items():
+        if not k.startswith(prefix):
+            continue
+        if ".switch_mlp." in k:
+            head, leaf = k.split(".switch_mlp.")
+            weights.update({f"{head}.experts.{e}.{leaf}": v[e] for e in range(v.shape[0])})
+        elif arch == "qwen3_next" and "norm" in k.split(".")[-2]:
+            weights[k] = v - 1.0
+        elif k.endswith("self_attn.embed_q.weight"):
+            continue  # joined with unembed_out into kv_b_proj below
+        else:
+            weights[k] = v
+    if arch == "deepseek_v3":
+        base = prefix + "self_attn."
+        loaded = mx.load(str(mlx_with_head / "model.safetensors"))
+        embed_q, unembed = loaded[base + "embed_q.weight"], loaded[base + "unembed_out.weight"]
+        del weights[base + "unembed_out.weight"]
+        kv_b = mx.concatenate([embed_q.swapaxes(-1, -2), unembed], axis=1)
+        weights[base + "kv_b_proj.weight"] = kv_b.reshape(-1, kv_b.shape[-1])
+    out.mkdir()
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def _head_of(path):
+    from llm_mlx_streaming.checkpoints.mtp import is_head_tensor
+
+    config = json.loads((path / "config.json").read_text())
+    out = {}
+    for file in path.glob("model*.safetensors"):
+        out.update({k: v for k, v in mx.load(str(file)).items()
+                    if is_head_tensor(k, config) and ".embed_tokens." not in k})
+    return out
+
+
+@pytest.mark.parametrize("arch,quant", [("qwen3_next", None), ("qwen3_next", "8bit"),
+                                        ("deepseek_v3", "4bit")])
+def test_importing_a_hugging_face_head_gives_what_a_kept_head_is(build, tmp_path, arch, quant):
+    """A model converted without its head, plus the head of the original (Hugging Face
+    layout) checkpoint, gives exactly the tensors of the model converted with its head;
+    the new folder serves `-o draft mtp`, the model's own folder is untouched."""
+    from llm_mlx_streaming.checkpoints.mtp import has_head
+    from llm_mlx_streaming.checkpoints.mtp_import import import_head
+
+    source = _hf_source(build(arch, mtp=True), arch, tmp_path / "hf")
+    model = build(arch, quant=quant)
+    before = sorted(p.name for p in model.iterdir())
+    out = import_head(model, source, tmp_path / "with-head")
+    assert sorted(p.name for p in model.iterdir()) == before and not has_head(model, json.loads((model / "config.json").read_text()))
+    got, want = _head_of(out), _head_of(build(arch, quant=quant, mtp=True))
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and mx.array_equal(got[k], want[k]).item(), k
+    loaded = load_streaming(out, expert_slots=3)
+    try:
+        assert _drafter(loaded).name == "mtp"
+    finally:
+        loaded.store.close()
+
+
+def test_importing_a_head_refuses_what_does_not_fit(build, tmp_path):
+    from llm_mlx_streaming.checkpoints.mtp_import import import_head
+    from llm_mlx_streaming.errors import CheckpointError
+
+    model = build("qwen3_next")
+    with pytest.raises(CheckpointError, match="declares no MTP head"):
+        import_head(model, build("qwen3_next"), tmp_path / "a")
+    with pytest.raises(CheckpointError, match="not the model .* was converted from"):
+        import_head(model, build("deepseek_v3", mtp=True), tmp_path / "b")
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "x").write_text("")
+    with pytest.raises(CheckpointError, match="is not empty"):
+        import_head(model, _hf_source(build("qwen3_next", mtp=True), "qwen3_next", tmp_path / "hf"),
+                    tmp_path / "c")
+
+
+def test_cli_import_mtp_then_add_then_draft(build, tmp_path, monkeypatch):
+    from plugin_support import assert_ok, assert_one_line_error
+
+    model = build("qwen3_next")
+    env = _cli_env(tmp_path, monkeypatch, model)
+    source = _hf_source(build("qwen3_next", mtp=True), "qwen3_next", tmp_path / "hf")
+    out = tmp_path / "with-head"
+    wrote = assert_ok(env.run("mlxs", "import-mtp", "m", str(source), str(out)))
+    assert str(out) in wrote.stdout and f"llm mlxs add {out}" in wrote.stderr
+    added = assert_ok(env.run("mlxs", "add", str(out), "--name", "mh"))
+    assert "an MTP head" in added.stdout
+    common = ["-m", "mlx-stream/mh", "-o", "temperature", "0", "-o", "max_tokens", "8"]
+    plain = assert_ok(env.run(*common, "-o", "k", "0", "hi"))
+    assert assert_ok(env.run(*common, "-o", "k", "2", "-o", "draft", "mtp", "hi")).stdout == plain.stdout
+    assert_one_line_error(env.run("mlxs", "import-mtp", "m", str(model), str(tmp_path / "x")),
+                          "declares no MTP head")
+    assert_one_line_error(env.run("mlxs", "import-mtp", "m", "no/such-dir-or-repo!", str(tmp_path / "y")),
+                          "No such directory")

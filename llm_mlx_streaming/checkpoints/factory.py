@@ -24,7 +24,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import _get_classes, get_total_parameters, quantize_model, save_config
 
 from . import tokenizer
-from .mtp import HEAD_ARCHITECTURES, build_head, head_prefix
+from .mtp import HEAD_ARCHITECTURES, build_head, head_prefix, quantize_head
 from .architectures import (
     ARCHITECTURES,
     EXPERT_WIDTH_FIELD,
@@ -242,23 +242,11 @@ def _make_head(model, config: dict, seed: int, quant: str | None) -> dict:
         for key, value in tree_flatten(head.parameters())
     ]))
     if quant:
-        model_predicate = getattr(model, "quant_predicate", None)
-
-        def predicate(path, module):
-            if path == "shared_head.head":
-                return False  # replaced by the target's lm_head below
-            result = model_predicate(prefix + path, module) if model_predicate else True
-            if isinstance(result, dict) and module.weight.shape[-1] % result["group_size"]:
-                return False
-            return result
-
-        qparams = quant_params(quant, config)
-        with contextlib.redirect_stdout(io.StringIO()):
-            _, qconfig = quantize_model(head, {}, qparams["group_size"], qparams["bits"],
-                                        mode=qparams["mode"], quant_predicate=predicate)
-        config["quantization"].update({
-            prefix + k: v for k, v in qconfig["quantization"].items() if k not in qparams
-        })
+        # shared_head.head is replaced by the target's lm_head below
+        config["quantization"].update(quantize_head(
+            head, quant_params(quant, config), prefix,
+            getattr(model, "quant_predicate", None), skip=("shared_head.head",),
+        ))
         config["quantization_config"] = config["quantization"]
     weights = dict(tree_flatten(head.parameters()))
     if "shared_head" in head:

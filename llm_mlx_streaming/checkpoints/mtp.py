@@ -26,6 +26,8 @@ i.e. what a conversion that kept the head writes.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import sys
 
 import mlx.core as mx
@@ -33,7 +35,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
 __all__ = ["HEAD_ARCHITECTURES", "MTPHead", "build_head", "declared_layers", "has_head",
-           "head_prefix"]
+           "head_prefix", "quantize_head"]
 
 HEAD_ARCHITECTURES = ("deepseek_v3", "glm4_moe", "qwen3_next")
 
@@ -183,3 +185,27 @@ def _subclass_without_head(model_class: type) -> type:
 
     return type(model_class.__name__, (model_class,), {"sanitize": sanitize,
                                                        "__module__": model_class.__module__})
+
+
+def quantize_head(head: MTPHead, qparams: dict, prefix: str, model_predicate=None,
+                  skip=()) -> dict:
+    """Quantize `head` with mlx-lm's quantize_model as the model's layers are
+    (`qparams`: group_size, bits, mode; `model_predicate`: the model class's per-path
+    choices, asked with checkpoint names). Returns the per-path entries, by checkpoint
+    name, that belong in config["quantization"]."""
+    from mlx_lm.utils import quantize_model
+
+    def predicate(path, module):
+        if path in skip:
+            return False
+        result = model_predicate(prefix + path, module) if model_predicate else True
+        # mlx-lm asks for e.g. 64-wide groups on routers; skip those the width does not allow
+        if isinstance(result, dict) and module.weight.shape[-1] % result["group_size"]:
+            return False
+        return result
+
+    with contextlib.redirect_stdout(io.StringIO()):  # quantize_model prints bits per weight
+        _, qconfig = quantize_model(head, {}, qparams["group_size"], qparams["bits"],
+                                    mode=qparams["mode"], quant_predicate=predicate)
+    return {prefix + k: v for k, v in qconfig["quantization"].items() if k not in qparams}
+

@@ -15,4 +15,4 @@ def mlxs():
     """Stream Mixture-of-Experts models from disk with MLX (model: mlx-stream)."""
 
 
-from . import config, models, pack, plan, serve, simulate, stats, verify  # noqa: E402,F401  (they add the commands)
+from . import config, models, mtp, pack, plan, serve, simulate, stats, verify  # noqa: E402,F401  (they add the commands)
