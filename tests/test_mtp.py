@@ -496,3 +496,23 @@ def test_cli_import_mtp_then_add_then_draft(build, tmp_path, monkeypatch):
                           "declares no MTP head")
     assert_one_line_error(env.run("mlxs", "import-mtp", "m", "no/such-dir-or-repo!", str(tmp_path / "y")),
                           "No such directory")
+
+
+def test_importing_an_fp8_head_dequantizes_it_as_mlx_lm_does(build, tmp_path):
+    """DeepSeek-V3 ships its head in fp8 with 128x128 block scales (`weight_scale_inv`):
+    the import dequantizes it through mlx-lm's own sanitize."""
+    from llm_mlx_streaming.checkpoints.mtp_import import import_head
+
+    source = _hf_source(build("deepseek_v3", mtp=True), "deepseek_v3", tmp_path / "hf")
+    weights = mx.load(str(source / "model.safetensors"))
+    key = "model.layers.2.eh_proj.weight"
+    weights[key] = mx.to_fp8(weights[key])
+    rows, cols = weights[key].shape
+    weights[key.replace("weight", "weight_scale_inv")] = mx.full(
+        (-(-rows // 128), -(-cols // 128)), 2.0)
+    mx.save_safetensors(str(source / "model.safetensors"), weights)
+    out = import_head(build("deepseek_v3"), source, tmp_path / "with-head")
+    got = _head_of(out)[key]
+    want = (mx.from_fp8(weights[key], dtype=mx.bfloat16) * 2).astype(mx.float32)
+    assert got.dtype == mx.float32 and mx.array_equal(got, want).item()
+    assert key.replace("weight", "weight_scale_inv") not in _head_of(out)
