@@ -53,7 +53,7 @@ def dir_size(path: Path) -> int:
 
 
 def checkpoint_for(name: str, settings: Optional[Settings] = None) -> tuple[Path, Optional[ModelEntry]]:
-    """Checkpoint directory for a canonical name (building the bundled one if needed)."""
+    """Checkpoint directory for a canonical name (copying the bundled one out of the package if needed)."""
     settings = settings or load_settings()
     if name == BUNDLED_NAME:
         from .checkpoints.default import default_checkpoint

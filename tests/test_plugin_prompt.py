@@ -199,12 +199,12 @@ def test_bundled_default_builds_on_first_use(tmp_path, monkeypatch):
     monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "fresh"))
     env = LlmEnv(tmp_path / "fresh", tmp_path)
     result = assert_ok(env.run("-m", "mlx-stream", "-o", "max_tokens", "4", "hi"))
-    assert "building the bundled demo model" in result.stderr
+    assert "unpacking the bundled demo model" in result.stderr
     [turn] = env.turns()
     assert turn["stats"]["expert_slots"] == 8
     assert "tiny-moe" in turn["resolved_model"]
     again = assert_ok(env.run("-m", "mlx-stream/tiny-moe", "-o", "max_tokens", "4", "hi"))
-    assert "building" not in again.stderr and again.stdout == result.stdout
+    assert "unpacking" not in again.stderr and again.stdout == result.stdout
 
 
 def test_pool_options_change_figures_not_text(llm_env):

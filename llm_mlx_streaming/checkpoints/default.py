@@ -1,76 +1,93 @@
-"""The bundled demo model: a tiny random MoE built on first use.
+"""The bundled demo model: a small trained MoE that ships inside the package.
 
-No weights ship with the plugin and nothing is downloaded, yet
-``llm -m mlx-stream "hi"`` must work right after install. So the first use
-builds a small, deterministic qwen3_moe checkpoint with the factory under
-``llm.user_dir()``; its pool (8 slots for 16 experts) is smaller than the
-expert count, so experts really stream. Its output is gibberish: it shows the
-machinery, not a language model.
+``llm -m mlx-stream "..."`` must work right after install, with no download, and
+write something a person can read. So the package carries a 4-bit qwen3_moe
+(4 layers, 16 experts, top-2) trained on Python's documentation by
+``tools/train_demo.py`` (docs/demo-model.md). First use copies it under
+``llm.user_dir()``, where it is ours to pack, check and copy again if damaged
+(the installed package may be read-only). It is served with 8 slots for 16
+experts, so experts really stream.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
 
 import llm
 
-# Bump the directory name when the spec changes, so old builds are not reused.
-BUNDLED_DIR = "tiny-moe-v1"
-BUNDLED_SPEC = dict(
-    arch="qwen3_moe",
-    hidden_size=128,
-    num_layers=4,
-    num_experts=16,
-    top_k=4,
-    moe_intermediate_size=64,
-    quant=None,
-    seed=0,
-)
+# Bump the directory name when the shipped files change, so an old copy is not reused.
+BUNDLED_DIR = "tiny-moe-pydocs-v1"
+SHIPPED = Path(__file__).resolve().parent / "demo"
+MARKER = "bundled.json"  # {file name: size} of the copy, written last
 
 
 def bundled_path() -> Path:
-    """Where the demo checkpoint lives (it may not be built yet)."""
+    """Where the demo checkpoint is served from (it may not be copied there yet)."""
     return llm.user_dir() / "mlx-streaming" / BUNDLED_DIR
 
 
+def shipped_files() -> dict[str, int]:
+    """{file name: size} of the checkpoint inside the package."""
+    return {p.name: p.stat().st_size for p in sorted(SHIPPED.iterdir()) if p.is_file()}
+
+
 def is_built() -> bool:
-    path = bundled_path()
-    return (path / "factory.json").is_file() and (path / "config.json").is_file()
+    """True when the copy under user_dir is complete (its marker matches the package)."""
+    try:
+        return json.loads((bundled_path() / MARKER).read_text()) == shipped_files()
+    except (OSError, ValueError):
+        return False
 
 
 def default_checkpoint() -> Path:
-    """Path of the demo checkpoint, building it (once, deterministically) if needed,
-    and building it again if its files are damaged (it is ours to rebuild)."""
-    from .factory import build_checkpoint
-
+    """Path of the demo checkpoint, copying it out of the package on first use, and
+    again if its files are damaged (the copy is ours to replace)."""
     path = bundled_path()
     if not is_built():
-        print(
-            f"mlx-stream: building the bundled demo model in {path} (first use only)...",
-            file=sys.stderr,
-            flush=True,
-        )
-    spec = dict(BUNDLED_SPEC)
-    arch = spec.pop("arch")
-    build_checkpoint(path, arch, **spec)
+        print(f"mlx-stream: unpacking the bundled demo model into {path} (first use only)...",
+              file=sys.stderr, flush=True)
+        _copy(path)
     problem = damage(path)
     if problem:
-        print(f"mlx-stream: the bundled demo model is damaged ({problem}); building it again...",
+        print(f"mlx-stream: the bundled demo model is damaged ({problem}); copying it again...",
               file=sys.stderr, flush=True)
         shutil.rmtree(path)
-        build_checkpoint(path, arch, **spec)
+        _copy(path)
     return path
 
 
+def _copy(path: Path) -> None:
+    """Copy the shipped files in, each through a temporary name and an atomic rename, so
+    concurrent first uses and interrupted copies never leave a half-written file."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / MARKER).unlink(missing_ok=True)
+    files = shipped_files()
+    for name in files:
+        tmp = path / f".{name}.{os.getpid()}.tmp"
+        shutil.copyfile(SHIPPED / name, tmp)
+        os.replace(tmp, path / name)
+    tmp = path / f".{MARKER}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(files, indent=2))
+    os.replace(tmp, path / MARKER)
+
+
 def damage(path: Path) -> str | None:
-    """What is wrong with a built demo checkpoint, from its headers and small files
-    alone (None: nothing found)."""
+    """What is wrong with the copied demo checkpoint, from its file sizes, headers and
+    small files alone (None: nothing found)."""
     from ..errors import CheckpointError
     from .config import check_checkpoint
 
+    for name, size in shipped_files().items():
+        try:
+            found = (path / name).stat().st_size
+        except OSError:
+            return f"{path / name} is missing"
+        if found != size:
+            return f"{path / name} has {found} bytes, not {size}"
     try:
         check_checkpoint(path)
     except CheckpointError as e:

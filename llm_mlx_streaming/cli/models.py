@@ -30,7 +30,7 @@ def _model_rows(settings: Settings) -> list[dict]:
     from ..checkpoints.default import bundled_path, is_built
 
     default = registry.default_name(settings)
-    entries = [(BUNDLED_NAME, bundled_path(), [], "bundled demo (built on first use)", None)]
+    entries = [(BUNDLED_NAME, bundled_path(), [], "bundled demo (copied on first use)", None)]
     entries += [(n, Path(e.path), e.aliases, e.source, e) for n, e in settings.models.items()]
     rows = []
     for name, path, aliases, source, entry in entries:
@@ -50,7 +50,7 @@ def _model_rows(settings: Settings) -> list[dict]:
             "problem": None,
         }
         if name == BUNDLED_NAME and not is_built():
-            row["problem"] = "not built yet"
+            row["problem"] = "not copied yet"
         else:
             try:
                 info = describe(read_config(path))

@@ -100,6 +100,7 @@ def simulate(trace, slots, policies, phase, json_):
     \b
     llm mlxs simulate q30 --slots 16,32,64
     llm mlxs simulate ../shared/traces/mixtral.jsonl --slots 2,4,6 --json
+    llm mlxs simulate tests/data/demo-trace.jsonl --slots 4,8   (the bundled demo's routing)
     """
     from ..experts.simulate import format_table
     from ..experts.simulate import simulate as run_simulation

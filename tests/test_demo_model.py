@@ -1,0 +1,124 @@
+"""The bundled demo model writes English, streams exactly, and routes with locality.
+
+It is the trained checkpoint in llm_mlx_streaming/checkpoints/demo/ (docs/demo-model.md),
+served by `llm -m mlx-stream` with 8 slots for its 16 experts.
+"""
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mlx_lm.utils import load_model
+
+from exactness import greedy_tokens, logits_trace
+from llm_mlx_streaming.checkpoints.default import SHIPPED
+from llm_mlx_streaming.engine.loading import load_streaming
+from llm_mlx_streaming.experts.simulate import load_trace, simulate
+from plugin_support import LlmEnv, assert_ok
+
+DATA = Path(__file__).parent / "data"
+PROMPTS = ("Once upon a time", "The Python standard library", "A list is")
+FUNCTION_WORDS = {"the", "of", "to", "a", "an", "and", "is", "in", "that", "for", "it", "be"}
+TOKENS = 60
+
+
+@pytest.fixture(scope="module")
+def corpus_words() -> set[str]:
+    return set((DATA / "demo-corpus-words.txt").read_text().split())
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """{prompt: stdout} of `llm -m mlx-stream PROMPT` on a fresh user dir (the bundled
+    default, copied out of the package on first use), greedy, 60 tokens."""
+    user_dir = tmp_path_factory.mktemp("llm")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LLM_USER_PATH", str(user_dir))
+    try:
+        env = LlmEnv(user_dir, SHIPPED)
+        out = {p: assert_ok(env.run("-m", "mlx-stream", "-o", "max_tokens", str(TOKENS), p)).stdout
+               for p in PROMPTS}
+        turns = env.turns()
+    finally:
+        mp.undo()
+    assert [t["stats"]["expert_slots"] for t in turns] == [8] * len(PROMPTS)
+    return out
+
+
+def words(text: str) -> list[str]:
+    return [w.lower() for w in re.findall(r"[A-Za-z]+", text)]
+
+
+def test_the_bundled_default_writes_words_of_its_corpus(served, corpus_words):
+    for prompt, text in served.items():
+        found = words(text)
+        assert len(found) >= 20, (prompt, text)  # 60 tokens of prose, not punctuation
+        known = sum(w in corpus_words for w in found) / len(found)
+        assert known >= 0.8, (prompt, known, text)
+        assert FUNCTION_WORDS & set(found), (prompt, text)
+
+
+def test_random_words_fail_the_vocabulary_check(corpus_words):
+    """The check above can fail: letters in random order are mostly not corpus words."""
+    rng = np.random.default_rng(0)
+    fake = ["".join(rng.choice(list("etaoinshrdlu"), size=rng.integers(3, 8))) for _ in range(200)]
+    assert sum(w in corpus_words for w in fake) / len(fake) < 0.5
+
+
+def test_demo_model_streams_bit_identically_at_every_pool_size(served):
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tokenizer = load_tokenizer(SHIPPED)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[0]}],
+                                           add_generation_prompt=True)
+    stock, config = load_model(SHIPPED)
+    expected = greedy_tokens(stock, prompt, TOKENS)
+    ref_prefill, ref_decode = logits_trace(stock, prompt, expected)
+    # What llm printed (8 slots) is stock mlx-lm's greedy text, up to end-of-text.
+    end = expected.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in expected else TOKENS
+    assert served[PROMPTS[0]].strip() == tokenizer.decode(expected[:end]).strip()
+
+    experts = config["num_experts"]
+    for slots in (experts, experts // 2, experts // 4, config["num_experts_per_tok"]):
+        loaded = load_streaming(SHIPPED, expert_slots=slots, policy="lru")
+        try:
+            tokens = greedy_tokens(loaded.model, prompt, TOKENS)
+            prefill, decode = logits_trace(loaded.model, prompt, tokens)
+            assert tokens == expected, f"{slots} slots"
+            for step, (got, want) in enumerate(zip(decode, ref_decode)):
+                assert np.array_equal(got, want), f"{slots} slots: decode step {step}"
+            np.testing.assert_allclose(prefill, ref_prefill, rtol=1e-4, atol=1e-4)
+            if slots < experts:
+                assert sum(pool.counters.misses for pool in loaded.pools) > experts
+            assert sum(pool.verify() for pool in loaded.pools) == 0
+        finally:
+            loaded.store.close()
+
+
+# -- its recorded routing trace ------------------------------------------------------
+
+
+TRACE = DATA / "demo-trace.jsonl"
+
+
+def test_the_recorded_trace_is_of_the_shipped_model():
+    config = json.loads((SHIPPED / "config.json").read_text())
+    seqs = load_trace(TRACE)
+    assert len(seqs) >= 4 and sum(s.steps for s in seqs) >= 400
+    for seq in seqs:
+        assert (seq.layers, seq.experts, seq.top_k) == (
+            config["num_hidden_layers"], config["num_experts"], config["num_experts_per_tok"])
+
+
+def test_demo_routing_has_locality_that_policies_can_use():
+    """At a quarter of the experts, LRU hits clearly more often than the 25% that
+    random routing gives, and Belady's optimum is well above LRU."""
+    rows = {row["slots"]: row for row in simulate(TRACE, [4, 8, 12])}
+    quarter = rows[4]
+    assert quarter["hit_rate"]["lru"] > 0.30
+    assert quarter["belady"] > quarter["hit_rate"]["lru"] + 0.1
+    for row in rows.values():
+        assert all(row["belady"] >= rate for rate in row["hit_rate"].values())
+    assert rows[4]["hit_rate"]["lru"] < rows[8]["hit_rate"]["lru"] < rows[12]["hit_rate"]["lru"]
