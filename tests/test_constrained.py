@@ -13,11 +13,10 @@ from plugin_support import assert_ok, assert_one_line_error
 
 @pytest.fixture
 def bundled_env(llm_env, build):
-    """llm_env serving a checkpoint built to the bundled demo's spec (random weights)."""
-    from llm_mlx_streaming.checkpoints.default import BUNDLED_SPEC
-
-    spec = dict(BUNDLED_SPEC)
-    path = build(spec.pop("arch"), **spec)
+    """llm_env serving a random checkpoint shaped like the old random demo (4 layers,
+    16 experts, top-4), served with 8 slots."""
+    path = build("qwen3_moe", hidden_size=128, num_layers=4, num_experts=16, top_k=4,
+                 moe_intermediate_size=64)
     llm_env.write_settings(default_model="demo", models={"demo": {"path": str(path), "expert_slots": 8}})
     return llm_env
 
