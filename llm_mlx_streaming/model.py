@@ -310,6 +310,8 @@ class MlxStreamModel(llm.Model):
             tokenizer = generation.tokenizer
             start = getattr(tokenizer, "think_start", None)
             end = getattr(tokenizer, "think_end", None)
+            if options.thinking is False:  # -o thinking off: no reasoning events, whatever the model writes
+                start = end = None
             splitter = ReplySplitter(
                 start, end, opens_thinking(rendered["generation_prompt"], start, end),
                 *((tokenizer.tool_call_start, tokenizer.tool_call_end) if tools else ()),

@@ -335,3 +335,11 @@ def test_the_next_turn_reuses_a_reply_cut_by_a_stop_sequence(llm_env):
     s1, s2 = first.response_json, second.response_json
     # everything up to the cut is reused; the stop sequence's own tokens are not
     assert s2["reused_tokens"] >= s1["prompt_tokens"] + len(ids) - 1
+
+
+def test_thinking_off_gives_no_reasoning_events(tools_env):
+    tools_env.script = ["<think>hmm</think>ok", "<think>hmm</think>ok"]
+    on = assert_ok(tools_env.run("-m", "mlx-stream", "-o", "thinking", "on", "hi"))
+    assert on.stdout == "ok\n" and "hmm" in on.stderr  # reasoning goes to stderr
+    off = assert_ok(tools_env.run("-m", "mlx-stream", "-o", "thinking", "off", "hi"))
+    assert off.stdout == "<think>hmm</think>ok\n"  # a model that thinks anyway is shown as text
