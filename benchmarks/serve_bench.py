@@ -11,7 +11,7 @@ response's logged figures. Then N clients each send one request,
 one after another and then all at once, alternating for a few rounds; total tokens/s of
 the two are compared.
 
-    python benchmarks/serve_bench.py [--calls 10] [--tokens 16] [--clients 8] [--rounds 3]
+    python benchmarks/serve_bench.py [--calls 10] [--tokens 16] [--clients 8] [--rounds 3] [--bundled]
 """
 
 from __future__ import annotations
@@ -123,17 +123,27 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16, help="tokens per reply")
     parser.add_argument("--clients", type=int, default=8, help="clients queued at once")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the throughput pair (median reported)")
+    parser.add_argument("--bundled", action="store_true",
+                        help="the bundled (trained) demo model instead, 4 of its 16 experts per layer resident")
     args = parser.parse_args()
 
-    path = build_checkpoint(CACHE / "qwen3_moe-bench", "qwen3_moe", quant="4bit", seed=0, **SHAPE)
-    slots = SHAPE["num_experts"] // 4
     user_dir = Path(tempfile.mkdtemp(prefix="serve-bench-"))
-    (user_dir / "mlx-streaming.json").write_text(json.dumps(
-        {"default_model": "bench", "models": {"bench": {"path": str(path), "expert_slots": slots}}}))
     env = {**os.environ, "LLM_USER_PATH": str(user_dir)}
+    if args.bundled:
+        experts, slots = 16, 4
+        (user_dir / "mlx-streaming.json").write_text(json.dumps({"expert_slots": slots}))
+        os.environ["LLM_USER_PATH"] = str(user_dir)
+        from llm_mlx_streaming.checkpoints.default import default_checkpoint
+
+        path = default_checkpoint()  # unpacked before any timing
+    else:
+        experts, slots = SHAPE["num_experts"], SHAPE["num_experts"] // 4
+        path = build_checkpoint(CACHE / "qwen3_moe-bench", "qwen3_moe", quant="4bit", seed=0, **SHAPE)
+        (user_dir / "mlx-streaming.json").write_text(json.dumps(
+            {"default_model": "bench", "models": {"bench": {"path": str(path), "expert_slots": slots}}}))
     llm_bin = Path(sys.executable).parent / "llm"
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.calls)]
-    print(f"checkpoint {path}, {slots} of {SHAPE['num_experts']} experts per layer resident (25%), "
+    print(f"checkpoint {path}, {slots} of {experts} experts per layer resident (25%), "
           f"{args.tokens} tokens per reply")
 
     startup = []  # the floor under both: starting an llm process at all
