@@ -568,3 +568,32 @@ def test_a_cancelled_async_prompt_hangs_up_on_the_server(served, monkeypatch):
 
     asyncio.run(cancel_after_first_chunk())
     wait_for(lambda: call(served, "GET", "/api/stats")[2]["server"]["disconnects"] == gone + 1)
+
+
+@pytest.mark.parametrize("stop_signal", ["SIGINT", "SIGTERM"])
+def test_the_serve_command_runs_until_stopped_and_cleans_up(llm_env, stop_signal):
+    import signal
+    import subprocess
+    import sys
+
+    from llm_mlx_streaming.server import discovery
+
+    env = {**os.environ, "LLM_USER_PATH": str(llm_env.user_dir)}
+    llm_bin = os.path.join(os.path.dirname(sys.executable), "llm")
+    proc = subprocess.Popen([llm_bin, "mlxs", "serve", "--port", "0", "--max-queue", "2"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: discovery.read() is not None or proc.poll() is not None, timeout=60)
+        info = discovery.read()
+        assert info is not None and info.pid == proc.pid, proc.stderr.read()
+        with urllib.request.urlopen(info.url + "/health", timeout=30) as resp:
+            assert json.loads(resp.read()) == {"status": "ok"}
+        proc.send_signal(getattr(signal, stop_signal))
+        assert proc.wait(30) == 0
+        assert not discovery.discovery_path().exists()
+        said = proc.stderr.read().decode()
+        assert "serving on " + info.url in said and "server stopped" in said and "Traceback" not in said
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import click
 
 from . import mlxs
@@ -26,4 +28,15 @@ def serve(host, port, model, api_key, max_queue):
 
     server = Server(host=host, port=port, model=model, api_key=api_key, max_queue=max_queue)
     click.echo(f"mlx-stream: serving on {server.url} (Ctrl-C stops)", err=True)
-    server.serve()
+    # uvicorn shuts down on SIGINT and SIGTERM, then re-raises the signal to the handler
+    # it found: let SIGTERM end like Ctrl-C, so `kill` removes the discovery file too
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        server.serve()
+    except KeyboardInterrupt:
+        pass
+    click.echo("mlx-stream: server stopped", err=True)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
