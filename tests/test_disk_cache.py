@@ -120,3 +120,24 @@ def test_off_writes_nothing(llm_env):
 @pytest.mark.parametrize("key, value", [("conversation_cache", "maybe"), ("conversation_cache_size", "lots")])
 def test_bad_settings_are_one_line(llm_env, key, value):
     assert_one_line_error(llm_env.run("mlxs", "config", key, value), key)
+
+
+def test_a_saved_cache_longer_than_the_shared_prefix_is_cut_back(llm_env):
+    """A template that re-renders an earlier reply differently (say, dropping its
+    reasoning) shares only the part before it: that part still comes from disk."""
+    from llm_mlx_streaming.engine.manager import get_manager
+
+    model, conversation, first = _first_turn(llm_env)
+    s1 = first.response_json
+    _fresh_process()
+    other = model.prompt("Tell me about tea, and coffee", max_tokens=4)  # same start, other turn
+    other.text()
+    shared = other.response_json
+    assert 0 < shared["disk_cache_tokens"] == shared["reused_tokens"] < s1["prompt_tokens"]
+    assert shared["prompt_tokens"] == shared["reused_tokens"] + shared["prefilled_tokens"]
+    # exact: the cut-back cache gives what a cold prefill gives
+    warm = other.text()
+    llm_env.write_settings(**{**llm_env.read_settings(), "conversation_cache": False})
+    _fresh_process()
+    assert model.prompt("Tell me about tea, and coffee", max_tokens=4).text() == warm
+    assert get_manager().last_stats["reused_tokens"] == 0

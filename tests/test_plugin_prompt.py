@@ -80,7 +80,8 @@ def test_chat_reuses_cache_and_matches_a_fresh_process(llm_env):
     fresh = llm_env.turns()[-1]
     first_fresh = llm_env.turns()[-2]
     reply_tokens = first_fresh["stats"]["prompt_tokens"] + first_fresh["stats"]["generated_tokens"]
-    assert fresh["stats"]["reused_tokens"] == fresh["stats"]["disk_cache_tokens"] == reply_tokens
+    # (the chat's own saved cache shares even more of this prompt: it is cut back to it)
+    assert fresh["stats"]["reused_tokens"] == fresh["stats"]["disk_cache_tokens"] >= reply_tokens
     assert fresh["input_tokens"] == s2["prompt_tokens"]
 
 

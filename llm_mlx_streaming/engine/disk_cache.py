@@ -3,8 +3,9 @@
 Each `llm` command is a new process, so `llm -c` would prefill the whole conversation
 again. At the end of a response the engine saves its KV cache with mlx-lm's
 `save_prompt_cache` (quantized if the KV is), named by the token prefix it holds:
-`<n>-<sha256 of the n token ids>.safetensors`. A later prompt that extends such a
-prefix loads the longest one (`load_prompt_cache`) and prefills only the rest.
+`<n>-<sha256 of the n token ids>.safetensors`, the ids themselves in its metadata. A
+later prompt loads the file that shares the longest prefix with it (`load_prompt_cache`),
+cut back to that prefix if it holds more, and prefills only the rest.
 
 Files live in one folder per namespace: the checkpoint's fingerprint (each shard's
 inode, ctime, size and sampled bytes: experts/packed.py), the package version and
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-FORMAT = "mlx-stream-kv-1"
+FORMAT = "mlx-stream-kv-2"  # 2: the token ids in the metadata
 SUFFIX = ".safetensors"
 STALE_PARTIAL_SECONDS = 3600
 
@@ -101,23 +102,37 @@ class DiskCache:
         return [(entry, p) for p in paths if (entry := _entry(p)) is not None]
 
     def lookup(self, prompt: list[int], longer_than: int, expected) -> Optional[Found]:
-        """The longest saved prefix of `prompt` (shorter than the prompt, longer than
-        `longer_than`) that loads and checks out; `expected` is a fresh cache of the
-        model, whose classes a loaded one must have."""
-        candidates = sorted(
-            ((n, digest, path) for (n, digest), path in self._entries() if longer_than < n < len(prompt)),
-            reverse=True,
-        )
-        for n, digest, path in candidates:
-            if prefix_hash(prompt[:n]) != digest:
+        """The saved cache sharing the longest prefix with `prompt` (shorter than the
+        prompt, longer than `longer_than`) that loads and checks out, cut back to that
+        prefix when it holds more (a template that re-renders an earlier reply, such
+        as one that drops old reasoning, shares only the part before it); `expected` is
+        a fresh cache of the model, whose layout a loaded one must have."""
+        from mlx_lm.utils import common_prefix_len
+
+        candidates = []
+        for (n, digest), path in self._entries():
+            header = _saved_header(path)
+            if header is not None and header[0] != self.space:
+                notice(f"conversation cache {path.name} was made for another checkpoint, version or KV layout; ignored")
                 continue
-            cache = self._load(path, n, expected)
+            held = header[1] if header is not None else None
+            if held is None or len(held) != n or prefix_hash(held) != digest:
+                notice(f"conversation cache {path.name} cannot be read or does not match its name; removed")
+                _remove(path)
+                continue
+            shared = min(common_prefix_len(held, prompt), len(prompt) - 1)
+            if shared > longer_than:
+                candidates.append((shared, -n, path))
+        for shared, minus_n, path in sorted(candidates, reverse=True):
+            cache = self._load(path, -minus_n, expected)
+            if cache is not None and shared < -minus_n:
+                cache = _cut(cache, -minus_n - shared)
             if cache is not None:
                 try:
                     os.utime(path)  # recently used
                 except OSError:
                     pass
-                return Found(cache, list(prompt[:n]))
+                return Found(cache, list(prompt[:shared]))
         return None
 
     def _load(self, path: Path, n: int, expected) -> Optional[list]:
@@ -157,7 +172,8 @@ class DiskCache:
         fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".partial-", suffix=SUFFIX)
         os.close(fd)
         try:
-            save_prompt_cache(tmp, cache, {"format": FORMAT, "namespace": self.space, "tokens": str(n)})
+            save_prompt_cache(tmp, cache, {"format": FORMAT, "namespace": self.space, "tokens": str(n),
+                                           "token_ids": json.dumps([int(t) for t in tokens])})
             final = self.folder / f"{n}-{digest}{SUFFIX}"
             os.replace(tmp, final)
         except BaseException:
@@ -169,6 +185,35 @@ class DiskCache:
         size = final.stat().st_size
         evict(self.spec.root, self.spec.max_bytes)
         return size
+
+
+def _saved_header(path: Path) -> Optional[tuple[Optional[str], list[int]]]:
+    """(namespace, token ids) of a cache file, from its safetensors header alone."""
+    try:
+        with open(path, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            if not 0 < size < 64 * 2**20:
+                return None
+            header = json.loads(fh.read(size))
+        # save_prompt_cache flattens its metadata into the header ("1.token_ids")
+        meta = {k.split(".")[-1]: v for k, v in header["__metadata__"].items()}
+        ids = json.loads(meta["token_ids"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if not (isinstance(ids, list) and all(isinstance(t, int) for t in ids)):
+        return None
+    return meta.get("namespace"), ids
+
+
+def _cut(cache, count: int) -> Optional[list]:
+    """`cache` without its last `count` tokens, or None where a layer cannot be cut
+    (a linear-attention state is only ever extended)."""
+    from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+    if not can_trim_prompt_cache(cache):
+        return None
+    trim_prompt_cache(cache, count)
+    return cache
 
 
 def evict(root: Path, max_bytes: int) -> None:
