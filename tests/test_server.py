@@ -240,6 +240,16 @@ def test_stats_and_config_validation(served):
     assert call(served, "POST", "/api/engine/config", {"max_tokens": None})[2]["max_tokens"] == 256
 
 
+def test_stats_answer_while_a_pool_is_being_replaced(served, monkeypatch):
+    from llm_mlx_streaming.engine.manager import get_manager
+
+    call(served, "POST", "/v1/chat/completions", chat_body("hi"))
+    layer = get_manager().loaded.layers[0]
+    monkeypatch.setattr(layer, "pool", None)  # what a rebuild leaves for a moment
+    status, _, stats = call(served, "GET", "/api/stats")
+    assert status == 200 and [layer["layer"] for layer in stats["layers"]] == [1]
+
+
 def test_config_change_while_requests_queue_rebuilds_before_they_run(served, blocked):
     from llm_mlx_streaming.engine.manager import get_manager
 

@@ -482,7 +482,8 @@ class EngineManager:
     # -- metrics -----------------------------------------------------------------
     def slots_per_layer(self) -> int | list[int] | None:
         """Slots per MoE layer: one number when every layer has the same."""
-        slots = [pool.slots for pool in (self.loaded.pools if self.loaded else [])]
+        # (a pool being rebuilt is None for a moment; the server reads this meanwhile)
+        slots = [pool.slots for pool in (self.loaded.pools if self.loaded else []) if pool is not None]
         if not slots:
             return None
         return slots[0] if len(set(slots)) == 1 else slots
@@ -493,7 +494,8 @@ class EngineManager:
         total = PoolCounters()
         total.add(self._retired)
         for pool in self.loaded.all_pools if self.loaded else []:
-            total.add(pool.counters)
+            if pool is not None:  # None while it is being rebuilt
+                total.add(pool.counters)
         return total
 
     def verify(self) -> int:

@@ -272,7 +272,8 @@ class Service:
         out = engine.metrics()
         layers = []
         for i, pool in enumerate(engine.loaded.pools if engine.loaded else []):
-            layers.append({"layer": i, "slots": pool.slots, **pool.counters.as_dict()})
+            if pool is not None:  # None while a rebuild replaces it
+                layers.append({"layer": i, "slots": pool.slots, **pool.counters.as_dict()})
         out.update({
             "model": self.model_id,
             "rebuilding": self.rebuilds > 0,
