@@ -17,6 +17,8 @@ with the forecast for a GPU that adds a fixed host round-trip per MoE layer per 
 
     python benchmarks/spec_bench.py [--tokens 24] [--fractions 0.25,1.0,0.5] \\
         [--page-cache keep,bypass] [--k 0,1,2,3,4,6,auto] [--out results.jsonl]
+    python benchmarks/spec_bench.py --breakdown [--reps 8]   # one pass of 1..7 positions
+    python benchmarks/spec_bench.py --kernels                # MLX matmuls at 1..8 positions
 """
 
 from __future__ import annotations
@@ -94,6 +96,57 @@ def decode(engine: EngineManager, prompt: list[int], tokens: int, k, drafter=Non
     }
 
 
+def pass_times(engine: EngineManager, prompt: list[int], widths, reps: int) -> list[tuple[int, float]]:
+    """(width, fastest seconds) of one forward over `width` positions after `prompt`, the
+    cache trimmed back after each; the fastest of `reps` (other processes share this
+    machine, and only ever make a pass slower). Positions are random tokens, so each
+    pass routes like a verify pass of random drafts."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+    model = engine.loaded.model
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array(prompt)[None], cache=cache))
+    rng = np.random.default_rng(2)
+    out = []
+    for width in widths:
+        best = float("inf")
+        for _ in range(reps):
+            tokens = mx.array(rng.integers(3, 400, width))[None]
+            tic = time.perf_counter()
+            mx.eval(model(tokens, cache=cache))
+            best = min(best, time.perf_counter() - tic)
+            trim_prompt_cache(cache, width)
+        out.append((width, best))
+    return out
+
+
+def kernel_rows(reps: int) -> None:
+    """How MLX's matmuls here scale with the rows of a pass: the benchmark checkpoint's
+    expert shape (4-bit, 1024 -> 768, top-8 of 128), fastest of `reps`."""
+    import mlx.core as mx
+
+    def fastest(f):
+        best = float("inf")
+        for _ in range(reps):
+            tic = time.perf_counter()
+            mx.eval(f())
+            best = min(best, time.perf_counter() - tic)
+        return best * 1e3
+
+    D, F, E, top_k = SHAPE["hidden_size"], SHAPE["moe_intermediate_size"], SHAPE["num_experts"], SHAPE["top_k"]
+    w, scales, biases = mx.quantize(mx.random.normal((E, F, D)), 64, 4)
+    dense = mx.random.normal((F * top_k, D))
+    print(f"{'positions':>9} {'experts 4-bit ms':>16} {'dense fp32 ms':>13}  (fastest of {reps}; {mx.default_device()})")
+    for rows in (1, 2, 4, 8):
+        x = mx.random.normal((1, rows, 1, 1, D))
+        idx = mx.random.randint(0, E, (1, rows, top_k)).astype(mx.uint32)
+        experts = fastest(lambda: mx.gather_qmm(x, w, scales, biases, rhs_indices=idx, transpose=True,
+                                                group_size=64, bits=4))
+        flat = mx.random.normal((rows, D))
+        print(f"{rows:>9} {experts:>16.2f} {fastest(lambda: flat @ dense.T):>13.2f}")
+
+
 def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     """(fixed seconds per pass, seconds per position): least squares over the median
     time of the passes of each width (medians: other processes share this machine)."""
@@ -113,7 +166,15 @@ def main() -> None:
     parser.add_argument("--drafters", default="oracle,adversary,ngram-repetitive,ngram-ordinary")
     parser.add_argument("--ngram-k", default="0,2,4,auto", help="k values for the ngram rows")
     parser.add_argument("--out", type=Path, help="append each row as a JSON line here")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="only time single forwards of 1..7 positions (fastest of --reps) and split them")
+    parser.add_argument("--reps", type=int, default=8)
+    parser.add_argument("--kernels", action="store_true",
+                        help="only time MLX's expert and dense matmuls at 1, 2, 4, 8 positions")
     args = parser.parse_args()
+    if args.kernels:
+        kernel_rows(max(args.reps, 10))
+        return
     ks = [k if k == "auto" else int(k) for k in args.k.split(",")]
     drafters = args.drafters.split(",")
 
@@ -127,6 +188,18 @@ def main() -> None:
     print(header, flush=True)
     engine = EngineManager()
     splits = []
+    if args.breakdown:
+        print(f"{'resident':>8} {'cache':>6} " + " ".join(f"{'L=' + str(w):>7}" for w in range(1, 8)) + "  (ms, fastest of"
+              f" {args.reps})", flush=True)
+        for fraction in (float(f) for f in args.fractions.split(",")):
+            for page_cache in args.page_cache.split(","):
+                engine.load(path, expert_slots=max(1, round(E * fraction)), page_cache=page_cache)
+                points = pass_times(engine, texts["ordinary"], range(1, 8), args.reps)
+                print(f"{fraction:>8.0%} {page_cache:>6} " + " ".join(f"{t * 1e3:>7.0f}" for _, t in points), flush=True)
+                splits.append((fraction, page_cache, *fit(points)))
+        engine.unload()
+        report_splits(splits, moe_layers)
+        return
     for fraction in (float(f) for f in args.fractions.split(",")):
         slots = max(1, round(E * fraction))
         for page_cache in args.page_cache.split(","):
@@ -170,8 +243,12 @@ def main() -> None:
                 splits.append((fraction, page_cache, fixed, per_position))
     engine.unload()
 
+    report_splits(splits, moe_layers)
+
+
+def report_splits(splits, moe_layers) -> None:
     if splits:
-        print("\nOne verify pass = fixed + per_position x positions (least squares over the median pass time per width, oracle rows);")
+        print("\nOne verify pass = fixed + per_position x positions (least squares over the pass times per width);")
         print(f"the GPU forecast adds {GPU_ROUND_TRIP_S * 1e3:.0f} ms per MoE layer ({moe_layers} layers) to the fixed part.")
         print(f"{'resident':>8} {'cache':>6} {'fixed ms':>8} {'ms/position':>11} "
               f"{'oracle k=3 bound':>16} {'GPU fixed ms':>12} {'GPU k=3 bound':>13}")
