@@ -343,3 +343,13 @@ def test_thinking_off_gives_no_reasoning_events(tools_env):
     assert on.stdout == "ok\n" and "hmm" in on.stderr  # reasoning goes to stderr
     off = assert_ok(tools_env.run("-m", "mlx-stream", "-o", "thinking", "off", "hi"))
     assert off.stdout == "<think>hmm</think>ok\n"  # a model that thinks anyway is shown as text
+
+
+def test_tools_in_llm_chat(tools_env):
+    tools_env.script = [CALL, "It is that.", "Fine."]
+    out = assert_ok(tools_env.run("chat", "-m", "mlx-stream", "-T", "llm_version",
+                                  input="Which llm version?\nthanks\nquit\n")).stdout
+    assert "tool_call" not in out and "It is that." in out and "Fine." in out
+    turns = tools_env.turns()
+    assert len(turns) == 3 and len({t["thread_id"] for t in turns}) == 1
+    assert turns[2]["stats"]["reused_tokens"] > turns[1]["stats"]["prompt_tokens"]
