@@ -53,8 +53,9 @@ def test_chat_speculates_and_reuses_its_cache(llm_env):
     assert spec == plain
     first, second = llm_env.turns()[-2:]
     assert second["stats"]["k"] == 3
-    # everything but the last reply token, which the next turn's prefill feeds
-    assert second["stats"]["reused_tokens"] == first["stats"]["prompt_tokens"] + first["stats"]["generated_tokens"] - 1
+    # at least everything but the last reply token, which the next turn's prefill feeds
+    # (the conversation cache on disk may hold the k = 0 chat's, which has it)
+    assert second["stats"]["reused_tokens"] >= first["stats"]["prompt_tokens"] + first["stats"]["generated_tokens"] - 1
 
 
 def test_settings_k_and_draft(llm_env):
