@@ -74,7 +74,7 @@ def test_settings_k_and_draft(llm_env):
     assert "k:" in options and "draft:" in options and "Speculative decoding" in options
 
 
-@pytest.mark.parametrize("value", ["-1", "abc", "1.5"])
+@pytest.mark.parametrize("value", ["-1", "abc", "1.5", "100"])
 def test_bad_k_is_refused_before_anything_runs(llm_env, value):
     assert_llm_option_error(llm_env.run("-m", "mlx-stream", "-o", "k", value, "hi"), "k")
     assert llm_env.turns() == []

@@ -361,7 +361,7 @@ def test_bad_drafters_are_one_line_errors(build, tmp_path):
     with pytest.raises(EngineError, match="does not share the vocabulary") as info:
         _generate(engine, _prompt(path), k=K, draft="small", draft_path=other)
     assert "'small'" in str(info.value) and path.name in str(info.value) and "\n" not in str(info.value)
-    for k in (-1, "abc", 1.5):
+    for k in (-1, "abc", 1.5, 33):
         with pytest.raises(EngineError, match="k must be"):
             _generate(engine, _prompt(path), k=k)
     model, _ = load_model(path)

@@ -42,7 +42,6 @@ class SpecFigures:
     accepted_tokens: int = 0  # drafts the verifier kept
     verify_passes: int = 0  # forwards after the prefill
     pass_tokens: int = 0  # tokens emitted by those forwards
-    pass_positions: int = 0  # positions those forwards computed
     speculation_off: Optional[str] = None  # why this generation decoded without drafts
 
     def as_dict(self) -> dict:
@@ -166,7 +165,6 @@ class SpeculativeRun:
         self.fed.extend(inputs[: 1 + accepted])
         f = self.figures
         f.verify_passes += 1
-        f.pass_positions += len(inputs)
         f.pass_tokens += accepted + 1
         f.draft_tokens += len(drafts)
         f.accepted_tokens += accepted

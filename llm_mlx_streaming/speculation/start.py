@@ -16,17 +16,23 @@ from .drafter import DraftContext, DraftError, make_drafter
 from .sampling import TargetSampler
 
 
+MAX_K = 32  # a pass of more positions than this is a prefill, not a verification
+
+
 def check_k(k) -> "int | str":
-    """k as the engine uses it: a whole number >= 0 or "auto"; ValueError in one line."""
+    """k as the engine uses it: a whole number 0..MAX_K or "auto"; ValueError in one line."""
+    value = None
     if isinstance(k, str):
         text = k.strip().lower()
         if text == "auto":
             return "auto"
         if text.isdigit():
-            return int(text)
-    elif isinstance(k, int) and not isinstance(k, bool) and k >= 0:
-        return k
-    raise ValueError(f"k must be a whole number of draft tokens (0: off) or auto, got {k!r}")
+            value = int(text)
+    elif isinstance(k, int) and not isinstance(k, bool):
+        value = k
+    if value is not None and 0 <= value <= MAX_K:
+        return value
+    raise ValueError(f"k must be a whole number of draft tokens from 0 (off) to {MAX_K}, or auto; got {k!r}")
 
 
 def figures_for(request) -> SpecFigures:
