@@ -556,9 +556,9 @@ def test_a_cancelled_async_prompt_hangs_up_on_the_server(served, monkeypatch):
 
     real_put = bridge.Run._put
 
-    def slow_put(self, kind, value):  # the reply reaches the client slowly
-        time.sleep(0.05)
-        real_put(self, kind, value)
+    async def slow_put(self, kind, value):  # the reply reaches the client slowly
+        await asyncio.sleep(0.05)
+        await real_put(self, kind, value)
 
     monkeypatch.setattr(bridge.Run, "_put", slow_put)
     gone = call(served, "GET", "/api/stats")[2]["server"]["disconnects"]

@@ -2,6 +2,7 @@
 
 schemas.py holds the request and response bodies, gate.py the one-at-a-time queue,
 runtime.py the parameters a running server can change, bridge.py runs the plugin's own
-prompt path on a thread and hands its events to the event loop, service.py the routes,
+prompt path (its async model) as a task on the event loop, service.py the routes
+(with http_layer.py, replies.py and shapes.py for errors, messages in and replies out),
 discovery.py the file that tells `llm` a server runs, client.py the `llm` side.
 """

@@ -1,21 +1,18 @@
-"""One request through the plugin's own prompt path, on a thread, events to the loop.
+"""One request through the plugin's own prompt path, as a task on the event loop.
 
-The server answers with exactly what `llm -m ...` would: it calls the registered llm
-model with the request's messages and options, so resolution, the engine's locked
-"load and generate", `<think>` splitting and the figures are the plugin's. The llm
-response is a blocking iterator, so it is driven on a thread of its own and each event
-is handed to the event loop; the thread marks itself as the server's so the plugin does
-not route the prompt back to this very server.
+The server answers with exactly what `llm -m ...` would: it prompts the registered llm
+model (its async twin) with the request's messages and options, so resolution, the
+engine's locked "load and generate", `<think>` splitting and the figures are the
+plugin's. `no_server` keeps the plugin from routing the prompt back to this very
+server. Cancelling the task closes the model's stream, which cancels the engine's
+generation at its next token.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
-
-from .client import serving_thread
 
 
 @dataclass
@@ -42,29 +39,29 @@ class Result:
 
 
 class Run:
-    """A prompt running on its own thread; `events()` yields ("text"|"reasoning", chunk)
-    and ends with ("done", Result); `cancel()` stops it at its next token."""
+    """A prompt running as a task; `events()` yields ("text"|"reasoning", chunk) and
+    ends with ("done", Result) (also when cancelled); `cancel()` stops it."""
 
     def __init__(self, model_id: str, messages: list, options: dict, schema: Optional[dict] = None) -> None:
         self.model_id, self.messages, self.options, self.schema = model_id, messages, options, schema
         self.result = Result()
-        self.finished = threading.Event()
-        self._cancel = threading.Event()
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self.cancelled = False
+        self._task: Optional[asyncio.Task] = None
         self._queue: Optional[asyncio.Queue] = None
 
     def start(self) -> "Run":
-        self._loop = asyncio.get_running_loop()
         self._queue = asyncio.Queue()
-        threading.Thread(target=self._work, name="mlx-stream-request", daemon=True).start()
+        self._task = asyncio.get_running_loop().create_task(self._work())
         return self
 
-    def cancel(self) -> None:
-        self._cancel.set()
-
     @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
+    def finished(self) -> bool:
+        return self._task is not None and self._task.done()
+
+    def cancel(self) -> None:
+        if not self.finished:
+            self.cancelled = True
+            self._task.cancel()
 
     async def events(self) -> AsyncIterator[tuple[str, Any]]:
         while True:
@@ -75,39 +72,29 @@ class Run:
             if kind == "done":
                 return
 
-    def _put(self, kind: str, value) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, (kind, value))
-        except RuntimeError:
-            pass  # the loop has closed: the server is stopping
+    async def _put(self, kind: str, value) -> None:
+        self._queue.put_nowait((kind, value))
 
-    def _work(self) -> None:
+    async def _work(self) -> None:
         import llm
 
         from ..prompting import METADATA_KEY
 
-        serving_thread(True)
         try:
-            response = llm.get_model(self.model_id).prompt(messages=self.messages, schema=self.schema,
-                                                           **self.options)
-            events = response.stream_events()
-            try:
-                for event in events:
-                    tokens = ((event.provider_metadata or {}).get(METADATA_KEY) or {}).get("tokens")
-                    if tokens is not None:
-                        self.result.tokens = list(tokens)
-                    if event.chunk and event.type in ("text", "reasoning"):
-                        self.result.text_events += 1
-                        self._put(event.type, event.chunk)
-                    if self._cancel.is_set():
-                        break
-            finally:
-                events.close()  # a cut run: closing the plugin's generator cancels the engine's
-            if not self._cancel.is_set():
-                self.result.stats = dict(response.response_json or {})
-                self.result.resolved_model = response.resolved_model
-            self._put("done", self.result)
+            model = llm.get_async_model(self.model_id)
+            response = model.prompt(messages=self.messages, schema=self.schema, no_server=True, **self.options)
+            async for event in response.astream_events():
+                tokens = ((event.provider_metadata or {}).get(METADATA_KEY) or {}).get("tokens")
+                if tokens is not None:
+                    self.result.tokens = list(tokens)
+                if event.chunk and event.type in ("text", "reasoning"):
+                    self.result.text_events += 1
+                    await self._put(event.type, event.chunk)
+            self.result.stats = dict(response.response_json or {})
+            self.result.resolved_model = response.resolved_model
+            await self._put("done", self.result)
+        except asyncio.CancelledError:
+            self._queue.put_nowait(("done", self.result))  # whoever still reads gets an end
+            raise
         except Exception as e:
-            self._put("error", e)
-        finally:
-            self.finished.set()
+            self._queue.put_nowait(("error", e))

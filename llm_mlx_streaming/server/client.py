@@ -11,26 +11,16 @@ from __future__ import annotations
 import http.client
 import json
 import socket
-import threading
 from typing import Iterator, Optional
 from urllib.parse import urlsplit
 
 from ..errors import MlxStreamError, one_line
 from . import discovery
 
-_local = threading.local()
-
-
-def serving_thread(on: bool) -> None:
-    """Mark the calling thread as one that answers server requests (never routed)."""
-    _local.serving = on
-
-
 def running_server(options, settings, prompt=None) -> Optional["ServerClient"]:
     """The server a prompt with these options should go to, or None for in-process
-    (also for a prompt with tools, which the API here does not carry)."""
-    if getattr(_local, "serving", False):
-        return None
+    (also for a prompt with tools, which the API here does not carry; the server's own
+    prompts say no_server)."""
     if prompt is not None and (getattr(prompt, "tools", None) or getattr(prompt, "tool_results", None)):
         return None
     if getattr(options, "no_server", None) or getattr(settings, "server", "auto") == "off":

@@ -54,7 +54,7 @@ class Turn:
         if self._done:
             return
         self._done = True
-        if not self.run.finished.is_set():
+        if not self.run.finished:
             self.run.cancel()
         self.service.served += served
         self.service.gate.release()
