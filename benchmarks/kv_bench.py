@@ -100,7 +100,7 @@ def kv_table(contexts: list[int], decode_tokens: int) -> None:
     engine.unload()
 
 
-def prefill_table(prompts: list[int], share: float, untiled: set[int]) -> None:
+def prefill_table(prompts: list[int], share: float, untiled: set[int], kinds: set[str]) -> None:
     path = build_checkpoint(CACHE / "prefill-bench", "qwen3_moe", quant="4bit", seed=0, **PREFILL_SHAPE)
     E = PREFILL_SHAPE["num_experts"]
     slots = max(PREFILL_SHAPE["top_k"], int(E * share))
@@ -116,6 +116,7 @@ def prefill_table(prompts: list[int], share: float, untiled: set[int]) -> None:
         rows = [("2048 (before)", 2048, ATTENTION_TILE), (f"{max(n, 2048)} (after)", max(n, 2048), ATTENTION_TILE)]
         if n in untiled:  # the same large chunk with attention over the whole chunk at once
             rows.append((f"{n}, no tiles", n, n))
+        rows = [r for r in rows if r[0].split(" ")[-1].strip("(),") in kinds or (", no" in r[0] and "untiled" in kinds)]
         for label, step, tile in rows:
             tile_attention(engine.loaded.model, tile)
             engine.configure(expert_slots=slots + 1)
@@ -140,6 +141,7 @@ def main() -> None:
     parser.add_argument("--resident", type=float, default=0.25, help="share of each layer's experts resident")
     parser.add_argument("--untiled", default="8192",
                         help="prompt sizes that also get a one-chunk row without attention tiles")
+    parser.add_argument("--rows", default="before,after,untiled", help="prefill rows to run")
     parser.add_argument("--skip-kv", action="store_true")
     parser.add_argument("--skip-prefill", action="store_true")
     args = parser.parse_args()
@@ -147,7 +149,7 @@ def main() -> None:
         kv_table([int(c) for c in args.contexts.split(",")], args.decode_tokens)
     if not args.skip_prefill:
         prefill_table([int(p) for p in args.prompts.split(",")], args.resident,
-                      {int(p) for p in args.untiled.split(",") if p})
+                      {int(p) for p in args.untiled.split(",") if p}, set(args.rows.split(",")))
 
 
 if __name__ == "__main__":

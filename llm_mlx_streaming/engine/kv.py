@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-KV_BITS = (4, 8)  # what mlx-lm's quantized attention is tested with; see docs/llm-plugin.md
+KV_BITS = (4, 8)  # others are refused until measured on real models (docs/benchmarks.md, "Long context")
 KV_GROUP_SIZES = (32, 64, 128)  # the group sizes mx.quantize accepts
 
 
@@ -210,14 +210,6 @@ def kept_note(cache) -> Optional[str]:
 
 
 # -- caches on disk (for a conversation cache that saves and loads prompt caches) --------
-
-
-def layout_key(spec: KVSpec) -> str:
-    """The KV layout as a cache key: a cache saved under one layout is never loaded
-    under another (e.g. "kv-off", "kv4-g64-s0")."""
-    if not spec.quantized:
-        return "kv-off"
-    return f"kv{spec.bits}-g{spec.group_size}-s{spec.start}"
 
 
 def for_saving(cache) -> list:

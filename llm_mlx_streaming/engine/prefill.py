@@ -42,6 +42,7 @@ class TiledAttention(nn.Module):
             end = min(length, start + self.tile)
             rows = mask if isinstance(mask, str) else mask[..., start:end, : offset + end]
             outputs.append(self.attention(x[:, start:end], rows, cache))
+            mx.eval(outputs[-1])  # one tile's scores at a time, not every tile's at once
         return mx.concatenate(outputs, axis=1)
 
 
