@@ -402,10 +402,13 @@ def cmd_train(args):
         if time.time() - last_save > args.save_every or step == args.steps:
             save()
             last_save = time.time()
-    print(f"valid perplexity (float32, torch): {evaluate(model, valid, args.context):.1f}", flush=True)
+    # Run again after the last step to only print this (the perplexities `export` prints in MLX).
+    windows = args.eval_windows
+    print(f"validation perplexity (float32, PyTorch, {windows} windows): "
+          f"{evaluate(model, valid, args.context, windows):.1f}", flush=True)
 
 
-def evaluate(model, ids, context, max_windows=200):
+def evaluate(model, ids, context, max_windows):
     import torch
     import torch.nn.functional as F
 
@@ -443,7 +446,7 @@ def perplexity(model, ids, context: int) -> float:
     import mlx.nn as nn
 
     total, count = 0.0, 0
-    for start in range(0, len(ids) - context - 1, context):
+    for start in range(0, len(ids) - context, context):
         window = mx.array(ids[start : start + context + 1])[None]
         logits = model(window[:, :-1]).astype(mx.float32)
         total += nn.losses.cross_entropy(logits, window[:, 1:], reduction="sum").item()
@@ -550,8 +553,8 @@ def main():
     ap.add_argument("--bits", type=int, default=4, help="export quantization (0: float)")
     ap.add_argument("--out", default=str(PACKAGE_DIR))
     ap.add_argument("--trace-tokens", type=int, default=128)
-    ap.add_argument("--eval-windows", type=int, default=1000,
-                    help="validation windows for export's perplexities (0: skip)")
+    ap.add_argument("--eval-windows", type=int, default=40,
+                    help="validation windows (of --context tokens) for the perplexities (0: skip)")
     args = ap.parse_args()
     random.seed(args.seed)
     {"corpus": cmd_corpus, "tokenizer": cmd_tokenizer, "train": cmd_train,
