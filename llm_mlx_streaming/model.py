@@ -41,6 +41,12 @@ from .settings import (
 )
 
 
+# -- demo model (#14): repetition penalty (see _repetition_processors) -----------
+BUNDLED_REPETITION_PENALTY = 1.3
+REPETITION_CONTEXT = 64
+# -- end demo model ---------------------------------------------------------------
+
+
 class Options(llm.Options):
     max_tokens: Optional[int] = Field(
         None, ge=-1,
@@ -125,6 +131,15 @@ class Options(llm.Options):
         return parse_switch(value)
     # -- end features (#11) ----------------------------------------------------
 
+    # -- demo model (#14): repetition penalty ------------------------------------
+    repetition_penalty: Optional[float] = Field(
+        None, ge=1, le=5,
+        description=f"Make tokens among the last {REPETITION_CONTEXT} this many times less "
+        "likely (mlx-lm's repetition penalty); 1: off (default {BUNDLED_REPETITION_PENALTY} for the bundled "
+        "demo, whose greedy text loops without it; 1 for other models)",
+    )
+    # -- end demo model -----------------------------------------------------------
+
     # -- long context (engine/kv.py) --
     kv_bits: Optional[Union[int, str]] = Field(
         None, description="Quantize the KV cache to 4 or 8 bits, or off (default: the kv_bits setting)"
@@ -153,6 +168,23 @@ class Options(llm.Options):
     @classmethod
     def _check_prefill_step(cls, value):
         return None if value is None else normalize_prefill_step(value)
+
+
+# -- demo model (#14): repetition penalty ----------------------------------------
+def _repetition_processors(options, name: str) -> list:
+    """mlx-lm's repetition penalty as a logits processor, when it is on: the bundled demo
+    gets one by default, because so small a model's greedy text soon loops. It is a
+    deterministic function of the logits, so decoding stays exact at every pool size."""
+    penalty = options.repetition_penalty
+    if penalty is None:
+        penalty = BUNDLED_REPETITION_PENALTY if name == BUNDLED_NAME else 1.0
+    if penalty == 1.0:
+        return []
+    from mlx_lm.sample_utils import make_logits_processors
+
+    return make_logits_processors(repetition_penalty=penalty,
+                                  repetition_context_size=REPETITION_CONTEXT)
+# -- end demo model ---------------------------------------------------------------
 
 
 def parse_stop(value):
@@ -271,7 +303,7 @@ class MlxStreamModel(llm.Model):
         # -- end serve ---------------------------------------------------------------
         r = self._resolve(options, settings)
         rendered = {}
-        processors: list = []  # filled in by render, which knows the tokenizer
+        processors: list = _repetition_processors(options, r.name)  # render adds the schema's
         grammar = _schema_grammar(prompt.schema) if prompt.schema else None
 
         tools = template_tools(function_tools(prompt))

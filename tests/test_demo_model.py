@@ -8,14 +8,19 @@ import json
 import re
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.utils import load_model
 
 from exactness import greedy_tokens, logits_trace
 from llm_mlx_streaming.checkpoints.default import SHIPPED
 from llm_mlx_streaming.engine.loading import load_streaming
 from llm_mlx_streaming.experts.simulate import load_trace, simulate
+from llm_mlx_streaming.model import BUNDLED_REPETITION_PENALTY, REPETITION_CONTEXT, Options
+from llm_mlx_streaming.model import _repetition_processors
 from plugin_support import LlmEnv, assert_ok
 
 DATA = Path(__file__).parent / "data"
@@ -58,6 +63,7 @@ def test_the_bundled_default_writes_words_of_its_corpus(served, corpus_words):
         known = sum(w in corpus_words for w in found) / len(found)
         assert known >= 0.8, (prompt, known, text)
         assert FUNCTION_WORDS & set(found), (prompt, text)
+        assert len(set(found)) >= 15, (prompt, text)  # the default penalty keeps it from looping
 
 
 def test_random_words_fail_the_vocabulary_check(corpus_words):
@@ -67,6 +73,14 @@ def test_random_words_fail_the_vocabulary_check(corpus_words):
     assert sum(w in corpus_words for w in fake) / len(fake) < 0.5
 
 
+def penalized_greedy(model, prompt, n=TOKENS, penalty=BUNDLED_REPETITION_PENALTY):
+    """mlx-lm's own loop, greedy, with its repetition penalty as the plugin applies it."""
+    processors = make_logits_processors(repetition_penalty=penalty,
+                                        repetition_context_size=REPETITION_CONTEXT)
+    steps = generate_step(mx.array(prompt), model, max_tokens=n, logits_processors=processors)
+    return [token for token, _ in steps]
+
+
 def test_demo_model_streams_bit_identically_at_every_pool_size(served):
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
@@ -74,17 +88,20 @@ def test_demo_model_streams_bit_identically_at_every_pool_size(served):
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[0]}],
                                            add_generation_prompt=True)
     stock, config = load_model(SHIPPED)
-    expected = greedy_tokens(stock, prompt, TOKENS)
+    expected = penalized_greedy(stock, prompt)
     ref_prefill, ref_decode = logits_trace(stock, prompt, expected)
-    # What llm printed (8 slots) is stock mlx-lm's greedy text, up to end-of-text.
+    # What llm printed (8 slots) is stock mlx-lm's text, up to end-of-text.
     end = expected.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in expected else TOKENS
     assert served[PROMPTS[0]].strip() == tokenizer.decode(expected[:end]).strip()
+    plain = greedy_tokens(stock, prompt, TOKENS)
+    assert plain != expected  # the penalty is on by default for the bundled demo
 
     experts = config["num_experts"]
     for slots in (experts, experts // 2, experts // 4, config["num_experts_per_tok"]):
         loaded = load_streaming(SHIPPED, expert_slots=slots, policy="lru")
         try:
-            tokens = greedy_tokens(loaded.model, prompt, TOKENS)
+            assert greedy_tokens(loaded.model, prompt, TOKENS) == plain, f"{slots} slots"
+            tokens = penalized_greedy(loaded.model, prompt)
             prefill, decode = logits_trace(loaded.model, prompt, tokens)
             assert tokens == expected, f"{slots} slots"
             for step, (got, want) in enumerate(zip(decode, ref_decode)):
@@ -95,6 +112,26 @@ def test_demo_model_streams_bit_identically_at_every_pool_size(served):
             assert sum(pool.verify() for pool in loaded.pools) == 0
         finally:
             loaded.store.close()
+
+
+def test_the_repetition_penalty_is_on_for_the_bundled_demo_only():
+    assert len(_repetition_processors(Options(), "tiny-moe")) == 1
+    assert _repetition_processors(Options(), "small") == []
+    assert _repetition_processors(Options(repetition_penalty=1), "tiny-moe") == []
+    assert len(_repetition_processors(Options(repetition_penalty=1.1), "small")) == 1
+
+
+def test_repetition_penalty_1_gives_plain_greedy(tmp_path, monkeypatch):
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "llm"))
+    out = assert_ok(LlmEnv(tmp_path / "llm", SHIPPED).run(
+        "-m", "mlx-stream", "-o", "max_tokens", "20", "-o", "repetition_penalty", "1", PROMPTS[1])).stdout
+    tokenizer = load_tokenizer(SHIPPED)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[1]}],
+                                           add_generation_prompt=True)
+    stock, _ = load_model(SHIPPED)
+    assert out.strip() == tokenizer.decode(greedy_tokens(stock, prompt, 20)).strip()
 
 
 # -- its recorded routing trace ------------------------------------------------------
