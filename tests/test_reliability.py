@@ -179,7 +179,7 @@ def test_names_aliases_and_defaults(llm_env, tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["weights", "tokenizer"])
-def test_a_damaged_bundled_demo_model_is_rebuilt(tmp_path, monkeypatch, damage):
+def test_a_damaged_bundled_demo_model_is_copied_again(tmp_path, monkeypatch, damage):
     from llm_mlx_streaming.checkpoints.default import bundled_path, default_checkpoint
 
     monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "llm"))
@@ -191,7 +191,7 @@ def test_a_damaged_bundled_demo_model_is_rebuilt(tmp_path, monkeypatch, damage):
     else:
         (path / "tokenizer.json").write_text("{broken")
     assert default_checkpoint() == bundled_path()
-    assert weights.read_bytes() == good  # built again, deterministically
+    assert weights.read_bytes() == good  # copied out of the package again
     json.loads((path / "tokenizer.json").read_text())
 
 

@@ -1,8 +1,8 @@
 """Train the bundled demo model: a small qwen3_moe language model on Python's docs.
 
 Run once by a maintainer, not at install time; the result ships in
-llm_mlx_streaming/checkpoints/demo/. Four steps, each resumable and
-deterministic from --seed (see docs/demo-model.md):
+llm_mlx_streaming/checkpoints/demo/. Five steps, each deterministic (training from
+--seed), `train` resuming from its last checkpoint (see docs/demo-model.md):
 
     python tools/train_demo.py corpus      # Python 3.11 HTML docs -> plain-text prose
     python tools/train_demo.py tokenizer   # byte-level BPE with the `tokenizers` library
@@ -22,7 +22,6 @@ import html.parser
 import json
 import math
 import os
-import random
 import re
 import shutil
 import sys
@@ -556,7 +555,6 @@ def main():
     ap.add_argument("--eval-windows", type=int, default=40,
                     help="validation windows (of --context tokens) for the perplexities (0: skip)")
     args = ap.parse_args()
-    random.seed(args.seed)
     {"corpus": cmd_corpus, "tokenizer": cmd_tokenizer, "train": cmd_train,
      "export": cmd_export, "trace": cmd_trace}[args.step](args)
 
