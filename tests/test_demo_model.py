@@ -114,6 +114,19 @@ def test_demo_model_streams_bit_identically_at_every_pool_size(served):
             loaded.store.close()
 
 
+def test_llm_c_prefills_only_the_new_message(tmp_path, monkeypatch):
+    """The completion-style template renders a conversation as the last prompt plus
+    the reply's own tokens, so `llm -c` in a new process reuses all of the first turn."""
+    monkeypatch.setenv("LLM_USER_PATH", str(tmp_path))
+    env = LlmEnv(tmp_path, SHIPPED)
+    assert_ok(env.run("-m", "mlx-stream", "-o", "max_tokens", "12", "The os module"))
+    assert_ok(env.run("-c", "-o", "max_tokens", "12", "The sys module"))
+    first, second = [t["stats"] for t in env.turns()]
+    assert first["generated_tokens"] > 0
+    assert second["reused_tokens"] == first["prompt_tokens"] + first["generated_tokens"]
+    assert second["prompt_tokens"] > second["reused_tokens"]
+
+
 def test_the_repetition_penalty_is_on_for_the_bundled_demo_only():
     assert len(_repetition_processors(Options(), "tiny-moe")) == 1
     assert _repetition_processors(Options(), "small") == []

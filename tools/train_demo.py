@@ -42,10 +42,13 @@ VOCAB_SIZE = 4096
 VALID_EVERY = 50  # every 50th page is held out for validation
 
 # Not instruction-tuned, so the "chat" template is completion-style: the messages'
-# text, one after another, which the model continues.
+# text, one after another, which the model continues. A reply follows the text it
+# continued with no separator (that is how it was generated), and a later message
+# starts a new paragraph: so a conversation renders as the last prompt plus the
+# reply's own tokens, and the next turn prefills only what is new.
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
-    "{%- if not loop.first %}{{- '\\n\\n' }}{%- endif %}"
+    "{%- if not loop.first and message['role'] != 'assistant' %}{{- '\\n\\n' }}{%- endif %}"
     "{{- message['content'] }}"
     "{%- endfor %}"
 )

@@ -20,7 +20,7 @@ from pathlib import Path
 import llm
 
 # Bump the directory name when the shipped files change, so an old copy is not reused.
-BUNDLED_DIR = "tiny-moe-pydocs-v1"
+BUNDLED_DIR = "tiny-moe-pydocs-v2"
 SHIPPED = Path(__file__).resolve().parent / "demo"
 MARKER = "bundled.json"  # {file name: size} of the copy, written last
 
