@@ -19,6 +19,7 @@ with the forecast for a GPU that adds a fixed host round-trip per MoE layer per 
         [--page-cache keep,bypass] [--k 0,1,2,3,4,6,auto] [--out results.jsonl]
     python benchmarks/spec_bench.py --breakdown [--reps 8]   # one pass of 1..7 positions
     python benchmarks/spec_bench.py --kernels                # MLX matmuls at 1..8 positions
+    python benchmarks/spec_bench.py --depth0 7 --tokens 48   # the loop with no drafts vs plain
 """
 
 from __future__ import annotations
@@ -147,6 +148,27 @@ def kernel_rows(reps: int) -> None:
         print(f"{rows:>9} {experts:>16.2f} {fastest(lambda: flat @ dense.T):>13.2f}")
 
 
+def depth_zero(engine: EngineManager, prompt: list[int], vocab: int, tokens: int, rounds: int) -> None:
+    """Interleaved rounds: plain decoding, the speculative loop with nothing to verify,
+    and `k auto` against the adversary; medians of decode tok/s and their ratios."""
+    import statistics
+
+    plain_tokens = decode(engine, prompt, tokens, 0)["tokens"]
+    runs = {"k 0 (stream_generate)": [], "loop at depth 0": [], "auto vs adversary": []}
+    for _ in range(rounds):
+        runs["k 0 (stream_generate)"].append(decode(engine, prompt, tokens, 0)["tps"])
+        # an oracle for another prompt proposes nothing here: every pass is one position
+        idle = ScriptedDrafter([vocab - 1] * (len(prompt) + tokens), vocab)
+        runs["loop at depth 0"].append(decode(engine, prompt, tokens, 1, idle)["tps"])
+        adversary = ScriptedDrafter(prompt + plain_tokens, vocab, wrong=True)
+        runs["auto vs adversary"].append(decode(engine, prompt, tokens, "auto", adversary)["tps"])
+    base = statistics.median(runs["k 0 (stream_generate)"])
+    for name, values in runs.items():
+        median = statistics.median(values)
+        print(f"{name:<22} {median:>7.2f} tok/s {median / base:>6.2f}x  "
+              f"(rounds: {' '.join(f'{v:.1f}' for v in values)})", flush=True)
+
+
 def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     """(fixed seconds per pass, seconds per position): least squares over the median
     time of the passes of each width (medians: other processes share this machine)."""
@@ -169,6 +191,8 @@ def main() -> None:
     parser.add_argument("--breakdown", action="store_true",
                         help="only time single forwards of 1..7 positions (fastest of --reps) and split them")
     parser.add_argument("--reps", type=int, default=8)
+    parser.add_argument("--depth0", type=int, metavar="ROUNDS",
+                        help="only compare plain decoding, the loop at depth 0 and auto vs the adversary")
     parser.add_argument("--kernels", action="store_true",
                         help="only time MLX's expert and dense matmuls at 1, 2, 4, 8 positions")
     args = parser.parse_args()
@@ -188,6 +212,13 @@ def main() -> None:
     print(header, flush=True)
     engine = EngineManager()
     splits = []
+    if args.depth0:
+        for fraction in (float(f) for f in args.fractions.split(",")):
+            engine.load(path, expert_slots=max(1, round(E * fraction)), page_cache=args.page_cache.split(",")[0])
+            print(f"{fraction:.0%} resident, page cache {args.page_cache.split(',')[0]}, {args.tokens} tokens", flush=True)
+            depth_zero(engine, texts["ordinary"], vocab, args.tokens, args.depth0)
+        engine.unload()
+        return
     if args.breakdown:
         print(f"{'resident':>8} {'cache':>6} " + " ".join(f"{'L=' + str(w):>7}" for w in range(1, 8)) + "  (ms, fastest of"
               f" {args.reps})", flush=True)
