@@ -41,10 +41,9 @@ from .settings import (
 )
 
 
-# -- demo model (#14): repetition penalty (see _repetition_processors) -----------
+# -- repetition penalty (see _repetition_processors) -----------
 BUNDLED_REPETITION_PENALTY = 1.3
 REPETITION_CONTEXT = 64
-# -- end demo model ---------------------------------------------------------------
 
 
 class Options(llm.Options):
@@ -78,7 +77,7 @@ class Options(llm.Options):
         "-o expert_slots wins over it",
     )
 
-    # -- speculation (issue 9) ----------------------------------------------------
+    # -- speculation ----------------------------------------------------
     k: Optional[Union[Literal["auto"], int]] = Field(
         None,
         description="Speculative decoding: draft tokens verified per pass, 0 (off) or auto "
@@ -95,12 +94,10 @@ class Options(llm.Options):
         from .speculation.start import check_k
 
         return None if value is None else check_k(value)
-    # -- end speculation --------------------------------------------------------
-    # -- serve (llm mlxs serve) ------------------------------------------------
+    # -- llm mlxs serve ------------------------------------------------
     no_server: Optional[bool] = Field(
         None, description="Run in this process even when `llm mlxs serve` is running"
     )
-    # -- end serve ---------------------------------------------------------------
 
     @field_validator("memory_budget")
     @classmethod
@@ -109,7 +106,7 @@ class Options(llm.Options):
             return value
         return normalize_budget(value)
 
-    # -- features (#11): stop sequences, thinking switch ----------------------
+    # -- stop sequences, thinking switch ----------------------
     stop: Optional[Union[str, list[str]]] = Field(
         None,
         description='End the reply before this text; several: a JSON list, e.g. \'["\\n\\n", "END"]\'',
@@ -129,16 +126,14 @@ class Options(llm.Options):
     @classmethod
     def _check_thinking(cls, value):
         return parse_switch(value)
-    # -- end features (#11) ----------------------------------------------------
 
-    # -- demo model (#14): repetition penalty ------------------------------------
+    # -- repetition penalty ------------------------------------
     repetition_penalty: Optional[float] = Field(
         None, ge=1, le=5,
         description=f"Make tokens among the last {REPETITION_CONTEXT} this many times less "
-        "likely (mlx-lm's repetition penalty); 1: off (default {BUNDLED_REPETITION_PENALTY} for the bundled "
+        f"likely (mlx-lm's repetition penalty); 1: off (default {BUNDLED_REPETITION_PENALTY} for the bundled "
         "demo, whose greedy text loops without it; 1 for other models)",
     )
-    # -- end demo model -----------------------------------------------------------
 
     # -- long context (engine/kv.py) --
     kv_bits: Optional[Union[int, str]] = Field(
@@ -170,7 +165,7 @@ class Options(llm.Options):
         return None if value is None else normalize_prefill_step(value)
 
 
-# -- demo model (#14): repetition penalty ----------------------------------------
+# -- repetition penalty ----------------------------------------
 def _repetition_processors(options, name: str) -> list:
     """mlx-lm's repetition penalty as a logits processor, when it is on: the bundled demo
     gets one by default, because so small a model's greedy text soon loops. It is a
@@ -184,7 +179,6 @@ def _repetition_processors(options, name: str) -> list:
 
     return make_logits_processors(repetition_penalty=penalty,
                                   repetition_context_size=REPETITION_CONTEXT)
-# -- end demo model ---------------------------------------------------------------
 
 
 def parse_stop(value):
@@ -293,14 +287,13 @@ class MlxStreamModel(llm.Model):
 
         settings = load_settings()
         options = prompt.options
-        # -- serve: a running `llm mlxs serve` for this user dir answers instead ---
+        # -- a running `llm mlxs serve` for this user dir answers instead ---
         from .server.client import running_server
 
         server = running_server(options, settings, prompt)
         if server is not None:
             yield from server.answer(self.model_id, prompt, response, on_generation)
             return
-        # -- end serve ---------------------------------------------------------------
         r = self._resolve(options, settings)
         rendered = {}
         processors: list = _repetition_processors(options, r.name)  # render adds the schema's

@@ -185,7 +185,7 @@ class Settings(BaseModel):
             "one is present and valid; off: always read the safetensors."
         ),
     )
-    # -- speculation (issue 9) ----------------------------------------------------
+    # -- speculation ----------------------------------------------------
     k: Union[Literal["auto"], int] = Field(
         0,
         description=(
@@ -201,7 +201,6 @@ class Settings(BaseModel):
             "small model added with `llm mlxs add` that shares the big model's vocabulary."
         ),
     )
-    # -- end speculation --------------------------------------------------------
     # -- long context (engine/kv.py, docs/llm-plugin.md "Long context") --
     kv_bits: Union[Literal["off"], int] = Field(
         "off",
@@ -223,8 +222,7 @@ class Settings(BaseModel):
             "auto: as large as the memory budget allows."
         ),
     )
-    # -- end long context --
-    # -- serve (llm mlxs serve) ------------------------------------------------
+    # -- llm mlxs serve ------------------------------------------------
     server: Literal["auto", "off"] = Field(
         "auto",
         description=(
@@ -232,8 +230,7 @@ class Settings(BaseModel):
             "(its warm engine); off: always run in this process (-o no_server 1 for one prompt)."
         ),
     )
-    # -- end serve ---------------------------------------------------------------
-    # -- features (#11): the conversation cache on disk (engine/disk_cache.py) ------
+    # -- the conversation cache on disk (engine/disk_cache.py) ------
     conversation_cache: bool = Field(
         True,
         description=(
@@ -245,7 +242,6 @@ class Settings(BaseModel):
         "2GB",
         description="Most disk space the conversation cache takes (least recently used files go first).",
     )
-    # -- end features (#11) ----------------------------------------------------------
     models: dict[str, ModelEntry] = Field(
         default_factory=dict,
         description="User-added models (managed by `llm mlxs add/remove`).",

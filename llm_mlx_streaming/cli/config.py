@@ -99,7 +99,7 @@ def config(key, value, unset_key, json_):
     )
 
 
-# -- serve: a running server takes the change too ---------------------------------
+# -- a running server takes the change too ---------------------------------
 def _push_to_server(key: str, value) -> None:
     """Apply a setting to a running `llm mlxs serve` at once (one of its runtime
     options); every other setting it reads from the file at its next request."""
@@ -114,4 +114,3 @@ def _push_to_server(key: str, value) -> None:
         return
     server.configure({key: value})
     click.echo(f"{key} applied to the server at {server.url}", err=True)
-# -- end serve ----------------------------------------------------------------------

@@ -136,7 +136,7 @@ def _long_context_lines(st: dict) -> list[list[str]]:
     return lines
 
 
-# -- speculation (issue 9) -------------------------------------------------------
+# -- speculation -------------------------------------------------------
 def _speculation_totals(s: list[dict], total) -> dict:
     drafted, passes = total("draft_tokens"), total("verify_passes")
     return {
@@ -164,7 +164,6 @@ def _speculation_line(st: dict) -> list[str] | None:
     if st.get("speculation_off"):
         text += f"; no drafts: {st['speculation_off']}"
     return ["speculation", text]
-# -- end speculation -------------------------------------------------------------
 
 
 def _slots_text(slots) -> str:
@@ -245,7 +244,7 @@ def stats(count, json_, database, live):
     table(None, _stat_lines(agg), indent="  ")
 
 
-# -- serve: the running server's figures ---------------------------------------------
+# -- the running server's figures ---------------------------------------------
 def _live(json_: bool) -> None:
     from ..server.client import running_server
     from ..settings import load_settings
@@ -278,4 +277,3 @@ def _live(json_: bool) -> None:
                "read_mb_per_s": round(st["bytes_read"] / seconds / 1e6, 1) if seconds else None,
                "peak_memory_bytes": st.get("mlx_peak_memory_bytes")}
     table(None, _stat_lines(figures)[4:], indent="  ")
-# -- end serve ------------------------------------------------------------------------

@@ -202,7 +202,7 @@ class EngineManager:
                                       logits_processors=list(logits_processors or []),
                                       max_context=max_context, trace_path=trace_path))
 
-    # -- serve: load or rebuild the pools without generating ---------------------
+    # -- load or rebuild the pools without generating ---------------------
     def prepare(self, load: LoadSpec) -> Generation:
         """Queue "load `load` if needed" on its own (a server's warm start, a pool
         rebuild), in turn with the generations; iterating the handle waits for it,
@@ -221,7 +221,6 @@ class EngineManager:
 
         _engine_thread().submit(job, channel)
         return generation
-    # -- end serve ---------------------------------------------------------------
 
     def _serve(self, load: LoadSpec | None, request: Request, out: Channel) -> None:
         """One request, on the engine thread, under the lock."""
@@ -248,7 +247,7 @@ class EngineManager:
             out.put("started", Started(tokenizer, self.checkpoint, prompt, reused))
             self._generate(request, out, cache, prompt, new_tokens, reused, max_tokens, kv, kv_note)
 
-    # -- features (#11): the conversation cache on disk (engine/disk_cache.py) -----
+    # -- the conversation cache on disk (engine/disk_cache.py) -----
     def _disk_cache(self, request: Request, kv):
         """The conversation cache for this request's checkpoint and KV layout, or None."""
         spec = request.conversation_cache
@@ -291,7 +290,6 @@ class EngineManager:
             if "disk_cache" not in self._warned:
                 self._warned.add("disk_cache")
                 print(f"mlx-stream: warning: conversation cache not saved: {one_line(e)}", file=sys.stderr)
-    # -- end features (#11) ---------------------------------------------------------
 
     # -- long context (engine/kv.py) ---------------------------------------------
     def _kv_layout(self, spec):
@@ -350,7 +348,7 @@ class EngineManager:
         from .planner import PREFILL_STEP
 
         prefill_step = request.prefill_step or PREFILL_STEP
-        # -- speculation (issue 9): k > 0 runs the draft-and-verify loop -------------
+        # -- k > 0 runs the draft-and-verify loop -------------
         from ..speculation import start as spec
 
         try:
@@ -364,7 +362,6 @@ class EngineManager:
                                         prefill_step=prefill_step, kv_kwargs=kv.generate_kwargs())
         except (ValueError, spec.DraftError) as e:
             raise EngineError(one_line(e)) from None
-        # -- end speculation ---------------------------------------------------------
         before = self.counters()
         mx.reset_peak_memory()
         start = time.perf_counter()

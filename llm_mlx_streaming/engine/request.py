@@ -53,16 +53,15 @@ class Request:
     logits_processors: list = field(default_factory=list)
     max_context: Optional[int] = None  # a user limit below the model's own context
     trace_path: Optional[Path] = None  # when set, this generation's routing is appended here
-    # -- features (#11) --
+    # -- features --
     stop: Sequence[str] = ()  # the reply ends before the first of these in its text
     conversation_cache: Optional[Any] = None  # engine.disk_cache.DiskCacheSpec: save/load KV on disk
-    # -- speculation (issue 9) --------------------------------------------------
+    # -- speculation --------------------------------------------------
     k: Union[int, str] = 0  # drafts per verify pass; 0: plain mlx-lm decoding; "auto": adaptive
     draft: str = "ngram"  # a drafter kind (speculation/drafter.py) or an added model's name
     drafter: Any = None  # a ready Drafter (tests, benchmarks); wins over `draft`
     draft_path: Optional[Path] = None  # checkpoint of `draft` when it names an added model
     spec_observer: Optional[Callable] = None  # called after each verify pass (benchmarks)
-    # -- end speculation --------------------------------------------------------
     # -- long context (engine/kv.py) --
     kv: KVSpec = FULL_PRECISION  # how the attention cache is kept (quantized or not)
     prefill_step: Optional[int] = None  # prompt tokens per prefill chunk (None: mlx-lm's 2048)

@@ -50,7 +50,7 @@ class Session:
         """Record tokens that went through the model into the cache."""
         self.tokens.extend(int(t) for t in tokens)
 
-    # -- features (#11): a cache loaded from the conversation cache on disk ------
+    # -- a cache loaded from the conversation cache on disk ------
     def adopt(self, cache, tokens: list[int], kv: KVSpec) -> None:
         """Use `cache`, which has seen exactly `tokens` under layout `kv`."""
         self.cache, self.tokens, self.kv = cache, list(tokens), kv
