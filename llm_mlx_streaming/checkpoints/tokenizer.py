@@ -23,12 +23,9 @@ THINK_TOKENS = (THINK, END_THINK)
 
 TARGET_VOCAB = 640
 
-# ChatML, as Qwen models use it; `enable_thinking=False` pre-fills an empty
-# think block the way Qwen3's template does.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
+# The assistant's turn opens; `enable_thinking=False` pre-fills an empty think block
+# the way Qwen3's template does.
+GENERATION_PROMPT = (
     "{%- if add_generation_prompt %}"
     "{{- '<|im_start|>assistant\\n' }}"
     "{%- if enable_thinking is defined and enable_thinking is false %}"
@@ -36,6 +33,13 @@ CHAT_TEMPLATE = (
     "{%- endif %}"
     "{%- endif %}"
 )
+
+# ChatML, as Qwen models use it.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+) + GENERATION_PROMPT
 
 # ChatML with tools, in Qwen's format (mlx-lm recognises it as its `json_tools`
 # parser): the tool specs in a system block, calls as <tool_call>{json}</tool_call>,
@@ -66,13 +70,7 @@ TOOL_CHAT_TEMPLATE = (
     "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}"
-    "{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- endif %}"
-    "{%- endif %}"
-)
+) + GENERATION_PROMPT
 
 CORPUS = """\
 The quick brown fox jumps over the lazy dog. A mixture of experts model routes
