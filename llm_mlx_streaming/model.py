@@ -94,6 +94,7 @@ class Options(llm.Options):
         from .speculation.start import check_k
 
         return None if value is None else check_k(value)
+
     # -- llm mlxs serve ------------------------------------------------
     no_server: Optional[bool] = Field(
         None, description="Run in this process even when `llm mlxs serve` is running"
