@@ -34,13 +34,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
-__all__ = ["HEAD_ARCHITECTURES", "MTPHead", "build_head", "declared_layers", "has_head",
-           "head_prefix", "quantize_head"]
+__all__ = ["DEPTH_FIELDS", "HEAD_ARCHITECTURES", "MTPHead", "build_head", "declared_layers",
+           "has_head", "head_prefix", "output_head", "quantize_head"]
 
 HEAD_ARCHITECTURES = ("deepseek_v3", "glm4_moe", "qwen3_next")
 
-# Config fields that declare the number of MTP layers, by architecture.
-_DEPTH_FIELDS = {
+# Config fields that declare the number of MTP layers, by architecture (the first is
+# the one a checkpoint of that architecture writes).
+DEPTH_FIELDS = {
     "deepseek_v3": ("num_nextn_predict_layers",),
     "glm4_moe": ("num_nextn_predict_layers",),
     "qwen3_next": ("mtp_num_hidden_layers", "num_nextn_predict_layers"),
@@ -55,7 +56,7 @@ _DECODER_LAYER = {
 
 def declared_layers(config: dict) -> int:
     """How many MTP layers config.json declares (0: none, or an architecture without)."""
-    for name in _DEPTH_FIELDS.get(config.get("model_type"), ()):
+    for name in DEPTH_FIELDS.get(config.get("model_type"), ()):
         if config.get(name):
             return int(config[name])
     return 0
@@ -83,7 +84,7 @@ def is_head_tensor(key: str, config: dict) -> bool:
     """True for every tensor of the MTP head(s) (all layers, when several are declared)."""
     if config.get("model_type") == "qwen3_next":
         return key.startswith("mtp.")
-    if config.get("model_type") not in _DEPTH_FIELDS:
+    if config.get("model_type") not in DEPTH_FIELDS:
         return False
     parts = key.split(".")
     return (
@@ -136,17 +137,17 @@ class MTPHead(nn.Module):
             ))
             x = self.layers[0](x, mask=create_attention_mask(x, cache), cache=cache)
             x = self.norm(x)
-            return x, _output_head(target)(x)
+            return x, output_head(target)(x)
         x = self.eh_proj(mx.concatenate([self.enorm(embedded), self.hnorm(hidden)], axis=-1))
         mask = create_attention_mask(x, cache, return_array=self.arch == "deepseek_v3")
         x = self._layer_call(self, x, mask, cache)
         return x, self.shared_head.head(self.shared_head.norm(x))
 
 
-def _output_head(target):
-    """The target's output projection (lm_head, or the tied embedding)."""
-    lm_head = getattr(target, "lm_head", None)
-    return lm_head if lm_head is not None else target.model.embed_tokens.as_linear
+def output_head(model):
+    """The target's own output projection: lm_head, or the tied embedding as a linear map."""
+    lm_head = getattr(model, "lm_head", None)
+    return lm_head if lm_head is not None else model.model.embed_tokens.as_linear
 
 
 def build_head(config: dict) -> MTPHead:

@@ -10,13 +10,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-
-def output_head(model):
-    """The target's own output projection: lm_head, or the tied embedding as a linear map."""
-    lm_head = getattr(model, "lm_head", None)
-    if lm_head is not None:
-        return lm_head
-    return model.model.embed_tokens.as_linear
+from ..checkpoints.mtp import output_head
 
 
 def forward(model, inputs: mx.array, cache, want_hidden: bool = False):
