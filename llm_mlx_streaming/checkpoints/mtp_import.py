@@ -23,12 +23,11 @@ from mlx.utils import tree_flatten
 from ..errors import CheckpointError
 from ..experts.index import read_header, weight_files
 from .config import read_config
-from .mtp import HEAD_ARCHITECTURES, build_head, declared_layers, head_prefix, quantize_head
+from .mtp import (DEPTH_FIELDS, HEAD_ARCHITECTURES, build_head, declared_layers, head_prefix,
+                  quantize_head)
 
 HEAD_SHARD = "model-mtp.safetensors"
 INDEX = "model.safetensors.index.json"
-_DEPTH_FIELD = {"deepseek_v3": "num_nextn_predict_layers", "glm4_moe": "num_nextn_predict_layers",
-                "qwen3_next": "mtp_num_hidden_layers"}
 _DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
 
 
@@ -57,7 +56,8 @@ def import_head(model_dir: str | os.PathLike, source: str | os.PathLike,
 
     prefix = head_prefix(config)
     weights = _mlx_layout(arch, config, _read_head(source, prefix))
-    head = build_head({**config, _DEPTH_FIELD[arch]: 1})
+    config = {**config, DEPTH_FIELDS[arch][0]: 1}  # the first head layer is imported
+    head = build_head(config)
     try:
         head.load_weights(list(weights.items()))  # every name and shape
     except ValueError as e:
@@ -71,7 +71,7 @@ def import_head(model_dir: str | os.PathLike, source: str | os.PathLike,
         per_path = quantize_head(head, qparams, prefix, _model_predicate(config))
     tensors = {prefix + k: v for k, v in tree_flatten(head.parameters())}
     mx.eval(tensors)
-    _write(model_dir, out, tensors, {**config, _DEPTH_FIELD[arch]: 1}, per_path)
+    _write(model_dir, out, tensors, config, per_path)
     return out
 
 
