@@ -81,15 +81,13 @@ def build_draft_model(context: DraftContext, name: str, path: Path) -> DraftMode
     except (OSError, ValueError, KeyError) as e:
         raise DraftError(f"draft model {name!r} ({path}) cannot be loaded: {one_line(e)}") from None
     target = context.checkpoint.name if context.checkpoint else "the target"
-    if context.tokenizer is not None and _vocabulary(tokenizer) != _vocabulary(context.tokenizer):
-        raise DraftError(
-            f"draft model {name!r} does not share the vocabulary of {target!r}: "
-            f"{len(_vocabulary(tokenizer))} vs {len(_vocabulary(context.tokenizer))} tokens"
-            + ("" if len(_vocabulary(tokenizer)) != len(_vocabulary(context.tokenizer)) else ", different ids")
-        )
+    if context.tokenizer is not None:
+        ours, theirs = tokenizer.get_vocab(), context.tokenizer.get_vocab()
+        if ours != theirs:
+            raise DraftError(
+                f"draft model {name!r} does not share the vocabulary of {target!r}: "
+                f"{len(ours)} vs {len(theirs)} tokens"
+                + ("" if len(ours) != len(theirs) else ", different ids")
+            )
     mx.eval(model.parameters())
     return DraftModelDrafter(name, Path(path), model, tokenizer)
-
-
-def _vocabulary(tokenizer) -> dict:
-    return tokenizer.get_vocab()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
+from mlx_lm.utils import common_prefix_len
 
 from ..engine.mtp_head import LoadedHead, mtp_head
 from ..errors import CheckpointError
@@ -45,11 +46,7 @@ class MTPDrafter:
         it has seen) when they reach up to where the next pair goes: the next chat turn,
         or the same prompt again; otherwise start a new cache there."""
         tokens = [int(t) for t in tokens]
-        common = 0
-        for a, b in zip(tokens, self.seen):
-            if a != b:
-                break
-            common += 1
+        common = common_prefix_len(tokens, self.seen)
         # pair j is (h_j, x_j+1): it holds while x_j+1 is in the shared prefix
         keep = min(self.cache.offset, common - 1 - self.start)
         if keep >= 0 and self.start + keep == len(tokens) - 1:
