@@ -82,6 +82,7 @@ class SpeculativeRun:
     observer: object = None  # called with (inputs, kept) after each verify pass (benchmarks)
     prefill_step: int = PREFILL_STEP  # prompt tokens per prefill chunk, as the plain path uses
     kv_kwargs: dict = field(default_factory=dict)  # a quantized KV layout (stream_generate's kv_*)
+    _linear_layers: Optional[list] = field(default=None, init=False, repr=False)  # VerifyPass's
 
     def tokens(self) -> Iterator[tuple[int, mx.array, bool]]:
         """(token, logprobs, from_draft) as mlx-lm's step generators yield them."""
@@ -102,7 +103,9 @@ class SpeculativeRun:
             self.drafter.accept([y], None if hidden is None else hidden[0])
             emitted = 1
             yield y, logprobs[0], False
-            if not VerifyPass(self.model, self.cache).supported:
+            first = VerifyPass(self.model, self.cache)
+            self._linear_layers = first.layers
+            if not first.supported:
                 self.figures.speculation_off = "state cache cannot be rolled back"
                 self.depth = Depth(0)
             while emitted < self.max_tokens:
@@ -154,7 +157,7 @@ class SpeculativeRun:
     def _verify(self, y: int, drafts: list[int]):
         """One forward over [y, *drafts]; (tokens to emit, their logprobs, hidden or None)."""
         inputs = [y, *drafts]
-        verify = VerifyPass(self.model, self.cache)
+        verify = VerifyPass(self.model, self.cache, self._linear_layers)
         with verify.recording(len(inputs)):
             logits, hidden = heads.forward(self.model, mx.array(inputs)[None], self.cache,
                                            self.drafter.needs_hidden)

@@ -47,10 +47,14 @@ def room(cache: list) -> int:
 class VerifyPass:
     """Per-position checkpoints of the linear-attention layers over one verify forward."""
 
-    def __init__(self, model, cache: list):
+    def __init__(self, model, cache: list, layers: "list | None" = None):
+        """`layers`: the model's linear-attention modules, when a previous pass found them
+        (they do not change within a generation; finding them walks the whole model)."""
         self.cache = cache
         self.linear = [c for c in cache if isinstance(c, ArraysCache)]
-        self.layers = _linear_layers(model) if self.linear else []
+        if layers is None:
+            layers = _linear_layers(model) if self.linear else []
+        self.layers = layers
         # State caches of another kind of layer (not gated delta) cannot be checkpointed.
         self.supported = len(self.layers) == len(self.linear)
         self.conv_inputs: list[mx.array] = []
