@@ -251,7 +251,7 @@ class MlxStreamModel(llm.Model):
             raise MlxStreamError(f"Unknown model '{name}'; see `llm mlxs models`")
         path, entry = registry.checkpoint_for(name, settings)
         kv = kv_spec(options, settings)
-        budget = None
+        budget = layout = None
         if options.expert_slots:
             slots, source = options.expert_slots, "option"
         elif options.memory_budget is None and (stored := registry.effective_slots(name, entry, settings)):
@@ -259,7 +259,7 @@ class MlxStreamModel(llm.Model):
         else:
             value = options.memory_budget or settings.memory_budget
             budget = budget_bytes(value)
-            slots = plan_slots(name, path, value, budget, settings.max_context, kv)
+            slots, layout = plan_slots(name, path, value, budget, settings.max_context, kv)
             source = "plan"
         return Resolved(
             name=name,
@@ -270,7 +270,7 @@ class MlxStreamModel(llm.Model):
             policy=options.policy or settings.policy,
             resolved_model=(entry.source if entry and entry.source else None) or str(path),
             kv=kv,
-            prefill_step=prefill_step(options, settings, path, budget, kv),
+            prefill_step=prefill_step(options, settings, path, budget, kv, layout),
         )
 
     # -- execution --------------------------------------------------------
@@ -415,16 +415,18 @@ def _schema_grammar(schema) -> str:
 
 
 def plan_slots(name: str, path, value: str, budget: int, max_context: int, kv=None):
-    """Slots per MoE layer that fit `budget` bytes (None for a model without MoE layers),
-    with the KV cache sized for layout `kv`.
+    """(Slots per MoE layer that fit `budget` bytes, None for a model without MoE layers;
+    the checkpoint layout the plan read, for the prefill step), with the KV cache sized
+    for layout `kv`.
 
     A budget too small for the model is the planner's one-line error.
     """
-    from .engine.planner import PlanError, plan_memory
+    from .engine.planner import PlanError, checkpoint_layout, plan_memory
     from .errors import CheckpointError
 
     try:
-        plan = plan_memory(path, budget, max_context=max_context, kv=kv)
+        layout = checkpoint_layout(path)
+        plan = plan_memory(path, budget, max_context=max_context, kv=kv, layout=layout)
     except PlanError as exc:
         if value == "auto":
             raise MlxStreamError(
@@ -433,7 +435,7 @@ def plan_slots(name: str, path, value: str, budget: int, max_context: int, kv=No
         raise MlxStreamError(str(exc)) from None
     except (CheckpointError, ValueError, OSError) as exc:
         raise MlxStreamError(f"Could not plan '{name}' ({path}): {one_line(exc)}") from None
-    return list(plan.slots_per_layer) or None
+    return list(plan.slots_per_layer) or None, layout
 
 
 # -- long context (engine/kv.py) ------------------------------------------------------
@@ -451,9 +453,11 @@ def kv_spec(options: Options, settings: Settings):
     )
 
 
-def prefill_step(options: Options, settings: Settings, path, budget: Optional[int], kv) -> Optional[int]:
+def prefill_step(options: Options, settings: Settings, path, budget: Optional[int], kv,
+                 layout=None) -> Optional[int]:
     """Prompt tokens per prefill chunk: a number given, or for auto the planner's choice
-    for the memory budget (None, i.e. mlx-lm's default, when it cannot tell)."""
+    for the memory budget (None, i.e. mlx-lm's default, when it cannot tell). `layout`:
+    the checkpoint's, when the memory plan has read it already."""
     from .engine.planner import prefill_step_for
     from .errors import CheckpointError
 
@@ -463,7 +467,7 @@ def prefill_step(options: Options, settings: Settings, path, budget: Optional[in
     try:
         if budget is None:
             budget = budget_bytes(options.memory_budget or settings.memory_budget)
-        return prefill_step_for(path, budget, max_context=settings.max_context, kv=kv)
+        return prefill_step_for(path, budget, max_context=settings.max_context, kv=kv, layout=layout)
     except (MlxStreamError, CheckpointError, ValueError, OSError):
         return None
 

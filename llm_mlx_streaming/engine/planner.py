@@ -307,6 +307,7 @@ def prefill_step_for(
     max_context: int | None = DEFAULT_MAX_CONTEXT,
     kv: KVSpec | None = None,
     reserve_bytes: int | str | None = None,
+    layout: Layout | None = None,
 ) -> int:
     """Prompt tokens per prefill chunk for a memory budget ("auto" prefill_step).
 
@@ -317,10 +318,11 @@ def prefill_step_for(
     plan's working reserve. The step is the largest multiple of 256 tokens that fits,
     never below mlx-lm's 2048 and never above max_context (rounded up to 256).
     `kv` does not change the step: the chunk's own keys are quantized only once stored.
+    `layout`: the checkpoint's, when the caller has read it already.
     """
     budget = parse_size(budget_bytes)
     context = max_context or DEFAULT_MAX_CONTEXT
-    layout = checkpoint_layout(path)
+    layout = layout or checkpoint_layout(path)
     reserve = default_reserve(budget) if reserve_bytes is None else parse_size(reserve_bytes)
     per_token = prefill_bytes_per_token(layout.config, max(1, layout.top_k))
     room = reserve - attention_tile_bytes(layout.config, context)
@@ -397,6 +399,7 @@ def plan_memory(
     whole_from: float = WHOLE_FROM,
     whole_order: Sequence[int] | None = None,
     kv: KVSpec | None = None,
+    layout: Layout | None = None,
 ) -> Plan:
     """The slot count of every MoE layer that fits `budget_bytes` (an int or "12GB").
 
@@ -408,6 +411,7 @@ def plan_memory(
     `whole_order`: the MoE layer ordinals in the order they are made whole (default
     0, 1, 2, ...); e.g. layers sorted by a measured hit rate, worst first. `kv`: the KV
     cache layout (quantized caches take less of the budget; default full precision).
+    `layout`: the checkpoint's (checkpoint_layout), when the caller has read it already.
 
     Raises PlanError (one line, naming the shortfall and the budget that would do)
     when the budget cannot give every MoE layer `min_slots` slots, and CheckpointError
@@ -418,7 +422,7 @@ def plan_memory(
         max_context = DEFAULT_MAX_CONTEXT
     if not 0.0 <= whole_from <= 1.0:
         raise ValueError(f"whole_from must be in [0, 1], got {whole_from}")
-    layout = checkpoint_layout(path)
+    layout = layout or checkpoint_layout(path)
     E, L = layout.num_experts, len(layout.layer_keys)
     b = layout.expert_bytes
     kv_layout = kv or FULL_PRECISION
