@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..model import Options
+from ..settings import _first_error
 from .schemas import engine_option_names
 
 POOL_KEYS = ("expert_slots", "policy", "memory_budget")
@@ -20,12 +21,6 @@ POOL_KEYS = ("expert_slots", "policy", "memory_budget")
 
 class ConfigError(ValueError):
     """An invalid change; the message is one line."""
-
-
-def _reason(exc: ValidationError) -> str:
-    err = exc.errors()[0]
-    where = ".".join(str(p) for p in err.get("loc", ())) or "value"
-    return f"{where}: {err.get('msg', 'invalid value').removeprefix('Value error, ')}"
 
 
 class RuntimeConfig:
@@ -45,7 +40,7 @@ class RuntimeConfig:
         try:
             options = Options.model_validate(merged)
         except ValidationError as e:
-            raise ConfigError(_reason(e)) from None
+            raise ConfigError(_first_error(e)) from None
         return {k: getattr(options, k) for k in merged}
 
     def options(self) -> Options:
