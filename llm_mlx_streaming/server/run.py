@@ -46,14 +46,14 @@ class Server:
         running = discovery.read()
         if running is not None:
             raise MlxStreamError(f"A server already runs for this llm user dir at {running.url} (pid {running.pid})")
-        from .service import ApiError
+        from .http_layer import ApiError
 
         self.service = Service(default_model=model, api_key=api_key, secret=discovery.new_secret(),
                                max_queue=max_queue)
         if model:
             try:
                 self.service.model_for(model)
-            except ApiError as e:
+            except ApiError:
                 raise MlxStreamError(f"Unknown model '{model}'; see `llm mlxs models`") from None
         try:
             family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]

@@ -149,12 +149,11 @@ class Service:
         try:
             events = turn.run.events()
             first = await _first(events)  # a load or prompt error is still an HTTP error
+            shape = (ChatShape if chat else TextShape)(model_id, body)
             if body.stream:
                 watcher.cancel()
-                shape = ChatShape if chat else TextShape
-                stream = self._stream(turn, events, first, shape(model_id, body))
-                return GatedStream(turn, stream, media_type="text/event-stream")
-            return await self._whole(turn, events, first, model_id, body, chat)
+                return GatedStream(turn, self._stream(turn, events, first, shape), media_type="text/event-stream")
+            return await self._whole(turn, events, first, shape)
         except Exception as e:
             turn.finish()
             raise error_for(e) from None
@@ -164,7 +163,7 @@ class Service:
         finally:
             watcher.cancel()
 
-    async def _whole(self, turn: Turn, events, first, model_id: str, body, chat: bool) -> dict:
+    async def _whole(self, turn: Turn, events, first, shape) -> dict:
         text, reasoning, result = [], [], Result()
         try:
             async for kind, value in _chain(first, events):
@@ -175,7 +174,6 @@ class Service:
         finally:
             turn.finish(served=not turn.run.cancelled)
         self.replies.remember("".join(text), "".join(reasoning), result.tokens)
-        shape = ChatShape(model_id, body) if chat else TextShape(model_id, body)
         return shape.whole("".join(text), "".join(reasoning), result.finish_reason, result)
 
     async def _stream(self, turn: Turn, events, first, shape):
