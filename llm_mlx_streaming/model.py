@@ -354,7 +354,7 @@ class MlxStreamModel(llm.Model):
             yield from _events(kind, chunk, tokenizer, tools, response, generated)
         # The reply's own token ids, logged with it, so a later turn can
         # reuse the KV cache exactly (see prompting.py).
-        yield _event("text", "", reply_metadata(_spelled(tokenizer, generated, "".join(raw))))
+        yield stream_event("text", "", reply_metadata(_spelled(tokenizer, generated, "".join(raw))))
 
         stats = _jsonable({**generation.stats, **_plan_figures(generation.stats, r)})
         response.set_usage(input=len(generation.started.prompt_tokens), output=stats.get("generated_tokens"))
@@ -484,7 +484,7 @@ def _spelled(tokenizer, generated: list[int], text: str, scan: int = 32) -> list
     """Ids that spell the reply's `text`: the generated ids, or, when a stop sequence
     cut the text inside them, the longest run of them that spells a prefix of it (the
     part the KV cache holds) and the rest encoded."""
-    from .prompting import _encode
+    from .prompting import encode_text
 
     def spelled(ids):  # the streaming detokenizer drops a reply's leading space
         out = tokenizer.decode(ids)
@@ -496,7 +496,7 @@ def _spelled(tokenizer, generated: list[int], text: str, scan: int = 32) -> list
         prefix = spelled(generated[:k]) if k else ""
         if text.startswith(prefix):
             rest = text[len(prefix):]
-            return generated[:k] + (_encode(tokenizer, rest) if rest else [])
+            return generated[:k] + (encode_text(tokenizer, rest) if rest else [])
     return generated
 
 
@@ -513,7 +513,7 @@ def _events(kind: str, chunk: str, tokenizer, tools: list[dict], response, gener
     if kind == TOOL:
         calls = parse_tool_calls(tokenizer, chunk, tools)
         if calls is None:
-            yield _event("text", f"{tokenizer.tool_call_start}{chunk}{tokenizer.tool_call_end}")
+            yield stream_event("text", f"{tokenizer.tool_call_start}{chunk}{tokenizer.tool_call_end}")
             return
         for call in calls:
             response.add_tool_call(llm.ToolCall(
@@ -525,12 +525,12 @@ def _events(kind: str, chunk: str, tokenizer, tools: list[dict], response, gener
             yield StreamEvent(type="tool_call_args", chunk=json.dumps(call["arguments"]), tool_call_id=call["id"],
                               provider_metadata=reply_metadata(generated))
     elif kind == UNFINISHED_TOOL:
-        yield _event("text", f"{tokenizer.tool_call_start}{chunk}")
+        yield stream_event("text", f"{tokenizer.tool_call_start}{chunk}")
     elif chunk:
-        yield _event(kind, chunk)
+        yield stream_event(kind, chunk)
 
 
-def _event(kind: str, chunk: str, metadata: Optional[dict] = None):
+def stream_event(kind: str, chunk: str, metadata: Optional[dict] = None):
     from llm.parts import StreamEvent
 
     return StreamEvent(type=kind, chunk=chunk, provider_metadata=metadata)

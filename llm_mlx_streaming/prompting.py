@@ -29,7 +29,7 @@ def reply_metadata(tokens: list[int]) -> dict:
     return {METADATA_KEY: {"tokens": [int(t) for t in tokens]}}
 
 
-def _stored_tokens(message) -> Optional[list[int]]:
+def stored_tokens(message) -> Optional[list[int]]:
     found = None
     for part in message.parts:
         meta = getattr(part, "provider_metadata", None) or {}
@@ -67,7 +67,7 @@ def chat_messages(prompt, think_start=None, think_end=None) -> tuple[list[dict],
                 raise PromptError(f"mlx-stream supports text only, not {type(part).__name__}")
         item = {"role": message.role, "content": "".join(bits)}
         if message.role == "assistant":
-            tokens = _stored_tokens(message)
+            tokens = stored_tokens(message)
             if tokens is not None:
                 stored[len(out)] = tokens
             if calls := assistant_tool_calls(message.parts):
@@ -101,7 +101,7 @@ def render_prompt(tokenizer, prompt, *, thinking: Optional[bool] = None,
 
     raw = _raw_text(prompt)
     if raw is not None:
-        return _encode(tokenizer, raw), ""
+        return encode_text(tokenizer, raw), ""
     start = getattr(tokenizer, "think_start", None)
     end = getattr(tokenizer, "think_end", None)
     messages, stored = chat_messages(prompt, start, end)
@@ -112,7 +112,7 @@ def render_prompt(tokenizer, prompt, *, thinking: Optional[bool] = None,
         if thinking is not None:
             raise PromptError("-o thinking: this model has no chat template, so no thinking switch")
         text = "\n\n".join(m["content"] for m in messages)
-        return _encode(tokenizer, text), ""
+        return encode_text(tokenizer, text), ""
     extra = template_switches(tokenizer, thinking)
     if tools:
         extra["tools"] = tools
@@ -137,7 +137,7 @@ def render_prompt(tokenizer, prompt, *, thinking: Optional[bool] = None,
             overhang[i] = past
     tokens = _spliced(tokenizer, render, messages, stored, text, overhang) if stored else None
     if tokens is None:
-        tokens = _encode(tokenizer, text)
+        tokens = encode_text(tokenizer, text)
     return tokens, generation_prompt
 
 
@@ -153,7 +153,7 @@ def template_switches(tokenizer, thinking: Optional[bool]) -> dict:
     return {"enable_thinking": bool(thinking)}
 
 
-def _encode(tokenizer, text: str) -> list[int]:
+def encode_text(tokenizer, text: str) -> list[int]:
     """Encode without special tokens and without HF's "longer than the maximum
     sequence length" warning (the context check gives a clearer error)."""
     try:
@@ -207,7 +207,7 @@ def _spliced(tokenizer, render, messages, stored, text, overhang=None) -> Option
             tokens.extend(stored[by_mark[piece]])
             skip = len(overhang.get(by_mark[piece], ""))
         elif piece[skip:]:
-            tokens.extend(_encode(tokenizer, piece[skip:]))
+            tokens.extend(encode_text(tokenizer, piece[skip:]))
             skip = 0
         else:
             skip = 0

@@ -366,7 +366,7 @@ def _reason(exc: ValidationError) -> str:
     return msg.removeprefix("Value error, ")
 
 
-def _first_error(exc: ValidationError) -> str:
+def first_error(exc: ValidationError) -> str:
     err = exc.errors()[0]
     where = ".".join(str(p) for p in err.get("loc", ())) or "value"
     return f"{where}: {_reason(exc)}"
@@ -389,7 +389,7 @@ def load_settings() -> Settings:
         return Settings.model_validate(data)
     except ValidationError as exc:
         raise SettingsError(
-            f"Settings file {path} is invalid: {_first_error(exc)}"
+            f"Settings file {path} is invalid: {first_error(exc)}"
         ) from None
 
 

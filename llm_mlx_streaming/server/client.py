@@ -92,7 +92,7 @@ class ServerClient:
         """Stream `prompt` from the server as the plugin's own events; `on_generation`
         is told a handle whose `cancel()` hangs up, which the server takes as a
         disconnect and cancels the generation (the async model cancels through it)."""
-        from ..model import _event
+        from ..model import stream_event
         from ..prompting import reply_metadata
 
         options = {k: v for k, v in prompt.options.model_dump(exclude_none=True).items() if k != "no_server"}
@@ -117,16 +117,16 @@ class ServerClient:
                 for choice in chunk.get("choices") or []:
                     delta = choice.get("delta") or {}
                     if delta.get("reasoning_content"):
-                        yield _event("reasoning", delta["reasoning_content"])
+                        yield stream_event("reasoning", delta["reasoning_content"])
                     if delta.get("content"):
-                        yield _event("text", delta["content"])
+                        yield stream_event("text", delta["content"])
         except (OSError, EOFError, ValueError, http.client.HTTPException) as e:
             raise self._gone(e) from None
         finally:
             conn.close()
         if extension is None:
             raise self._gone(EOFError("the stream ended early"))
-        yield _event("text", "", reply_metadata(extension.get("tokens") or []))
+        yield stream_event("text", "", reply_metadata(extension.get("tokens") or []))
         stats = dict(extension.get("stats") or {})
         stats["served_by"] = self.url
         response.response_json = stats
@@ -151,7 +151,7 @@ def openai_messages(prompt) -> list[dict]:
     as (the `tokens` extension), so the server reuses its KV cache exactly."""
     from llm.parts import ReasoningPart, TextPart
 
-    from ..prompting import PromptError, _stored_tokens
+    from ..prompting import PromptError, stored_tokens
 
     out = []
     for message in prompt.messages:
@@ -168,7 +168,7 @@ def openai_messages(prompt) -> list[dict]:
         item = {"role": message.role, "content": "".join(text)}
         if reasoning and any(reasoning):
             item["reasoning_content"] = "".join(reasoning)
-        if message.role == "assistant" and (tokens := _stored_tokens(message)) is not None:
+        if message.role == "assistant" and (tokens := stored_tokens(message)) is not None:
             item["tokens"] = tokens
         out.append(item)
     return out

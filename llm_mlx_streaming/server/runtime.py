@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..model import Options
-from ..settings import _first_error
+from ..settings import first_error
 from .schemas import engine_option_names
 
 POOL_KEYS = ("expert_slots", "policy", "memory_budget")
@@ -40,7 +40,7 @@ class RuntimeConfig:
         try:
             options = Options.model_validate(merged)
         except ValidationError as e:
-            raise ConfigError(_first_error(e)) from None
+            raise ConfigError(first_error(e)) from None
         return {k: getattr(options, k) for k in merged}
 
     def options(self) -> Options:
