@@ -178,8 +178,10 @@ def _repetition_processors(options, name: str) -> list:
         return []
     from mlx_lm.sample_utils import make_logits_processors
 
-    return make_logits_processors(repetition_penalty=penalty,
-                                  repetition_context_size=REPETITION_CONTEXT)
+    from .engine.history import Stateless
+
+    return [Stateless(p) for p in make_logits_processors(repetition_penalty=penalty,
+                                                          repetition_context_size=REPETITION_CONTEXT)]
 
 
 def parse_stop(value):

@@ -114,4 +114,4 @@ def test_schema_with_speculation_decodes_plainly_and_validates(llm_env):
     out = assert_ok(llm_env.run("-m", "mlx-stream", "--schema", "word, count int", "-o", "k", "2",
                                 "-o", "max_tokens", "40", "Say a word")).stdout
     _check(json.loads(out), schema)
-    assert llm_env.turns()[-1]["stats"]["speculation_off"] == "logits processors"
+    assert llm_env.turns()[-1]["stats"]["speculation_off"] == "stateful logits processor"

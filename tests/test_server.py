@@ -607,3 +607,17 @@ def test_the_serve_command_runs_until_stopped_and_cleans_up(llm_env, stop_signal
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_a_seeded_penalised_completion_is_the_same_when_its_prompt_is_cached(served):
+    """The second identical request reuses the first one's KV; the repetition penalty
+    and the seed must still see what they saw cold."""
+    from llm_mlx_streaming.engine.manager import get_manager
+
+    if get_manager().session is not None:
+        get_manager().session.reset()
+    body = {"model": "mlx-stream", "prompt": "abc abc def def ghi ghi", "max_tokens": 10,
+            "temperature": 0.8, "seed": 7, "repetition_penalty": 3.0}
+    replies = [call(served, "POST", "/v1/completions", body)[2] for _ in range(3)]
+    assert [r["mlx_stream"]["stats"]["reused_tokens"] > 0 for r in replies] == [False, True, True]
+    assert [r["choices"][0]["text"] for r in replies] == [replies[0]["choices"][0]["text"]] * 3

@@ -311,15 +311,36 @@ def test_ngram_drafter_continues_earlier_text():
     assert isinstance(d, Drafter)
 
 
-def test_logits_processors_decode_plainly_and_say_so(build):
+def test_stateful_logits_processors_decode_plainly_and_say_so(build):
     path = build("qwen3_moe", num_experts=EXPERTS, top_k=TOP_K)
     engine = _engine(path, EXPERTS)
     prompt = _prompt(path)
     ban = lambda tokens, logits: logits.at[:, 5].add(-1e9)  # noqa: E731
     plain, _ = _generate(engine, prompt, k=0, logits_processors=[ban])
     tokens, stats = _generate(engine, prompt, k=K, logits_processors=[ban])
-    assert tokens == plain and stats["speculation_off"] == "logits processors"
+    assert tokens == plain and stats["speculation_off"] == "stateful logits processor"
     assert stats["draft_tokens"] == 0
+    engine.unload()
+
+
+def test_a_repetition_penalty_is_applied_at_every_verified_position(build):
+    """Greedy with a penalty: drafts are judged on logits penalised over the history up
+    to their own position, so the text is exactly k 0's, and drafts are still made."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    from llm_mlx_streaming.engine.history import Stateless
+
+    path = build("qwen3_moe", num_experts=EXPERTS, top_k=TOP_K)
+    engine = _engine(path, EXPERTS)
+    prompt = _prompt(path) * 3  # repeats for the ngram drafter to continue
+    penalty = [Stateless(p) for p in make_logits_processors(repetition_penalty=4.0, repetition_context_size=20)]
+    plain, _ = _generate(engine, prompt, k=0, logits_processors=penalty)
+    unpenalised, _ = _generate(engine, prompt, k=0)
+    engine.session.reset()
+    tokens, stats = _generate(engine, prompt, k=K, logits_processors=penalty)
+    assert plain != unpenalised  # the penalty changes the text, so the check below can fail
+    assert tokens == plain and stats["speculation_off"] is None
+    assert stats["draft_tokens"] > 0
     engine.unload()
 
 

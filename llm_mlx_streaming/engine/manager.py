@@ -25,6 +25,7 @@ from ..errors import CheckpointError, one_line
 from ..experts.pool import PoolCounters
 from ..experts.policies import DEFAULT_POLICY, POLICIES
 from .generation import Cancelled, Channel, Generation, Started
+from .history import with_history
 from .request import LoadSpec, Request
 from .stops import StopMatcher
 
@@ -378,7 +379,8 @@ class EngineManager:
             responses = stream_generate(
                 self.loaded.model, self.loaded.tokenizer, new_tokens,
                 max_tokens=max_tokens, sampler=request.make_sampler(),
-                logits_processors=request.logits_processors or None, prompt_cache=cache,
+                logits_processors=with_history(request.logits_processors, prompt[:reused]) or None,
+                prompt_cache=cache,
                 prefill_step_size=prefill_step, **kv.generate_kwargs(),
             )
         try:

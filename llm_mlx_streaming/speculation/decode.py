@@ -24,6 +24,7 @@ from mlx_lm.generate import (
     wired_limit,
 )
 
+from ..engine.history import apply_at_positions
 from . import heads
 from .depth import Depth
 from .rollback import VerifyPass, room
@@ -77,6 +78,7 @@ class SpeculativeRun:
     target: TargetSampler
     sampler: object
     max_tokens: int
+    processors: list  # stateless logits processors (engine/history.py), applied per position
     figures: SpecFigures
     fed: list[int] = field(default_factory=list)
     observer: object = None  # called with (inputs, kept) after each verify pass (benchmarks)
@@ -94,9 +96,10 @@ class SpeculativeRun:
             last = self._prefill()
             logits, hidden = heads.forward(self.model, mx.array([last])[None], self.cache,
                                            self.drafter.needs_hidden)
+            logits = self._processed(logits[0], [last])
             self.fed.append(last)
             self._quantize()
-            logprobs = _logprobs(logits[0])
+            logprobs = _logprobs(logits)
             y = int(self.sampler(logprobs).item())
             if not self.drafter.needs_hidden:
                 self.drafter.reset(self.history + self.fed)
@@ -148,6 +151,12 @@ class SpeculativeRun:
             mx.clear_cache()
         return prompt[0]
 
+    def _processed(self, logits: mx.array, inputs: list[int]) -> mx.array:
+        """The pass's (L, V) logits after the request's processors, row by row."""
+        if not self.processors:
+            return logits
+        return apply_at_positions(self.processors, self.history + self.fed, inputs, logits)
+
     def _quantize(self) -> None:
         """mlx-lm's switch to a quantized KV cache, at the same points generate_step makes it."""
         kw = self.kv_kwargs
@@ -161,7 +170,7 @@ class SpeculativeRun:
         with verify.recording(len(inputs)):
             logits, hidden = heads.forward(self.model, mx.array(inputs)[None], self.cache,
                                            self.drafter.needs_hidden)
-        logprobs = _logprobs(logits[0])
+        logprobs = _logprobs(self._processed(logits[0], inputs))
         accepted, token = choose(logprobs, drafts, self.target, self.sampler)
         verify.keep(1 + accepted)
         self._quantize()

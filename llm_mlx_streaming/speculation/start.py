@@ -2,14 +2,17 @@
 
 k = 0 (the default) keeps mlx-lm's own `stream_generate`, so turning speculation off
 costs nothing. A request speculates only where the result stays exactly the target's:
-a custom sampler or logits processors (stateful ones, like schema constraints, cannot
-be evaluated ahead on drafts) decode plainly, and the figures say why.
+a custom sampler or a stateful logits processor (a schema constraint cannot be
+evaluated ahead on drafts) decode plainly, and the figures say why. Stateless ones
+(the repetition penalty) are applied at every verified position, as mlx-lm's step
+would apply them there.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+from ..engine.history import all_stateless
 from .decode import SpecFigures, SpeculativeRun
 from .depth import Depth
 from .drafter import DraftContext, DraftError, make_drafter
@@ -41,8 +44,8 @@ def figures_for(request) -> SpecFigures:
 
 def off_reason(request) -> Optional[str]:
     """Why this request must decode without drafts (None: it may speculate)."""
-    if request.logits_processors:
-        return "logits processors"
+    if not all_stateless(request.logits_processors):
+        return "stateful logits processor"
     if request.sampler is not None:
         return "custom sampler"
     if request.kv.quantized:  # long context (#13): mlx-lm's loop quantizes the cache
@@ -61,7 +64,8 @@ def make_run(request, loaded, cache, history, prompt, max_tokens, drafters: dict
         model=loaded.model, cache=cache, history=list(history), prompt=list(prompt),
         drafter=drafter, depth=Depth(check_k(request.k)),
         target=TargetSampler(request.temperature, request.top_p, request.min_p, request.top_k),
-        sampler=request.make_sampler(), max_tokens=max_tokens, figures=figures,
+        sampler=request.make_sampler(), processors=list(request.logits_processors),
+        max_tokens=max_tokens, figures=figures,
         observer=request.spec_observer, prefill_step=prefill_step, kv_kwargs=kv_kwargs,
     )
 

@@ -1,0 +1,68 @@
+"""Logits processors see the whole token history, whatever part of it a cache supplied.
+
+mlx-lm's `generate_step` shows its processors the tokens it was handed: with a KV
+cache that already holds a prefix (a chat turn, the conversation cache on disk, a
+server follow-up) that is only the part still to prefill, so a repetition penalty
+would forget the reused tokens and the same request would decode differently on a
+warm cache than on a cold one. Each processor here is given the reused prefix in
+front of what mlx-lm shows it, which is exactly what a cold run shows it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import mlx.core as mx
+
+
+class Stateless:
+    """A logits processor that is a function of (history, logits) alone.
+
+    Such a processor can be applied at every position of a speculative verify pass,
+    each over the history up to that position (speculation/decode.py); one that keeps
+    state between calls (a schema matcher) cannot be evaluated ahead on drafts.
+    """
+
+    def __init__(self, processor: Callable):
+        self.processor = processor
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        return self.processor(tokens, logits)
+
+
+class WithPrefix:
+    """`processor`, shown `prefix` in front of the tokens it is called with."""
+
+    def __init__(self, processor: Callable, prefix: Sequence[int]):
+        self.processor = processor
+        self.prefix = mx.array(list(prefix))
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        return self.processor(mx.concatenate([self.prefix, tokens]), logits)
+
+
+def with_history(processors: Sequence[Callable], prefix: Sequence[int]) -> list:
+    """`processors`, each shown the reused `prefix` before the tokens mlx-lm passes."""
+    if not prefix:
+        return list(processors)
+    return [WithPrefix(p, prefix) for p in processors]
+
+
+def all_stateless(processors: Sequence[Callable]) -> bool:
+    return all(isinstance(p, Stateless) for p in processors)
+
+
+def apply_at_positions(processors: Sequence[Callable], history: Sequence[int], inputs: Sequence[int],
+                       logits: mx.array) -> mx.array:
+    """(L, V) logits of one forward over `inputs`, row i processed as mlx-lm's step would
+    process it: over `history` and inputs[: i + 1]."""
+    if not processors:
+        return logits
+    rows = []
+    for i in range(len(inputs)):
+        tokens = mx.array([*history, *inputs[: i + 1]])
+        row = logits[i : i + 1]
+        for processor in processors:
+            row = processor(tokens, row)
+        rows.append(row)
+    return mx.concatenate(rows, axis=0)
