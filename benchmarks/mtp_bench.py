@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llm_mlx_streaming.checkpoints.factory import build_checkpoint  # noqa: E402
 from llm_mlx_streaming.engine.loading import load_streaming  # noqa: E402
-from llm_mlx_streaming.speculation.drafter import DraftContext, make_drafter  # noqa: E402
+from llm_mlx_streaming.speculation.drafter import DraftContext  # noqa: E402
+from llm_mlx_streaming.speculation.kinds import make_drafter  # noqa: E402
 
 CACHE = Path(__file__).resolve().parent / ".cache"
 SHAPE = dict(hidden_size=512, moe_intermediate_size=512, num_experts=64, top_k=8, num_layers=4)

@@ -178,7 +178,7 @@ def _repetition_processors(options, name: str) -> list:
         return []
     from mlx_lm.sample_utils import make_logits_processors
 
-    from .engine.history import Stateless
+    from .processors import Stateless
 
     return [Stateless(p) for p in make_logits_processors(repetition_penalty=penalty,
                                                           repetition_context_size=REPETITION_CONTEXT)]
@@ -284,7 +284,7 @@ class MlxStreamModel(llm.Model):
         """The reply's stream events; `on_generation` is told the engine's handle
         (the async model cancels through it)."""
         from .engine.manager import get_manager
-        from .prompting import render_prompt, reply_metadata
+        from .prompting import render_prompt, reply_metadata, stream_event
         from .replies import ReplySplitter, opens_thinking
         from .tools import function_tools, template_tools
 
@@ -367,7 +367,7 @@ class MlxStreamModel(llm.Model):
 def _speculation(options: Options, settings: Settings) -> dict:
     """Request fields for speculative decoding; an unknown drafter is refused here,
     before anything runs or is logged."""
-    from .speculation.drafter import builtin_kinds
+    from .speculation.kinds import builtin_kinds
 
     k = settings.k if options.k is None else options.k
     draft = options.draft or settings.draft
@@ -508,7 +508,7 @@ def _events(kind: str, chunk: str, tokenizer, tools: list[dict], response, gener
     read, or cut off by the end of the reply, is shown as the text the model wrote."""
     from llm.parts import StreamEvent
 
-    from .prompting import reply_metadata
+    from .prompting import reply_metadata, stream_event
     from .replies import TOOL, UNFINISHED_TOOL
     from .tools import parse_tool_calls
 
@@ -530,12 +530,6 @@ def _events(kind: str, chunk: str, tokenizer, tools: list[dict], response, gener
         yield stream_event("text", f"{tokenizer.tool_call_start}{chunk}")
     elif chunk:
         yield stream_event(kind, chunk)
-
-
-def stream_event(kind: str, chunk: str, metadata: Optional[dict] = None):
-    from llm.parts import StreamEvent
-
-    return StreamEvent(type=kind, chunk=chunk, provider_metadata=metadata)
 
 
 def _jsonable(stats: dict) -> dict:

@@ -212,3 +212,10 @@ def _spliced(tokenizer, render, messages, stored, text, overhang=None) -> Option
         else:
             skip = 0
     return tokens
+
+
+def stream_event(kind: str, chunk: str, metadata: Optional[dict] = None):
+    """One piece of a reply as llm streams it ("text", "reasoning"), with its metadata."""
+    from llm.parts import StreamEvent
+
+    return StreamEvent(type=kind, chunk=chunk, provider_metadata=metadata)

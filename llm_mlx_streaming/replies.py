@@ -37,10 +37,6 @@ class ReplySplitter:
         self._pending = ""
         self._tool = ""
 
-    @property
-    def kind(self) -> str:
-        return self.state
-
     def feed(self, text: str) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []
         buf = self._pending + text

@@ -175,7 +175,8 @@ def test_a_checkpoint_without_a_head_is_one_line(build, arch, kwargs, says):
 
 
 def _drafter(loaded):
-    from llm_mlx_streaming.speculation.drafter import DraftContext, make_drafter
+    from llm_mlx_streaming.speculation.drafter import DraftContext
+    from llm_mlx_streaming.speculation.kinds import make_drafter
 
     return make_drafter("mtp", DraftContext(model=loaded.model, tokenizer=loaded.tokenizer,
                                             checkpoint=loaded.path, loaded=loaded))
@@ -228,7 +229,8 @@ def test_drafter_drafts_the_heads_greedy_chain(build, arch):
 
 
 def test_draft_mtp_without_a_head_is_one_line(build):
-    from llm_mlx_streaming.speculation.drafter import DraftContext, DraftError, make_drafter
+    from llm_mlx_streaming.speculation.drafter import DraftContext, DraftError
+    from llm_mlx_streaming.speculation.kinds import make_drafter
 
     loaded = load_streaming(build("deepseek_v3"), expert_slots=2)
     try:

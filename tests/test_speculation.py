@@ -13,7 +13,8 @@ from llm_mlx_streaming.checkpoints.factory import ARCHITECTURES, supported_quant
 from llm_mlx_streaming.engine.manager import EngineError, EngineManager
 from llm_mlx_streaming.engine.request import Request
 from llm_mlx_streaming.speculation import heads
-from llm_mlx_streaming.speculation.drafter import DraftContext, DraftError, Drafter, make_drafter
+from llm_mlx_streaming.speculation.drafter import DraftContext, DraftError, Drafter
+from llm_mlx_streaming.speculation.kinds import make_drafter
 from llm_mlx_streaming.speculation.ngram import NgramDrafter
 from llm_mlx_streaming.speculation.sampling import TargetSampler, choose
 from llm_mlx_streaming.speculation.scripted import ScriptedDrafter
@@ -328,7 +329,7 @@ def test_a_repetition_penalty_is_applied_at_every_verified_position(build):
     to their own position, so the text is exactly k 0's, and drafts are still made."""
     from mlx_lm.sample_utils import make_logits_processors
 
-    from llm_mlx_streaming.engine.history import Stateless
+    from llm_mlx_streaming.processors import Stateless
 
     path = build("qwen3_moe", num_experts=EXPERTS, top_k=TOP_K)
     engine = _engine(path, EXPERTS)

@@ -5,14 +5,9 @@ docs/llm-plugin.md documents every command.
 
 import click
 
+from . import config, models, mtp, pack, plan, serve, simulate, stats, verify  # noqa: F401  (they add the commands)
+from .group import mlxs
+
 
 def register(cli: click.Group) -> None:
     cli.add_command(mlxs)
-
-
-@click.group()
-def mlxs():
-    """Stream Mixture-of-Experts models from disk with MLX (model: mlx-stream)."""
-
-
-from . import config, models, mtp, pack, plan, serve, simulate, stats, verify  # noqa: E402,F401  (they add the commands)

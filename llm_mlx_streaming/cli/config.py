@@ -21,7 +21,7 @@ from ..settings import (
     unset_value,
 )
 
-from . import mlxs
+from .group import mlxs
 from ..sizes import format_size
 from .common import table
 

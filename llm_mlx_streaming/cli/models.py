@@ -14,7 +14,7 @@ from ..checkpoints.config import check_checkpoint, describe, read_config
 from ..errors import CheckpointError, SettingsError, one_line
 from ..settings import BUNDLED_NAME, Settings, load_settings
 
-from . import mlxs
+from .group import mlxs
 from ..sizes import format_size
 from .common import table
 from .resolve import has_packed

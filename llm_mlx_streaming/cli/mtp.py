@@ -10,7 +10,7 @@ import click
 from ..errors import SettingsError, one_line
 from ..settings import load_settings
 
-from . import mlxs
+from .group import mlxs
 from .models import HF_REPO_RE
 from .resolve import resolve_checkpoint
 

@@ -11,7 +11,7 @@ import click
 from ..errors import MlxStreamError, one_line
 from ..settings import load_settings
 
-from . import mlxs
+from .group import mlxs
 from ..sizes import format_size
 from .common import ByteProgress
 from .resolve import has_packed, resolve_checkpoint

@@ -10,7 +10,7 @@ from .. import registry
 from ..errors import MlxStreamError, SettingsError, one_line
 from ..settings import AUTO_BUDGET_SHARE, BUNDLED_NAME, budget_bytes, load_settings, normalize_budget
 
-from . import mlxs
+from .group import mlxs
 from .resolve import resolve_checkpoint
 
 

@@ -6,7 +6,7 @@ import signal
 
 import click
 
-from . import mlxs
+from .group import mlxs
 
 
 @mlxs.command()

@@ -12,7 +12,7 @@ from .. import registry
 from ..errors import MlxStreamError, SettingsError, one_line
 from ..settings import POLICIES, load_settings, trace_file, traces_dir
 
-from . import mlxs
+from .group import mlxs
 from ..sizes import format_size
 from .common import table
 

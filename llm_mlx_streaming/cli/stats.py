@@ -15,7 +15,7 @@ import llm
 
 from .. import registry
 
-from . import mlxs
+from .group import mlxs
 from ..sizes import format_size
 from .common import table
 

@@ -7,7 +7,7 @@ import click
 from ..errors import MlxStreamError
 from ..settings import load_settings
 
-from . import mlxs
+from .group import mlxs
 from .common import ByteProgress
 from .resolve import resolve_checkpoint
 

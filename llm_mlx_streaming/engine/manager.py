@@ -25,7 +25,7 @@ from ..errors import CheckpointError, one_line
 from ..experts.pool import PoolCounters
 from ..experts.policies import DEFAULT_POLICY, POLICIES
 from .generation import Cancelled, Channel, Generation, Started
-from .history import with_history
+from ..processors import with_history
 from .request import LoadSpec, Request
 from .stops import StopMatcher
 

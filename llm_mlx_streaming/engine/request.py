@@ -14,8 +14,6 @@ from typing import Any, Callable, Optional, Sequence, Union
 from ..experts.policies import DEFAULT_POLICY
 from .kv import FULL_PRECISION, KVSpec
 
-UNLIMITED = -1  # max_tokens: generate until the context is full
-
 Slots = Union[int, Sequence[int], None]  # one count, one per MoE layer, or a slot per expert
 
 
@@ -39,7 +37,7 @@ class Request:
     runs under the engine lock, so it sees the tokenizer the generation will use).
     Sampling is built inside the engine from the fields below, so a seed applies to
     this generation alone; `sampler` replaces them when given. `max_tokens` below 1
-    (UNLIMITED) means "until the context is full".
+    means "until the context is full".
     """
 
     prompt: Union[Sequence[int], Callable[[Any], Sequence[int]]]

@@ -92,8 +92,7 @@ class ServerClient:
         """Stream `prompt` from the server as the plugin's own events; `on_generation`
         is told a handle whose `cancel()` hangs up, which the server takes as a
         disconnect and cancels the generation (the async model cancels through it)."""
-        from ..model import stream_event
-        from ..prompting import reply_metadata
+        from ..prompting import reply_metadata, stream_event
 
         options = {k: v for k, v in prompt.options.model_dump(exclude_none=True).items() if k != "no_server"}
         body = {"model": model_id, "messages": openai_messages(prompt), "stream": True,

@@ -24,7 +24,7 @@ from mlx_lm.generate import (
     wired_limit,
 )
 
-from ..engine.history import apply_at_positions
+from ..processors import apply_at_positions
 from . import heads
 from .depth import Depth
 from .rollback import VerifyPass, room

@@ -18,7 +18,7 @@ from mlx_lm.utils import common_prefix_len
 
 from ..engine.mtp_head import LoadedHead, mtp_head
 from ..errors import CheckpointError
-from .drafter import DraftContext, DraftError, register
+from .drafter import DraftContext, DraftError
 
 
 # Chain a further draft only while the head gives its latest one at least this
@@ -92,8 +92,7 @@ def _greedy(logits: mx.array) -> tuple[list[int], float]:
     return [int(token.item())], float(probs[token].item())
 
 
-@register("mtp")
-def _build(context: DraftContext) -> MTPDrafter:
+def build(context: DraftContext) -> MTPDrafter:
     if context.loaded is None:
         raise DraftError("`-o draft mtp` needs the engine's streamed model")
     try:

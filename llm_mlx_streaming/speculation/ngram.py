@@ -8,7 +8,7 @@ editing, summaries and repetitive output, and proposes nothing where nothing rep
 
 from __future__ import annotations
 
-from .drafter import DraftContext, register
+from .drafter import DraftContext
 
 LONGEST_MATCH = 3
 
@@ -49,6 +49,5 @@ class NgramDrafter:
             self.tokens.append(int(token))
 
 
-@register("ngram")
-def _build(context: DraftContext) -> NgramDrafter:
+def build(context: DraftContext) -> NgramDrafter:
     return NgramDrafter()

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..engine.history import all_stateless
+from ..processors import all_stateless
 from .decode import SpecFigures, SpeculativeRun
 from .depth import Depth
-from .drafter import DraftContext, DraftError, make_drafter
+from .drafter import DraftContext, DraftError
+from .kinds import make_drafter
 from .sampling import TargetSampler
 
 

@@ -1,0 +1,133 @@
+"""The package's imports point down its layers and never go round in a circle.
+
+Every import counts, function-local ones included (they are read from the source with
+`ast`, not from what happens to be imported at run time).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).parent.parent / "llm_mlx_streaming"
+
+# Higher layers may import lower ones; a layer's parts may import each other
+# (without a circle between packages).
+LAYERS = [
+    {"(hooks)"},
+    {"cli", "server"},
+    {"model", "async_model"},
+    {"registry", "settings", "prompting", "replies", "tools", "constrained", "logs_db"},
+    {"engine"},
+    {"speculation"},
+    {"experts", "checkpoints"},
+    {"processors", "errors", "sizes"},
+]
+
+# Arrows that still point up: each is a known knot, to be untied, never added to.
+KNOWN_UPWARD = {
+    ("model", "server"),  # model.py routes a prompt to a running server via server/client.py
+    ("settings", "engine"),  # settings validates knobs with the engine's own checks
+    ("settings", "speculation"),
+    ("replies", "engine"),  # replies.py matches stops with engine/stops.py
+    ("speculation", "engine"),  # the MTP head is loaded by engine/mtp_head.py
+}
+KNOWN_PACKAGE_CYCLES = {frozenset({"experts", "checkpoints"})}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for file in PACKAGE.rglob("*.py"):
+        parts = list(file.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = file
+    return out
+
+
+def _imports(name: str, file: Path, modules: dict) -> set[str]:
+    package = name if file.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(file.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module
+            for alias in node.names:
+                full = f"{target}.{alias.name}"
+                found.add(full if full in modules else target)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {m for m in found if m in modules and m != name}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, file, modules) for name, file in modules.items()}
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "(hooks)"
+
+
+def _rank(part: str) -> int:
+    for i, layer in enumerate(LAYERS):
+        if part in layer:
+            return i
+    raise AssertionError(f"{part} is in no layer of LAYERS: place it")
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one node (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_walk_sees_function_local_imports():
+    graph = _graph()
+    assert "llm_mlx_streaming.engine.loading" in graph["llm_mlx_streaming.engine.manager"]  # imported in load()
+
+
+def test_no_module_imports_itself_round_a_circle():
+    assert _cycles(_graph()) == []
+
+
+def test_every_arrow_between_packages_points_down():
+    graph = _graph()
+    upward, packages = set(), {}
+    for module, targets in graph.items():
+        for target in targets:
+            a, b = _part(module), _part(target)
+            if a != b:
+                if _rank(a) > _rank(b):
+                    upward.add((a, b))
+                else:
+                    packages.setdefault(a, set()).add(b)
+    assert upward <= KNOWN_UPWARD, sorted(upward - KNOWN_UPWARD)
+    cycles = {frozenset(c) for c in _cycles(packages)}  # among the downward and sideways arrows
+    assert cycles <= KNOWN_PACKAGE_CYCLES, cycles
