@@ -33,6 +33,7 @@ from .settings import (
     conversation_cache_spec,
     load_settings,
     normalize_budget,
+    normalize_draft,
     normalize_kv_bits,
     normalize_kv_group_size,
     normalize_prefill_step,
@@ -94,6 +95,11 @@ class Options(llm.Options):
         from .speculation.start import check_k
 
         return None if value is None else check_k(value)
+
+    @field_validator("draft", mode="before")
+    @classmethod
+    def _check_draft(cls, value):
+        return None if value is None else normalize_draft(value)
 
     # -- llm mlxs serve ------------------------------------------------
     no_server: Optional[bool] = Field(
@@ -290,6 +296,7 @@ class MlxStreamModel(llm.Model):
 
         settings = load_settings()
         options = prompt.options
+        speculation = _speculation(options, settings)
         # -- a running `llm mlxs serve` for this user dir answers instead ---
         from .server.client import running_server
 
@@ -327,7 +334,7 @@ class MlxStreamModel(llm.Model):
             seed=options.seed,
             max_context=settings.max_context,
             trace_path=trace_file(r.name) if settings.trace else None,
-            **_speculation(options, settings),
+            **speculation,
             kv=r.kv,
             prefill_step=r.prefill_step,
         ))
@@ -366,13 +373,14 @@ class MlxStreamModel(llm.Model):
 
 def _speculation(options: Options, settings: Settings) -> dict:
     """Request fields for speculative decoding; an unknown drafter is refused here,
-    before anything runs or is logged."""
+    before anything runs, is sent to a server or is logged: the one given with -o draft
+    whatever k is, the setting's only when it is used."""
     from .speculation.kinds import builtin_kinds
 
     k = settings.k if options.k is None else options.k
-    draft = options.draft or settings.draft
+    draft = settings.draft if options.draft is None else options.draft
     fields: dict[str, Any] = {"k": k, "draft": draft}
-    if k == 0 or draft in builtin_kinds():
+    if (k == 0 and options.draft is None) or draft in builtin_kinds():
         return fields
     try:
         name = registry.resolve_name(draft, settings)

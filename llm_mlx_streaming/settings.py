@@ -97,6 +97,13 @@ def normalize_kv_group_size(value):
     return size
 
 
+def normalize_draft(value) -> str:
+    """A drafter's name, stripped; "" is refused, not read as the default."""
+    if not isinstance(value, str) or not NAME_RE.match(value.strip()):
+        raise ValueError("a drafter: ngram, mtp, or the name of an added model")
+    return value.strip()
+
+
 MIN_PREFILL_STEP = 16
 
 
@@ -258,9 +265,7 @@ class Settings(BaseModel):
     @field_validator("draft", mode="before")
     @classmethod
     def _check_draft(cls, value):
-        if not isinstance(value, str) or not NAME_RE.match(value.strip()):
-            raise ValueError("a drafter: ngram, mtp, or the name of an added model")
-        return value.strip()
+        return normalize_draft(value)
 
     @field_validator("memory_budget", mode="before")
     @classmethod

@@ -83,6 +83,17 @@ def test_bad_k_is_refused_before_anything_runs(llm_env, value):
     assert llm_env.turns() == []
 
 
+def test_a_drafter_given_is_checked_even_while_k_is_0(llm_env):
+    assert_one_line_error(llm_env.run("-m", "mlx-stream", "-o", "draft", "nosuchdrafter", "hi"),
+                          "Unknown draft 'nosuchdrafter'")
+    assert_one_line_error(llm_env.run("-m", "mlx-stream", "-o", "k", "0", "-o", "draft", "nosuch", "hi"),
+                          "Unknown draft 'nosuch'")
+    for empty in ("", " "):  # not the default drafter in disguise
+        assert_llm_option_error(llm_env.run("-m", "mlx-stream", "-o", "k", "2", "-o", "draft", empty, "hi"),
+                                "draft")
+    assert llm_env.turns() == []
+
+
 def test_bad_drafters_are_one_line_errors_and_not_logged(llm_env, tmp_path):
     assert_one_line_error(llm_env.run("-m", "mlx-stream", "-o", "k", "2", "-o", "draft", "nosuch", "hi"),
                           "Unknown draft 'nosuch'", "ngram")
