@@ -619,5 +619,5 @@ def test_a_seeded_penalised_completion_is_the_same_when_its_prompt_is_cached(ser
     body = {"model": "mlx-stream", "prompt": "abc abc def def ghi ghi", "max_tokens": 10,
             "temperature": 0.8, "seed": 7, "repetition_penalty": 3.0}
     replies = [call(served, "POST", "/v1/completions", body)[2] for _ in range(3)]
-    assert [r["mlx_stream"]["stats"]["reused_tokens"] > 0 for r in replies] == [False, True, True]
+    assert all(r["mlx_stream"]["stats"]["reused_tokens"] > 0 for r in replies[1:])
     assert [r["choices"][0]["text"] for r in replies] == [replies[0]["choices"][0]["text"]] * 3
