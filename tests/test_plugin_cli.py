@@ -48,6 +48,12 @@ def test_config_show_set_unset(llm_env):
     assert "models" in llm_env.read_settings()  # the registry survives
 
 
+def test_config_takes_a_negative_value_as_a_value(llm_env):
+    assert_ok(llm_env.run("mlxs", "config", "max_tokens", "-1"))
+    assert llm_env.read_settings()["max_tokens"] == -1
+    assert_one_line_error(llm_env.run("mlxs", "config", "kv_bits", "-1"), "kv_bits")
+
+
 def test_config_rejects_bad_keys_and_values(llm_env):
     before = llm_env.settings_file.read_text()
     assert_one_line_error(llm_env.run("mlxs", "config", "nope", "1"), "Unknown setting 'nope'")

@@ -42,7 +42,7 @@ def _shown(key: str, value) -> str:
     return _fmt(value)
 
 
-@mlxs.command()
+@mlxs.command(context_settings={"ignore_unknown_options": True})
 @click.argument("key", required=False)
 @click.argument("value", required=False)
 @click.option("--unset", "unset_key", metavar="KEY", help="Reset KEY to its default")
