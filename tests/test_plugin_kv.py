@@ -85,3 +85,18 @@ def test_plan_kv_bits_gives_the_pools_more_of_the_same_budget(kv_env):
     assert four["kv_bytes"] <= 0.3 * full["kv_bytes"] and four["kv_bits"] == 4
     assert sum(four["slots_per_layer"]) > sum(full["slots_per_layer"])
     assert_one_line_error(kv_env.run("mlxs", "plan", "wide", "--kv-bits", "5"), "--kv-bits")
+
+
+def test_plan_and_engine_refuse_the_same_kv_layouts(kv_env, build):
+    narrow = build("qwen3_moe", num_experts=8, top_k=2, head_dim=16)
+    settings = kv_env.read_settings()
+    settings["models"]["narrow"] = {"path": str(narrow)}
+    kv_env.write_settings(**settings)
+    why = "head dimension 16; no group size (32, 64, 128) divides it, so use kv_bits off"
+    assert_one_line_error(kv_env.run("mlxs", "plan", "narrow", "--kv-bits", "4"), why)
+    assert_one_line_error(kv_env.run("-m", "mlx-stream/narrow", "-o", "kv_bits", "4", "hi"), why)
+    assert_ok(kv_env.run("mlxs", "config", "kv_group_size", "128"))
+    wide = "kv_group_size 128 does not divide this model's head dimension 64; use kv_group_size 32 or 64"
+    assert_one_line_error(kv_env.run("mlxs", "plan", "wide", "--kv-bits", "4"), wide)
+    assert_one_line_error(kv_env.run("-m", "mlx-stream/wide", "-o", "kv_bits", "4", "hi"), wide)
+    assert kv_env.turns() == []

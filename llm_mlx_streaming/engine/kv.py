@@ -120,9 +120,13 @@ def check_model(spec: KVSpec, config: dict) -> None:
         return
     for dim in sorted(head_dims(config)):
         if dim % spec.group_size:
+            fits = [str(g) for g in KV_GROUP_SIZES if dim % g == 0]
+            hint = (
+                f"use kv_group_size {' or '.join(fits)}" if fits
+                else f"no group size ({', '.join(map(str, KV_GROUP_SIZES))}) divides it, so use kv_bits off"
+            )
             raise KVError(
-                f"kv_group_size {spec.group_size} does not divide this model's head dimension "
-                f"{dim}; use one of {', '.join(str(g) for g in KV_GROUP_SIZES if dim % g == 0) or 'none'}"
+                f"kv_group_size {spec.group_size} does not divide this model's head dimension {dim}; {hint}"
             )
 
 

@@ -28,7 +28,7 @@ from ..checkpoints.config import EXPERT_COUNT_KEYS, TOP_K_KEYS, config_field, re
 from ..errors import CheckpointError
 from ..experts.index import CheckpointIndex
 from ..sizes import format_size, parse_size
-from .kv import FULL_PRECISION, KVSpec, blocker
+from .kv import FULL_PRECISION, KVSpec, blocker, check_model
 from .kv import bytes_per_element as bytes_per_element_of
 
 __all__ = [
@@ -414,8 +414,9 @@ def plan_memory(
     `layout`: the checkpoint's (checkpoint_layout), when the caller has read it already.
 
     Raises PlanError (one line, naming the shortfall and the budget that would do)
-    when the budget cannot give every MoE layer `min_slots` slots, and CheckpointError
-    for a checkpoint that cannot be read.
+    when the budget cannot give every MoE layer `min_slots` slots, KVError for a KV
+    layout the engine would refuse, and CheckpointError for a checkpoint that cannot
+    be read.
     """
     budget = parse_size(budget_bytes)
     if max_context is None:
@@ -426,6 +427,8 @@ def plan_memory(
     E, L = layout.num_experts, len(layout.layer_keys)
     b = layout.expert_bytes
     kv_layout = kv or FULL_PRECISION
+    if not layout.kv_blocker:
+        check_model(kv_layout, layout.config)  # the engine refuses the same layouts
     kv, kv_text = kv_cache_bytes(layout.config, max_context, kv_bytes_per_element, kv_layout, layout.kv_blocker)
     reserve = default_reserve(budget) if reserve_bytes is None else parse_size(reserve_bytes)
     m = min(E, max(1, min_slots if min_slots is not None else layout.top_k)) if L else 0
