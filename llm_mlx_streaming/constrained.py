@@ -64,6 +64,15 @@ def ll_tokenizer(hf_tokenizer, n_vocab: int, eos_ids):
     return cached[key]
 
 
+CUT_SHORT = ("Warning: max_tokens ended the reply before the --schema document was complete, "
+             "so it does not validate; raise -o max_tokens")
+
+
+def cut_short_notice(stats: dict) -> Optional[str]:
+    """The one-line warning for a reply whose schema document was left open."""
+    return CUT_SHORT if stats.get("schema_closed") is False else None
+
+
 class SchemaProcessor:
     """An mlx-lm logits processor: `processor(tokens, logits) -> logits`.
 
@@ -126,6 +135,17 @@ class SchemaProcessor:
             if self.budget is not None and self.budget - self.consumed <= self.closing_window():
                 allowed = self._closing(allowed, tokens)
         return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+    def closed(self, reply: list[int]) -> bool:
+        """Whether the whole `reply` (its token ids) is a complete document; the matcher
+        has not yet seen the last tokens sampled."""
+        if self.matcher is None:
+            return False
+        matcher = self.matcher.deep_copy()
+        rest = [int(t) for t in reply[self.fed:]]
+        if rest and not matcher.is_stopped():
+            matcher.consume_tokens(rest)
+        return not matcher.is_error() and (matcher.is_stopped() or matcher.is_accepting())
 
     # -- finishing the document within the token budget --------------------------
     def limit_tokens(self, budget: int) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
+import click
 import llm
 from pydantic import Field, field_validator
 
@@ -366,9 +367,23 @@ class MlxStreamModel(llm.Model):
         yield stream_event("text", "", reply_metadata(_spelled(tokenizer, generated, "".join(raw))))
 
         stats = _jsonable({**generation.stats, **_plan_figures(generation.stats, r)})
+        _check_schema_closed(stats, processors, generated)
         response.set_usage(input=len(generation.started.prompt_tokens), output=stats.get("generated_tokens"))
         response.response_json = stats
         response.set_resolved_model(r.resolved_model)
+
+
+def _check_schema_closed(stats: dict, processors: list, reply: list[int]) -> None:
+    """Record whether a --schema reply is a complete document; warn in one line when
+    max_tokens cut it short."""
+    from .constrained import SchemaProcessor, cut_short_notice
+
+    schema = next((p for p in processors if isinstance(p, SchemaProcessor)), None)
+    if schema is None:
+        return
+    stats["schema_closed"] = schema.closed(reply)
+    if notice := cut_short_notice(stats):
+        click.echo(notice, err=True)
 
 
 def _speculation(options: Options, settings: Settings) -> dict:

@@ -115,3 +115,18 @@ def test_schema_with_speculation_decodes_plainly_and_validates(llm_env):
                                 "-o", "max_tokens", "40", "Say a word")).stdout
     _check(json.loads(out), schema)
     assert llm_env.turns()[-1]["stats"]["speculation_off"] == "stateful logits processor"
+
+
+def test_a_reply_cut_short_by_max_tokens_says_so_in_one_line(llm_env):
+    schema = '{"type":"object","properties":{"a":{"type":"integer","minimum":5}},"required":["a"]}'
+    short = assert_ok(llm_env.run("-m", "mlx-stream", "--schema", schema, "-o", "max_tokens", "3", "Give a"))
+    with pytest.raises(ValueError):
+        json.loads(short.stdout)
+    warnings = [line for line in short.stderr.splitlines() if line.strip()]
+    assert len(warnings) == 1 and "max_tokens ended the reply before the --schema document" in warnings[0]
+    cut = llm_env.turns()[-1]["stats"]
+    assert cut["schema_closed"] is False and cut["finish_reason"] == "length"
+
+    whole = assert_ok(llm_env.run("-m", "mlx-stream", "--schema", schema, "-o", "max_tokens", "40", "Give a"))
+    assert json.loads(whole.stdout)["a"] >= 5 and whole.stderr.strip() == ""
+    assert llm_env.turns()[-1]["stats"]["schema_closed"] is True

@@ -532,6 +532,13 @@ def test_schema_through_the_api_and_through_a_routed_llm_prompt(served):
     assert routed == alone and json.loads(routed)
     assert served.turns()[-1]["stats"]["served_by"] == served.server.url
 
+    short = call(served, "POST", "/v1/chat/completions", chat_body("a word", max_tokens=2, response_format={
+        "type": "json_schema", "json_schema": {"name": "w", "schema": schema}}))[2]
+    assert short["choices"][0]["finish_reason"] == "length"
+    cut = assert_ok(served.run("-m", "mlx-stream", "a word", "--schema", "word, count int", "-o", "max_tokens", "2"))
+    assert "max_tokens ended the reply before the --schema document" in cut.stderr
+    assert served.turns()[-1]["stats"]["schema_closed"] is False
+
 
 def test_a_server_that_does_not_answer_is_one_line(llm_env):
     from llm_mlx_streaming.server import discovery

@@ -14,6 +14,9 @@ import socket
 from typing import Iterator, Optional
 from urllib.parse import urlsplit
 
+import click
+
+from ..constrained import cut_short_notice
 from ..errors import MlxStreamError, one_line
 from . import discovery
 
@@ -128,6 +131,8 @@ class ServerClient:
         yield stream_event("text", "", reply_metadata(extension.get("tokens") or []))
         stats = dict(extension.get("stats") or {})
         stats["served_by"] = self.url
+        if notice := cut_short_notice(stats):
+            click.echo(notice, err=True)
         response.response_json = stats
         response.set_usage(input=stats.get("prompt_tokens"), output=stats.get("generated_tokens"))
         if extension.get("resolved_model"):
