@@ -415,6 +415,12 @@ def test_server_dying_mid_request_is_one_line(llm_env):
     port = listener.getsockname()[1]
 
     def dying_server():
+        conn, _ = listener.accept()  # /health: it is the server the file names
+        conn.recv(65536)
+        health = json.dumps({"status": "ok", "id": discovery.public_id("s")}).encode()
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                     + str(len(health)).encode() + b"\r\n\r\n" + health)
+        conn.close()
         conn, _ = listener.accept()
         conn.recv(65536)
         chunk = {"choices": [{"index": 0, "delta": {"content": "partial"}, "finish_reason": None}]}
@@ -555,6 +561,42 @@ def test_a_server_that_does_not_answer_is_one_line(llm_env):
         discovery.remove_stale()
 
 
+@pytest.mark.parametrize("fields", [
+    {"port": 99999}, {"port": -5}, {"port": "80"}, {"host": "not a host!"}, {"pid": 0}, {"pid": -1},
+    {"secret": ""}, None,
+])
+def test_a_damaged_discovery_file_is_removed_with_a_notice_and_the_prompt_runs(llm_env, fields):
+    from llm_mlx_streaming.server import discovery
+
+    path = discovery.discovery_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"pid": os.getpid(), "host": "127.0.0.1", "port": 9, "secret": "s"}
+    path.write_text(json.dumps(None if fields is None else {**data, **fields}))
+    result = assert_ok(llm_env.run("-m", "mlx-stream", "hi", "-o", "max_tokens", "2"))
+    notices = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(notices) == 1 and notices[0].startswith(f"Removed {path}: "), result.stderr
+    assert not path.exists() and "served_by" not in llm_env.turns()[-1]["stats"]
+
+
+def test_a_discovery_file_whose_port_another_program_took_is_removed(llm_env):
+    import http.server
+
+    from llm_mlx_streaming.server import discovery
+
+    other = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # answers 501
+    thread = threading.Thread(target=other.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        discovery.write(discovery.ServerInfo(os.getpid(), "127.0.0.1", other.server_address[1], "s"))
+        result = assert_ok(llm_env.run("-m", "mlx-stream", "hi", "-o", "max_tokens", "2"))
+        assert "is not the mlx-stream server it names" in result.stderr
+        assert not discovery.discovery_path().exists()
+    finally:
+        other.shutdown()
+        other.server_close()
+        thread.join(timeout=5)
+
+
 def test_a_cancelled_async_prompt_hangs_up_on_the_server(served, monkeypatch):
     import asyncio
 
@@ -604,7 +646,7 @@ def test_the_serve_command_runs_until_stopped_and_cleans_up(llm_env, stop_signal
         info = discovery.read()
         assert info is not None and info.pid == proc.pid, proc.stderr.read()
         with urllib.request.urlopen(info.url + "/health", timeout=30) as resp:
-            assert json.loads(resp.read()) == {"status": "ok"}
+            assert json.loads(resp.read()) == {"status": "ok", "id": discovery.public_id(info.secret)}
         proc.send_signal(getattr(signal, stop_signal))
         assert proc.wait(30) == 0
         assert not discovery.discovery_path().exists()

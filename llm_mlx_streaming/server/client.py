@@ -29,7 +29,13 @@ def running_server(options, settings, prompt=None) -> Optional["ServerClient"]:
     if getattr(options, "no_server", None) or getattr(settings, "server", "auto") == "off":
         return None
     info = discovery.read()
-    return ServerClient(info) if info else None
+    if info is None:
+        return None
+    client = ServerClient(info)
+    return client if client.is_ours() else None
+
+
+IDENTIFY_TIMEOUT = 5.0  # seconds for /health to answer before a prompt is sent
 
 
 class ServerGone(MlxStreamError):
@@ -42,10 +48,21 @@ class ServerClient:
         self.url = info.url
         self.timeout = timeout
 
+    def is_ours(self) -> bool:
+        """Whether the mlx-stream server of the discovery file answers at its address
+        (ServerGone when nothing does); a file whose pid and port now belong to some
+        other program is removed."""
+        status, data = self._json("GET", "/health", timeout=IDENTIFY_TIMEOUT)
+        if status == 200 and data.get("id") == discovery.public_id(self.info.secret):
+            return True
+        discovery.forget(discovery.discovery_path(),
+                         f"{self.url} (pid {self.info.pid}) is not the mlx-stream server it names")
+        return False
+
     # -- plumbing -------------------------------------------------------------
-    def _request(self, method: str, path: str, body: Optional[dict] = None):
+    def _request(self, method: str, path: str, body: Optional[dict] = None, timeout: Optional[float] = None):
         parts = urlsplit(self.url)
-        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.timeout)
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout or self.timeout)
         headers = {"Authorization": f"Bearer {self.info.secret}"}
         data = None
         if body is not None:
@@ -62,8 +79,9 @@ class ServerClient:
                 "or run in-process with -o no_server 1"
             ) from None
 
-    def _json(self, method: str, path: str, body: Optional[dict] = None) -> tuple[int, dict]:
-        conn, resp = self._request(method, path, body)
+    def _json(self, method: str, path: str, body: Optional[dict] = None,
+              timeout: Optional[float] = None) -> tuple[int, dict]:
+        conn, resp = self._request(method, path, body, timeout)
         try:
             raw = resp.read()
         except (OSError, http.client.HTTPException) as e:

@@ -20,6 +20,7 @@ from fastapi.responses import StreamingResponse
 
 from ..errors import one_line
 from .bridge import Result, Run
+from .discovery import public_id
 from .gate import Gate, QueueFull
 from .http_layer import ApiError, BodyLimit, error_for
 from .replies import ReplyMemory
@@ -342,7 +343,7 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok"}
+        return {"status": "ok", "id": public_id(service.secret) if service.secret else None}
 
     api = APIRouter(dependencies=[Depends(service.check_key)], responses=ERRORS)
 
