@@ -14,163 +14,22 @@ import json
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional, Union
 
 import click
 import llm
-from pydantic import Field, field_validator
 
 from . import registry
 from .engine.request import LoadSpec, Request
 from .experts.policies import DEFAULT_POLICY
 from .errors import MlxStreamError, one_line
-from .settings import (
-    AUTO_BUDGET_SHARE,
-    BUNDLED_NAME,
-    POLICIES,
-    Policy,
-    Settings,
-    budget_bytes,
-    conversation_cache_spec,
-    load_settings,
-    normalize_budget,
-    normalize_draft,
-    normalize_kv_bits,
-    normalize_kv_group_size,
-    normalize_prefill_step,
-    parse_switch,
-    trace_file,
-)
+from .sizes import parse_size
+from .knobs import AUTO_BUDGET_SHARE, BUNDLED_NAME, BUNDLED_REPETITION_PENALTY, REPETITION_CONTEXT, build_options
+from .settings import Settings, budget_bytes, load_settings, trace_file
 
+__all__ = ["BUNDLED_REPETITION_PENALTY", "REPETITION_CONTEXT", "Options", "MlxStreamModel"]
 
-# -- repetition penalty (see _repetition_processors) -----------
-BUNDLED_REPETITION_PENALTY = 1.3
-REPETITION_CONTEXT = 64
-
-
-class Options(llm.Options):
-    max_tokens: Optional[int] = Field(
-        None, ge=-1,
-        description="Most tokens to generate; 0 or -1: until the context is full "
-        "(default: `llm mlxs config` max_tokens)",
-    )
-    temperature: Optional[float] = Field(
-        None, ge=0, le=10, description="Sampling temperature; 0 (default) is greedy"
-    )
-    top_p: Optional[float] = Field(
-        None, gt=0, le=1, description="Nucleus sampling: keep the smallest set of tokens with this total probability"
-    )
-    min_p: Optional[float] = Field(
-        None, ge=0, le=1, description="Drop tokens below this fraction of the top token's probability"
-    )
-    top_k: Optional[int] = Field(
-        None, ge=0, description="Sample only from the k most likely tokens (0: no limit)"
-    )
-    seed: Optional[int] = Field(None, description="Random seed, for repeatable sampling")
-    expert_slots: Optional[int] = Field(
-        None, ge=1, description="Expert slots per MoE layer held in memory; fewer slots use less memory and read more from disk"
-    )
-    policy: Optional[Policy] = Field(
-        None, description=f"Expert eviction policy: {', '.join(POLICIES)}"
-    )
-    memory_budget: Optional[str] = Field(
-        None,
-        description="Size the expert pools to this memory budget (e.g. 12GB, or auto); "
-        "-o expert_slots wins over it",
-    )
-
-    # -- speculation ----------------------------------------------------
-    k: Optional[Union[Literal["auto"], int]] = Field(
-        None,
-        description="Speculative decoding: draft tokens verified per pass, 0 (off) or auto "
-        "(default: `llm mlxs config` k)",
-    )
-    draft: Optional[str] = Field(
-        None,
-        description="Drafter for k > 0: ngram, mtp or an added model's name (default: `llm mlxs config` draft)",
-    )
-
-    @field_validator("k", mode="before")
-    @classmethod
-    def _check_k(cls, value):
-        from .speculation.start import check_k
-
-        return None if value is None else check_k(value)
-
-    @field_validator("draft", mode="before")
-    @classmethod
-    def _check_draft(cls, value):
-        return None if value is None else normalize_draft(value)
-
-    # -- llm mlxs serve ------------------------------------------------
-    no_server: Optional[bool] = Field(
-        None, description="Run in this process even when `llm mlxs serve` is running"
-    )
-
-    @field_validator("memory_budget")
-    @classmethod
-    def _check_budget(cls, value):
-        if value is None:
-            return value
-        return normalize_budget(value)
-
-    # -- stop sequences, thinking switch ----------------------
-    stop: Optional[Union[str, list[str]]] = Field(
-        None,
-        description='End the reply before this text; several: a JSON list, e.g. \'["\\n\\n", "END"]\'',
-    )
-    thinking: Optional[bool] = Field(
-        None,
-        description="on/off: the chat template's thinking switch (enable_thinking), "
-        "where the template has one",
-    )
-
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _check_stop(cls, value):
-        return parse_stop(value)
-
-    @field_validator("thinking", mode="before")
-    @classmethod
-    def _check_thinking(cls, value):
-        return parse_switch(value)
-
-    # -- repetition penalty ------------------------------------
-    repetition_penalty: Optional[float] = Field(
-        None, ge=1, le=5,
-        description=f"Make tokens among the last {REPETITION_CONTEXT} this many times less "
-        f"likely (mlx-lm's repetition penalty); 1: off (default {BUNDLED_REPETITION_PENALTY} for the bundled "
-        "demo, whose greedy text loops without it; 1 for other models)",
-    )
-
-    # -- long context (engine/kv.py) --
-    kv_bits: Optional[Union[int, str]] = Field(
-        None, description="Quantize the KV cache to 4 or 8 bits, or off (default: the kv_bits setting)"
-    )
-    kv_group_size: Optional[Union[int, str]] = Field(
-        None, description="Values per KV quantization group: 32, 64 or 128 (default: the kv_group_size setting)"
-    )
-    kv_start: Optional[int] = Field(
-        None, ge=0, description="Tokens the KV cache holds before it is quantized (default: the kv_start setting)"
-    )
-    prefill_step: Optional[Union[int, str]] = Field(
-        None, description="Prompt tokens per prefill chunk, or auto: as many as the memory budget allows"
-    )
-
-    @field_validator("kv_bits", mode="before")
-    @classmethod
-    def _check_kv_bits(cls, value):
-        return None if value is None else normalize_kv_bits(value)
-
-    @field_validator("kv_group_size", mode="before")
-    @classmethod
-    def _check_kv_group_size(cls, value):
-        return None if value is None else normalize_kv_group_size(value)
-
-    @field_validator("prefill_step", mode="before")
-    @classmethod
-    def _check_prefill_step(cls, value):
-        return None if value is None else normalize_prefill_step(value)
+Options = build_options(llm.Options)
 
 
 # -- repetition penalty ----------------------------------------
@@ -189,23 +48,6 @@ def _repetition_processors(options, name: str) -> list:
 
     return [Stateless(p) for p in make_logits_processors(repetition_penalty=penalty,
                                                           repetition_context_size=REPETITION_CONTEXT)]
-
-
-def parse_stop(value):
-    """A stop option: one string, a list of strings, or a JSON list given as a string."""
-    if value is None:
-        return None
-    if isinstance(value, str) and value.lstrip().startswith("["):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
-            raise ValueError("a JSON list of strings must parse, e.g. '[\"END\", \"\\n\\n\"]'") from None
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-        raise ValueError("a string, or a JSON list of strings")
-    if not items or any(s == "" for s in items):
-        raise ValueError("stop sequences must not be empty")
-    return items
 
 
 @dataclass
@@ -464,6 +306,15 @@ def plan_slots(name: str, path, value: str, budget: int, max_context: int, kv=No
 
 
 # -- long context (engine/kv.py) ------------------------------------------------------
+
+
+def conversation_cache_spec(settings: Settings):
+    """Where and how large the conversation cache on disk is (None: it is off)."""
+    from .engine.disk_cache import DiskCacheSpec
+
+    if not settings.conversation_cache:
+        return None
+    return DiskCacheSpec(llm.user_dir() / "mlx-streaming" / "kv-cache", parse_size(settings.conversation_cache_size))
 
 
 def kv_spec(options: Options, settings: Settings):

@@ -8,7 +8,8 @@ import click
 
 from .. import registry
 from ..errors import MlxStreamError, SettingsError, one_line
-from ..settings import AUTO_BUDGET_SHARE, BUNDLED_NAME, budget_bytes, load_settings, normalize_budget
+from .. import values
+from ..settings import AUTO_BUDGET_SHARE, BUNDLED_NAME, budget_bytes, load_settings
 
 from .group import mlxs
 from .resolve import resolve_checkpoint
@@ -40,7 +41,7 @@ def plan(name, budget, max_context, kv_bits, hit_rate, json_):
     label, path, entry = resolve_checkpoint(name, settings)
     value = settings.memory_budget if budget is None else budget
     try:
-        value = normalize_budget(value)
+        value = values.budget(value)
     except ValueError as exc:
         raise SettingsError(f"Invalid --budget {budget!r}: {exc}") from None
     nbytes = budget_bytes(value)

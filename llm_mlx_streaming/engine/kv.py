@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-KV_BITS = (4, 8)  # others are refused until measured on real models (docs/benchmarks.md, "Long context")
-KV_GROUP_SIZES = (32, 64, 128)  # the group sizes mx.quantize accepts
+from .. import values
+from ..values import KV_GROUP_SIZES
 
 
 class KVError(ValueError):
@@ -62,12 +62,12 @@ class KVSpec:
 
 def check_values(bits, group_size, start) -> None:
     """KVError (one line) unless the values are a layout mlx-lm can keep."""
-    if bits is not None and (isinstance(bits, bool) or bits not in KV_BITS):
-        raise KVError(f"kv_bits must be off, {' or '.join(map(str, KV_BITS))}, got {bits!r}")
-    if isinstance(group_size, bool) or group_size not in KV_GROUP_SIZES:
-        raise KVError(f"kv_group_size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, got {group_size!r}")
-    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-        raise KVError(f"kv_start must be a token count of at least 0, got {start!r}")
+    for name, check, value in (("kv_bits", values.kv_bits, bits), ("kv_group_size", values.kv_group_size, group_size),
+                               ("kv_start", values.kv_start, start)):
+        try:
+            check(value)
+        except ValueError as exc:
+            raise KVError(f"{name} {exc}") from None
 
 
 FULL_PRECISION = KVSpec()
@@ -75,18 +75,10 @@ FULL_PRECISION = KVSpec()
 
 def parse_bits(value) -> Optional[int]:
     """A kv_bits value as typed ("off", "4", 8, None) -> None or an int; KVError otherwise."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        word = value.strip().lower()
-        if word in ("off", "none", "16", ""):
-            return None
-        try:
-            value = int(word)
-        except ValueError:
-            raise KVError(f"kv_bits must be off, {' or '.join(map(str, KV_BITS))}, got {value!r}") from None
-    check_values(value, KV_GROUP_SIZES[1], 0)
-    return value
+    try:
+        return values.kv_bits(value)
+    except ValueError as exc:
+        raise KVError(f"kv_bits {exc}") from None
 
 
 # -- what a model allows -------------------------------------------------------------

@@ -28,6 +28,7 @@ from ..checkpoints.config import EXPERT_COUNT_KEYS, TOP_K_KEYS, config_field, re
 from ..errors import CheckpointError
 from ..experts.index import CheckpointIndex
 from ..sizes import format_size, parse_size
+from ..values import DEFAULT_MAX_CONTEXT
 from .kv import FULL_PRECISION, KVSpec, blocker, check_model
 from .kv import bytes_per_element as bytes_per_element_of
 
@@ -52,7 +53,6 @@ WHOLE_FROM = 0.5  # every layer holds this share of its experts before any layer
 KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens
 PREFILL_STEP = 2048  # mlx-lm's stream_generate prefills in chunks of this many tokens
 DEFAULT_HIT_RATES = (0.5, 0.8, 0.9)
-DEFAULT_MAX_CONTEXT = 4096  # tokens of KV cache planned for when no max_context is given
 
 # Where the stacked expert tensors of a layer live: mlx-lm's SwitchGLU/SwitchMLP are
 # named `switch_mlp` by every architecture but gpt_oss, whose container is `mlp.experts`.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .. import values
 from ..processors import all_stateless
 from .decode import SpecFigures, SpeculativeRun
 from .depth import Depth
@@ -20,27 +21,8 @@ from .kinds import make_drafter
 from .sampling import TargetSampler
 
 
-MAX_K = 32  # a pass of more positions than this is a prefill, not a verification
-
-
-def check_k(k) -> "int | str":
-    """k as the engine uses it: a whole number 0..MAX_K or "auto"; ValueError in one line."""
-    value = None
-    if isinstance(k, str):
-        text = k.strip().lower()
-        if text == "auto":
-            return "auto"
-        if text.isdigit():
-            value = int(text)
-    elif isinstance(k, int) and not isinstance(k, bool):
-        value = k
-    if value is not None and 0 <= value <= MAX_K:
-        return value
-    raise ValueError(f"k must be a whole number of draft tokens from 0 (off) to {MAX_K}, or auto; got {k!r}")
-
-
 def figures_for(request) -> SpecFigures:
-    return SpecFigures(k=check_k(request.k), draft=_draft_name(request))
+    return SpecFigures(k=values.k(request.k), draft=_draft_name(request))
 
 
 def off_reason(request) -> Optional[str]:
@@ -63,7 +45,7 @@ def make_run(request, loaded, cache, history, prompt, max_tokens, drafters: dict
     drafter = request.drafter or _drafter(request, loaded, drafters)
     return SpeculativeRun(
         model=loaded.model, cache=cache, history=list(history), prompt=list(prompt),
-        drafter=drafter, depth=Depth(check_k(request.k)),
+        drafter=drafter, depth=Depth(values.k(request.k)),
         target=TargetSampler(request.temperature, request.top_p, request.min_p, request.top_k),
         sampler=request.make_sampler(), processors=list(request.logits_processors),
         max_tokens=max_tokens, figures=figures,
@@ -92,4 +74,4 @@ def _draft_name(request) -> str:
     return getattr(request.drafter, "name", None) or request.draft
 
 
-__all__ = ["DraftError", "check_k", "figures_for", "make_run", "off_reason"]
+__all__ = ["DraftError", "figures_for", "make_run", "off_reason"]

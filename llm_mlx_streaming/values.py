@@ -1,0 +1,155 @@
+"""What each knob accepts: the parsing and range checks that settings, options and the
+engine share.
+
+At the bottom of the package, so the settings file, `-o` options, the server's request
+fields and the engine's own specs refuse exactly the same values with the same words.
+Each check takes what a user typed (a string on the command line, a JSON value in a
+file or a request body) and returns the value as stored, or raises ValueError with the
+reason in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from .sizes import parse_size
+
+DEFAULT_MAX_CONTEXT = 4096  # tokens of KV cache planned for when no max_context is given
+KV_BITS = (4, 8)  # others are refused until measured on real models (docs/benchmarks.md, "Long context")
+KV_GROUP_SIZES = (32, 64, 128)  # the group sizes mx.quantize accepts
+MAX_K = 32  # a pass of more positions than this is a prefill, not a verification
+MIN_PREFILL_STEP = 16
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def parse_switch(value):
+    """on/off, true/false, yes/no, 1/0 (any case) -> bool; other strings: ValueError."""
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in ("on", "true", "yes", "1"):
+            return True
+        if word in ("off", "false", "no", "0"):
+            return False
+        raise ValueError("use on or off")
+    return value
+
+
+def budget(value) -> str:
+    """A memory_budget as stored: "auto" or a size string."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ValueError("a size like 12GB, or auto")
+    try:
+        size = parse_size(value)
+    except ValueError:
+        raise ValueError("not a size; use e.g. 12GB, 12G, 1.5GiB, 512MB, or auto") from None
+    if size <= 0:
+        raise ValueError("must be more than 0 bytes")
+    return str(value).strip()
+
+
+def disk_size(value) -> str:
+    """A size on disk as stored (0 allowed)."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ValueError("a size like 2GB or 500MB")
+    try:
+        size = parse_size(value)
+    except ValueError:
+        raise ValueError("not a size; use e.g. 2GB, 500MB, 1.5GiB") from None
+    if size < 0:
+        raise ValueError("must be 0 bytes or more")
+    return str(value).strip()
+
+
+def kv_bits(value):
+    """None (full precision) or a bit count, from "off", "4", 4, None."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in ("off", "none", "16", ""):
+            return None
+        try:
+            value = int(word)
+        except ValueError:
+            raise ValueError(f"must be off, {' or '.join(map(str, KV_BITS))}, got {value!r}") from None
+    if isinstance(value, bool) or value not in KV_BITS:
+        raise ValueError(f"must be off, {' or '.join(map(str, KV_BITS))}, got {value!r}")
+    return value
+
+
+def stored_kv_bits(value):
+    """kv_bits as a setting or an option holds it: "off" or a bit count."""
+    bits = kv_bits(value)
+    return "off" if bits is None else bits
+
+
+def kv_group_size(value) -> int:
+    try:
+        size = int(value) if isinstance(value, str) else value
+    except ValueError:
+        size = value
+    if isinstance(size, bool) or size not in KV_GROUP_SIZES:
+        raise ValueError(f"must be one of {', '.join(map(str, KV_GROUP_SIZES))}, got {value!r}")
+    return size
+
+
+def kv_start(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"must be a token count of at least 0, got {value!r}")
+    return value
+
+
+def k(value) -> "int | str":
+    """k as the engine uses it: a whole number 0..MAX_K or "auto"."""
+    number = None
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            return "auto"
+        if text.isdigit():
+            number = int(text)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    if number is not None and 0 <= number <= MAX_K:
+        return number
+    raise ValueError(f"k must be a whole number of draft tokens from 0 (off) to {MAX_K}, or auto; got {value!r}")
+
+
+def draft(value) -> str:
+    """A drafter's name, stripped; "" is refused, not read as the default."""
+    if not isinstance(value, str) or not NAME_RE.match(value.strip()):
+        raise ValueError("a drafter: ngram, mtp, or the name of an added model")
+    return value.strip()
+
+
+def prefill_step(value):
+    """"auto" or a token count of at least MIN_PREFILL_STEP."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        step = int(value) if isinstance(value, str) else value
+    except ValueError:
+        raise ValueError("a token count, or auto") from None
+    if isinstance(step, bool) or not isinstance(step, int) or step < MIN_PREFILL_STEP:
+        raise ValueError(f"a token count of at least {MIN_PREFILL_STEP}, or auto")
+    return step
+
+
+def stop(value):
+    """One string, a list of strings, or a JSON list given as a string."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError("a JSON list of strings must parse, e.g. '[\"END\", \"\\n\\n\"]'") from None
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise ValueError("a string, or a JSON list of strings")
+    if not items or any(s == "" for s in items):
+        raise ValueError("stop sequences must not be empty")
+    return items
