@@ -10,13 +10,13 @@ import pytest
 from mlx.utils import tree_flatten
 
 from exactness import greedy_tokens, prompt_tokens, vocab_size
+from llm_mlx_streaming.cli.plan import format_plan
 from llm_mlx_streaming.engine.planner import (
     KV_STEP,
     Plan,
     PlanError,
     checkpoint_layout,
     default_reserve,
-    format_plan,
     kv_cache_bytes,
     plan_memory,
 )

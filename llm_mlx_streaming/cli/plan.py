@@ -6,10 +6,11 @@ import json
 
 import click
 
-from .. import registry
+from .. import registry, values
+from ..engine.planner import DEFAULT_HIT_RATES, default_reserve
 from ..errors import MlxStreamError, SettingsError, one_line
-from .. import values
 from ..settings import AUTO_BUDGET_SHARE, BUNDLED_NAME, budget_bytes, load_settings
+from ..sizes import format_size
 
 from .group import mlxs
 from .resolve import resolve_checkpoint
@@ -91,9 +92,88 @@ def _kv_layout(settings, kv_bits):
 
 
 def format_plan_text(result, hit_rate, value) -> str:
-    from ..engine.planner import format_plan
-
     text = format_plan(result, hit_rate=hit_rate)
     if value == "auto":
         text += f"\n  (budget: memory_budget auto = {AUTO_BUDGET_SHARE:.0%} of this machine's memory)"
     return text
+
+
+def _ranges(items: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
+    out, start = [], None
+    for i, x in enumerate(items):
+        if start is None:
+            start = x
+        if i + 1 == len(items) or items[i + 1] != x + 1:
+            out.append(f"{start}" if start == x else f"{start}-{x}")
+            start = None
+    return ", ".join(out)
+
+
+def _slot_runs(slots: list[int], E: int) -> str:
+    """Runs of equal counts: "layers 0-11: 512 (whole); layer 12: 300; layers 13-47: 256"."""
+    runs, start = [], 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[start]:
+            where = f"layer {start}" if i - 1 == start else f"layers {start}-{i - 1}"
+            n = slots[start]
+            runs.append(f"{where}: {n}" + (" (whole)" if n == E else ""))
+            start = i
+    return "; ".join(runs)
+
+
+def format_plan(plan, hit_rate: float | None = None) -> str:
+    """The plan as terminal text: the budget split, slots per layer, whole layers,
+    expected peak, and MB read per token at `hit_rate` (or at 0.5, 0.8 and 0.9)."""
+    width = 17
+    reserve_note = (
+        "max(256 MiB, 5% of budget)"
+        if plan.reserve_bytes == default_reserve(plan.budget)
+        else "as given"
+    )
+    lines = [f"Memory plan for {plan.path} ({plan.model_type})"]
+    if plan.num_moe_layers:
+        b = plan.expert_bytes_per_layer
+        per_expert = format_size(b[0]) if len(set(b)) == 1 else f"{format_size(min(b))}-{format_size(max(b))}"
+        lines.append(
+            f"  {plan.num_moe_layers} MoE layers x {plan.num_experts} experts, top-{plan.top_k}, "
+            f"{per_expert} per expert; checkpoint {format_size(plan.checkpoint_bytes)}"
+        )
+    else:
+        lines.append("  no MoE layers: the model runs fully resident")
+
+    def row(label, n, note=""):
+        lines.append(f"  {label:<{width}}{format_size(n):>10}" + (f"  {note}" if note else ""))
+
+    row("budget", plan.budget)
+    row("dense weights", plan.dense_bytes)
+    row("KV cache", plan.kv_bytes, plan.kv_description)
+    row("reserve", plan.reserve_bytes, reserve_note)
+    if plan.num_moe_layers:
+        total_slots = sum(plan.slots_per_layer)
+        share = total_slots / (plan.num_experts * plan.num_moe_layers)
+        row("expert pool", plan.pool_bytes, f"{total_slots} slots, {share:.0%} of all experts")
+    row("expected peak", plan.expected_peak_bytes,
+        f"unused {format_size(plan.unused_bytes)}" if plan.unused_bytes >= 1000 else "")
+    if not plan.num_moe_layers:
+        return "\n".join(lines)
+    lines.append(f"  {'slots per layer':<{width}}{_slot_runs(plan.slots_per_layer, plan.num_experts)}")
+    whole = plan.whole_layers
+    if whole:
+        lines.append(
+            f"  {'whole layers':<{width}}{len(whole)} of {plan.num_moe_layers} "
+            f"({_ranges(whole)}): every expert resident, no host read of the router choice"
+        )
+    else:
+        lines.append(f"  {'whole layers':<{width}}none")
+    if len(whole) == plan.num_moe_layers:
+        lines.append(f"  {'disk reads':<{width}}none: every expert is resident")
+    else:
+        rates = DEFAULT_HIT_RATES if hit_rate is None else (hit_rate,)
+        forecast = ", ".join(
+            f"{format_size(plan.forecast_mb_per_token(h) * 1e6)} at hit rate {h:g}" for h in rates
+        )
+        lines.append(f"  {'read per token':<{width}}{forecast}")
+    if plan.skipped_bytes:
+        lines.append(f"  (not counted: {format_size(plan.skipped_bytes)} of tensors mlx-lm drops on load, e.g. MTP heads)")
+    return "\n".join(lines)
