@@ -1,7 +1,7 @@
 """The ``llm.Model`` that serves ``mlx-stream`` and ``mlx-stream/<name>``.
 
 It turns llm's message chain into chat-template tokens (``prompting.py``),
-resolves options against the settings and streams the engine's text, with
+resolves options over the settings (``run_config.py``) and streams the engine's text, with
 ``<think>`` blocks as reasoning events. The engine (``engine.manager``) owns
 the loaded model, the expert pools and the KV cache and reuses the cache when
 a new prompt extends the last one, so each turn simply passes the *whole*
@@ -12,34 +12,26 @@ from __future__ import annotations
 
 import json
 from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Optional
 
 import click
 import llm
 
 from . import registry
-from .engine.request import LoadSpec, Request
-from .experts.policies import DEFAULT_POLICY
 from .errors import MlxStreamError, one_line
-from .sizes import parse_size
-from .knobs import AUTO_BUDGET_SHARE, BUNDLED_NAME, BUNDLED_REPETITION_PENALTY, REPETITION_CONTEXT, build_options
-from .settings import Settings, budget_bytes, load_settings, trace_file
+from .knobs import BUNDLED_REPETITION_PENALTY, REPETITION_CONTEXT, build_options
+from .run_config import RunConfig, drafter, resolve
+from .settings import load_settings
 
 __all__ = ["BUNDLED_REPETITION_PENALTY", "REPETITION_CONTEXT", "Options", "MlxStreamModel"]
 
 Options = build_options(llm.Options)
 
 
-# -- repetition penalty ----------------------------------------
-def _repetition_processors(options, name: str) -> list:
-    """mlx-lm's repetition penalty as a logits processor, when it is on: the bundled demo
-    gets one by default, because so small a model's greedy text soon loops. It is a
-    deterministic function of the logits, so decoding stays exact at every pool size."""
-    penalty = options.repetition_penalty
-    if penalty is None:
-        penalty = BUNDLED_REPETITION_PENALTY if name == BUNDLED_NAME else 1.0
+def repetition_processors(penalty: float) -> list:
+    """mlx-lm's repetition penalty as a logits processor, when it is on. It is a
+    deterministic function of the logits and the history, so decoding stays exact at
+    every pool size and under speculation (it is `Stateless`)."""
     if penalty == 1.0:
         return []
     from mlx_lm.sample_utils import make_logits_processors
@@ -48,31 +40,6 @@ def _repetition_processors(options, name: str) -> list:
 
     return [Stateless(p) for p in make_logits_processors(repetition_penalty=penalty,
                                                           repetition_context_size=REPETITION_CONTEXT)]
-
-
-@dataclass
-class Resolved:
-    """What one prompt runs on: the model, its checkpoint and how its pools are sized."""
-
-    name: str
-    path: Path
-    slots: Union[int, list[int], None]  # None: a slot per expert
-    slots_source: Optional[str]  # option | plan | model | setting | bundled
-    budget: Optional[int]  # bytes, when the pools come from a memory plan
-    policy: Optional[str]
-    resolved_model: str  # what the response records as the model that answered
-    kv: Any = None  # engine.kv.KVSpec: how the attention cache is kept
-    prefill_step: Optional[int] = None  # None: mlx-lm's default chunk
-
-    def load_spec(self, settings: Settings) -> LoadSpec:
-        return LoadSpec(
-            path=self.path,
-            expert_slots=self.slots,
-            policy=self.policy or DEFAULT_POLICY,
-            threads=settings.threads,
-            page_cache=settings.page_cache,
-            packed=settings.packed != "off",
-        )
 
 
 class MlxStreamModel(llm.Model):
@@ -89,41 +56,6 @@ class MlxStreamModel(llm.Model):
     def __str__(self) -> str:
         return f"MLX streaming: {self.model_id}"
 
-    # -- resolution -------------------------------------------------------
-
-    def _resolve(self, options: Options, settings: Settings) -> Resolved:
-        name = registry.default_name(settings) if self.name is None else self.name
-        if name != BUNDLED_NAME and name not in settings.models:
-            if self.name is None:
-                raise MlxStreamError(
-                    f"Default model '{name}' is not registered; "
-                    "run `llm mlxs default NAME` or `llm mlxs config --unset default_model`"
-                )
-            raise MlxStreamError(f"Unknown model '{name}'; see `llm mlxs models`")
-        path, entry = registry.checkpoint_for(name, settings)
-        kv = kv_spec(options, settings)
-        budget = layout = None
-        if options.expert_slots:
-            slots, source = options.expert_slots, "option"
-        elif options.memory_budget is None and (stored := registry.effective_slots(name, entry, settings)):
-            slots, source = stored, registry.slots_source(name, entry, settings)
-        else:
-            value = options.memory_budget or settings.memory_budget
-            budget = budget_bytes(value)
-            slots, layout = plan_slots(name, path, value, budget, settings.max_context, kv)
-            source = "plan"
-        return Resolved(
-            name=name,
-            path=path,
-            slots=slots,
-            slots_source=source,
-            budget=budget,
-            policy=options.policy or settings.policy,
-            resolved_model=(entry.source if entry and entry.source else None) or str(path),
-            kv=kv,
-            prefill_step=prefill_step(options, settings, path, budget, kv, layout),
-        )
-
     # -- execution --------------------------------------------------------
 
     def execute(self, prompt, stream, response, conversation):
@@ -139,7 +71,7 @@ class MlxStreamModel(llm.Model):
 
         settings = load_settings()
         options = prompt.options
-        speculation = _speculation(options, settings)
+        drafter(options, settings)  # an unknown drafter is refused before a server sees it
         # -- a running `llm mlxs serve` for this user dir answers instead ---
         from .server.client import running_server
 
@@ -147,9 +79,9 @@ class MlxStreamModel(llm.Model):
         if server is not None:
             yield from server.answer(self.model_id, prompt, response, on_generation)
             return
-        r = self._resolve(options, settings)
+        r = resolve(self.name, options, settings)
         rendered = {}
-        processors: list = _repetition_processors(options, r.name)  # render adds the schema's
+        processors: list = repetition_processors(r.repetition_penalty)  # render adds the schema's
         grammar = _schema_grammar(prompt.schema) if prompt.schema else None
 
         tools = template_tools(function_tools(prompt))
@@ -164,23 +96,7 @@ class MlxStreamModel(llm.Model):
                 processors.append(SchemaProcessor(grammar, tokenizer))
             return tokens
 
-        generation = get_manager().run(r.load_spec(settings), Request(
-            prompt=render,
-            max_tokens=settings.max_tokens if options.max_tokens is None else options.max_tokens,
-            stop=options.stop or (),
-            conversation_cache=conversation_cache_spec(settings),
-            logits_processors=processors,
-            temperature=options.temperature or 0.0,
-            top_p=options.top_p or 0.0,
-            min_p=options.min_p or 0.0,
-            top_k=options.top_k or 0,
-            seed=options.seed,
-            max_context=settings.max_context,
-            trace_path=trace_file(r.name) if settings.trace else None,
-            **speculation,
-            kv=r.kv,
-            prefill_step=r.prefill_step,
-        ))
+        generation = get_manager().run(r.load, r.request(render, processors))
         if on_generation is not None:
             on_generation(generation)
         generated: list[int] = []
@@ -208,7 +124,7 @@ class MlxStreamModel(llm.Model):
         # reuse the KV cache exactly (see prompting.py).
         yield stream_event("text", "", reply_metadata(_spelled(tokenizer, generated, "".join(raw))))
 
-        stats = _jsonable({**generation.stats, **_plan_figures(generation.stats, r)})
+        stats = _jsonable({**r.plan_figures, **generation.stats})
         _check_schema_closed(stats, processors, generated)
         response.set_usage(input=len(generation.started.prompt_tokens), output=stats.get("generated_tokens"))
         response.response_json = stats
@@ -228,30 +144,8 @@ def _check_schema_closed(stats: dict, processors: list, reply: list[int]) -> Non
         click.echo(notice, err=True)
 
 
-def _speculation(options: Options, settings: Settings) -> dict:
-    """Request fields for speculative decoding; an unknown drafter is refused here,
-    before anything runs, is sent to a server or is logged: the one given with -o draft
-    whatever k is, the setting's only when it is used."""
-    from .speculation.kinds import builtin_kinds
-
-    k = settings.k if options.k is None else options.k
-    draft = settings.draft if options.draft is None else options.draft
-    fields: dict[str, Any] = {"k": k, "draft": draft}
-    if (k == 0 and options.draft is None) or draft in builtin_kinds():
-        return fields
-    try:
-        name = registry.resolve_name(draft, settings)
-        fields["draft_path"], _ = registry.checkpoint_for(name, settings)
-    except MlxStreamError:
-        kinds = ", ".join(sorted(builtin_kinds()))
-        raise MlxStreamError(
-            f"Unknown draft '{draft}': use {kinds}, or the name of a model added with `llm mlxs add`"
-        ) from None
-    return fields
-
-
 @contextmanager
-def _one_line_errors(r: Resolved):
+def _one_line_errors(r: RunConfig):
     """Whatever loading, rendering or generating raises reaches the user as one line
     (KeyboardInterrupt passes through: the generation is closed and the engine stays usable)."""
     from .constrained import SchemaError
@@ -279,81 +173,6 @@ def _schema_grammar(schema) -> str:
         return schema_grammar(schema)
     except SchemaError as exc:
         raise MlxStreamError(f"--schema: {exc}") from None
-
-
-def plan_slots(name: str, path, value: str, budget: int, max_context: int, kv=None):
-    """(Slots per MoE layer that fit `budget` bytes, None for a model without MoE layers;
-    the checkpoint layout the plan read, for the prefill step), with the KV cache sized
-    for layout `kv`.
-
-    A budget too small for the model is the planner's one-line error.
-    """
-    from .engine.planner import PlanError, checkpoint_layout, plan_memory
-    from .errors import CheckpointError
-
-    try:
-        layout = checkpoint_layout(path)
-        plan = plan_memory(path, budget, max_context=max_context, kv=kv, layout=layout)
-    except PlanError as exc:
-        if value == "auto":
-            raise MlxStreamError(
-                f"memory_budget auto ({AUTO_BUDGET_SHARE:.0%} of this machine's memory): {exc}"
-            ) from None
-        raise MlxStreamError(str(exc)) from None
-    except (CheckpointError, ValueError, OSError) as exc:
-        raise MlxStreamError(f"Could not plan '{name}' ({path}): {one_line(exc)}") from None
-    return list(plan.slots_per_layer) or None, layout
-
-
-# -- long context (engine/kv.py) ------------------------------------------------------
-
-
-def conversation_cache_spec(settings: Settings):
-    """Where and how large the conversation cache on disk is (None: it is off)."""
-    from .engine.disk_cache import DiskCacheSpec
-
-    if not settings.conversation_cache:
-        return None
-    return DiskCacheSpec(llm.user_dir() / "mlx-streaming" / "kv-cache", parse_size(settings.conversation_cache_size))
-
-
-def kv_spec(options: Options, settings: Settings):
-    """The KV layout of one prompt: options over settings."""
-    from .engine.kv import KVSpec
-
-    bits = options.kv_bits if options.kv_bits is not None else settings.kv_bits
-    return KVSpec(
-        bits=None if bits == "off" else int(bits),
-        group_size=options.kv_group_size or settings.kv_group_size,
-        start=settings.kv_start if options.kv_start is None else options.kv_start,
-    )
-
-
-def prefill_step(options: Options, settings: Settings, path, budget: Optional[int], kv,
-                 layout=None) -> Optional[int]:
-    """Prompt tokens per prefill chunk: a number given, or for auto the planner's choice
-    for the memory budget (None, i.e. mlx-lm's default, when it cannot tell). `layout`:
-    the checkpoint's, when the memory plan has read it already."""
-    from .engine.planner import prefill_step_for
-    from .errors import CheckpointError
-
-    step = options.prefill_step or settings.prefill_step
-    if step != "auto":
-        return int(step)
-    try:
-        if budget is None:
-            budget = budget_bytes(options.memory_budget or settings.memory_budget)
-        return prefill_step_for(path, budget, max_context=settings.max_context, kv=kv, layout=layout)
-    except (MlxStreamError, CheckpointError, ValueError, OSError):
-        return None
-
-
-def _plan_figures(stats: dict, r: Resolved) -> dict:
-    """Where the pool size came from, for response_json."""
-    out: dict[str, Any] = {"slots_from": r.slots_source}
-    if r.budget is not None:
-        out["memory_budget_bytes"] = r.budget
-    return {k: v for k, v in out.items() if k not in stats}
 
 
 def _spelled(tokenizer, generated: list[int], text: str, scan: int = 32) -> list[int]:

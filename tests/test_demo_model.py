@@ -20,7 +20,8 @@ from llm_mlx_streaming.checkpoints.default import SHIPPED
 from llm_mlx_streaming.engine.loading import load_streaming
 from llm_mlx_streaming.experts.simulate import load_trace, simulate
 from llm_mlx_streaming.model import BUNDLED_REPETITION_PENALTY, REPETITION_CONTEXT, Options
-from llm_mlx_streaming.model import _repetition_processors
+from llm_mlx_streaming.model import repetition_processors
+from llm_mlx_streaming.run_config import repetition_penalty
 from plugin_support import LlmEnv, assert_ok
 
 DATA = Path(__file__).parent / "data"
@@ -128,10 +129,11 @@ def test_llm_c_prefills_only_the_new_message(tmp_path, monkeypatch):
 
 
 def test_the_repetition_penalty_is_on_for_the_bundled_demo_only():
-    assert len(_repetition_processors(Options(), "tiny-moe")) == 1
-    assert _repetition_processors(Options(), "small") == []
-    assert _repetition_processors(Options(repetition_penalty=1), "tiny-moe") == []
-    assert len(_repetition_processors(Options(repetition_penalty=1.1), "small")) == 1
+    assert repetition_penalty(Options(), "tiny-moe") == BUNDLED_REPETITION_PENALTY
+    assert repetition_penalty(Options(), "small") == 1.0
+    assert repetition_penalty(Options(repetition_penalty=1), "tiny-moe") == 1.0
+    assert repetition_penalty(Options(repetition_penalty=1.1), "small") == 1.1
+    assert len(repetition_processors(BUNDLED_REPETITION_PENALTY)) == 1 and repetition_processors(1.0) == []
 
 
 def test_repetition_penalty_1_gives_plain_greedy(tmp_path, monkeypatch):

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).parent.parent / "llm_mlx_streaming"
 LAYERS = [
     {"(hooks)"},
     {"cli", "server"},
-    {"model", "async_model"},
+    {"model", "async_model", "run_config"},
     {"registry", "settings", "knobs", "prompting", "replies", "tools", "constrained", "logs_db"},
     {"engine"},
     {"speculation"},

@@ -6,9 +6,12 @@ import json
 
 import click
 
-from .. import registry, values
+from pydantic import ValidationError
+
+from .. import registry
 from ..engine.planner import DEFAULT_HIT_RATES, default_reserve
 from ..errors import MlxStreamError, SettingsError, one_line
+from ..run_config import budget_value, kv_spec
 from ..settings import AUTO_BUDGET_SHARE, BUNDLED_NAME, budget_bytes, load_settings
 from ..sizes import format_size
 
@@ -40,14 +43,11 @@ def plan(name, budget, max_context, kv_bits, hit_rate, json_):
 
     settings = load_settings()
     label, path, entry = resolve_checkpoint(name, settings)
-    value = settings.memory_budget if budget is None else budget
-    try:
-        value = values.budget(value)
-    except ValueError as exc:
-        raise SettingsError(f"Invalid --budget {budget!r}: {exc}") from None
+    options = _options(memory_budget=budget, kv_bits=kv_bits)
+    value = budget_value(options, settings)
     nbytes = budget_bytes(value)
     context = max_context or settings.max_context
-    kv = _kv_layout(settings, kv_bits)
+    kv = kv_spec(options, settings)
     try:
         result = plan_memory(path, nbytes, max_context=context, kv=kv)
     except PlanError as exc:
@@ -78,17 +78,17 @@ def plan(name, budget, max_context, kv_bits, hit_rate, json_):
         )
 
 
-def _kv_layout(settings, kv_bits):
-    """The KV layout to plan for: --kv-bits over the settings (group size and start
-    from the settings)."""
-    from ..engine.kv import KVError, KVSpec, parse_bits
+def _options(**flags):
+    """The flags as the prompt options of the same names, checked as those are."""
+    from ..model import Options
 
-    bits = settings.kv_bits if kv_bits is None else kv_bits
     try:
-        bits = parse_bits(bits)
-    except KVError as exc:
-        raise SettingsError(f"Invalid --kv-bits {kv_bits!r}: {str(exc).removeprefix('kv_bits ')}") from None
-    return KVSpec(bits=bits, group_size=settings.kv_group_size, start=settings.kv_start)
+        return Options(**{k: v for k, v in flags.items() if v is not None})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        flag = "--" + str(err["loc"][0]).replace("_", "-").replace("memory-budget", "budget")
+        raise SettingsError(f"Invalid {flag} {flags[err['loc'][0]]!r}: "
+                            f"{err['msg'].removeprefix('Value error, ').removeprefix('kv_bits ')}") from None
 
 
 def format_plan_text(result, hit_rate, value) -> str:

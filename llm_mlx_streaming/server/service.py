@@ -20,6 +20,7 @@ from fastapi.responses import StreamingResponse
 
 from ..errors import one_line
 from .bridge import Result, Run
+from ..run_config import resolve
 from .discovery import public_id
 from .gate import Gate, QueueFull
 from .http_layer import ApiError, BodyLimit, error_for
@@ -226,7 +227,7 @@ class Service:
         from ..settings import load_settings
 
         try:
-            llm.get_model(model_id)._resolve(Options.model_validate(values), load_settings())
+            resolve(llm.get_model(model_id).name, Options.model_validate(values), load_settings())
         except llm.ModelError as e:
             raise ConfigError(str(e)) from None
 
@@ -256,8 +257,8 @@ class Service:
         from ..settings import load_settings
 
         settings = load_settings()
-        resolved = llm.get_model(model_id)._resolve(self.runtime.options(), settings)
-        for _ in _engine().prepare(resolved.load_spec(settings)):
+        run = resolve(llm.get_model(model_id).name, self.runtime.options(), settings)
+        for _ in _engine().prepare(run.load):
             pass
 
     def _spawn(self, coro) -> None:
