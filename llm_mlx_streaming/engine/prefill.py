@@ -32,16 +32,35 @@ class TiledAttention(nn.Module):
         self.attention = attention
         self.tile = tile
 
-    def __call__(self, x: mx.array, mask=None, cache=None):
+    def __getattr__(self, name):
+        """Attributes the model reads off its attention module (a layer kind, a flag)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("attention"), name)
+
+    def __call__(self, x: mx.array, *args, **kwargs):
+        """mlx-lm's call, with the arguments exactly as given. Only the plain form
+        (x, mask, cache) is tiled: a call given anything more (a KV shared from an
+        earlier layer, a start position) is left whole, since what a tile of it would
+        need is the module's own business."""
+        given = {**dict(zip(("mask", "cache"), args)), **kwargs}
+        mask, cache = given.get("mask"), given.get("cache")
+        extra = [v for k, v in given.items() if k not in ("mask", "cache")] + list(args[2:])
         length = x.shape[1]
-        if length <= self.tile or not _tileable(mask, cache, length):
-            return self.attention(x, mask, cache)
+        if length <= self.tile or any(v is not None for v in extra) \
+                or not _tileable(mask, cache, length):
+            return self.attention(x, *args, **kwargs)
         offset = cache.offset
         outputs = []
         for start in range(0, length, self.tile):
             end = min(length, start + self.tile)
             rows = mask if isinstance(mask, str) else mask[..., start:end, : offset + end]
-            outputs.append(self.attention(x[:, start:end], rows, cache))
+            if "mask" in kwargs:
+                tile_args, tile_kwargs = args, {**kwargs, "mask": rows}
+            else:
+                tile_args, tile_kwargs = (rows, *args[1:]), kwargs
+            outputs.append(self.attention(x[:, start:end], *tile_args, **tile_kwargs))
             mx.eval(outputs[-1])  # one tile's scores at a time, not every tile's at once
         return mx.concatenate(outputs, axis=1)
 
