@@ -77,15 +77,27 @@ def _tileable(mask, cache, length: int) -> bool:
         and mask.shape[-1] == cache.offset + length
 
 
+def _plain_call(attention: nn.Module) -> bool:
+    """Whether the module's call is mlx-lm's plain (x, mask, cache): the form whose
+    tiles are known to be the rows of the whole call. Modules taking more (a shared KV,
+    positions) may also return more than the output, and are left unwrapped."""
+    import inspect
+
+    params = list(inspect.signature(attention.__call__).parameters.values())
+    return len(params) <= 3 and all(
+        p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params
+    )
+
+
 def tile_attention(model: nn.Module, tile: int = ATTENTION_TILE) -> int:
-    """Wrap every decoder layer's `self_attn` in a TiledAttention; the count wrapped."""
+    """Wrap every decoder layer's plain `self_attn` in a TiledAttention; the count wrapped."""
     count = 0
     for layer in getattr(model, "layers", []):
         attention = layer.get("self_attn") if isinstance(layer, nn.Module) else None
         if isinstance(attention, TiledAttention):
             attention.tile = tile
             count += 1
-        elif isinstance(attention, nn.Module):
+        elif isinstance(attention, nn.Module) and _plain_call(attention):
             layer.self_attn = TiledAttention(attention, tile)
             count += 1
     return count
