@@ -102,7 +102,7 @@ def tiny_config(
 ) -> dict:
     """config.json dict for mlx-lm's model class of `arch` (model_type=arch).
 
-    The ARCHITECTURES have hand-picked fields; any other mlx-lm model module gets
+    The ARCHITECTURES have hand-picked fields; any other MoE module of mlx-lm gets
     `generic_config`. `overrides` are applied last, so any field can be forced.
     """
     if arch not in ARCHITECTURES:
@@ -387,25 +387,14 @@ _FAMILY_FIELDS = {
 }
 
 
-def is_mlx_lm_module(name: str) -> bool:
-    """Whether `mlx_lm.models.<name>` is a model module (one with a ModelArgs)."""
-    import importlib.util
-
-    if not name.isidentifier():
-        return False
-    try:
-        spec = importlib.util.find_spec(f"mlx_lm.models.{name}")
-    except ImportError:
-        return False
-    return spec is not None and "class ModelArgs" in open(spec.origin, encoding="utf-8").read()
-
-
 def _generic_checkpoint_config(arch, *, vocab_size, overrides, **sizes) -> dict:
     """generic_config plus what every factory checkpoint's config.json says."""
-    if not is_mlx_lm_module(arch):
+    from .support import moe_modules
+
+    if arch not in moe_modules():
         raise ValueError(
             f"unknown architecture {arch!r}; choose from {ARCHITECTURES} "
-            "or any mlx-lm model module"
+            "or any MoE module of mlx-lm"
         )
     if not 1 <= sizes["top_k"] <= sizes["num_experts"]:
         raise ValueError(f"need 1 <= top_k <= num_experts, got {sizes}")

@@ -24,11 +24,11 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import _get_classes, get_total_parameters, quantize_model, save_config
 
 from . import tokenizer
+from .support import moe_modules
 from .mtp import HEAD_ARCHITECTURES, build_head, head_prefix, quantize_head
 from .architectures import (
     ARCHITECTURES,
     EXPERT_WIDTH_FIELD,
-    is_mlx_lm_module,
     tiny_config,
 )
 
@@ -54,10 +54,10 @@ def supported_quants(arch: str) -> tuple:
     """The entries of QUANTS that apply to `arch`.
 
     mxfp4 is what gpt-oss ships in; the other architectures are published as
-    affine 4/8-bit conversions. Any other mlx-lm module is built in float32 only.
+    affine 4/8-bit conversions. Any other MoE module of mlx-lm is built in float32 only.
     """
     if arch not in ARCHITECTURES:
-        if not is_mlx_lm_module(arch):
+        if arch not in moe_modules():
             raise ValueError(f"unknown architecture {arch!r}; choose from {ARCHITECTURES}")
         return (None,)  # the matrix checks the streaming layer, in float32
     if arch == "gpt_oss":

@@ -8,6 +8,7 @@ architectures in one line naming the reason.
 
 from __future__ import annotations
 
+import functools
 import re
 
 UNSUPPORTED = {
@@ -23,7 +24,8 @@ UNSUPPORTED = {
 _MOE_SOURCE = re.compile(r"switch_layers|experts", re.IGNORECASE)
 
 
-def moe_modules() -> list[str]:
+@functools.lru_cache(maxsize=1)
+def moe_modules() -> tuple[str, ...]:
     """Names of the installed mlx-lm's model modules that hold experts, sorted."""
     import importlib.util
     import pkgutil
@@ -38,7 +40,7 @@ def moe_modules() -> list[str]:
         source = open(spec.origin, encoding="utf-8").read()
         if _MOE_SOURCE.search(source) and "class ModelArgs" in source:
             found.append(info.name)
-    return sorted(found)
+    return tuple(sorted(found))
 
 
 def model_module(config: dict) -> str:
