@@ -10,6 +10,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from exactness import greedy_tokens, prompt_tokens, vocab_size
+from llm_mlx_streaming.checkpoints.architectures import tiny_config
 from llm_mlx_streaming.cli.plan import format_plan
 from llm_mlx_streaming.engine.planner import (
     KV_STEP,
@@ -285,10 +286,10 @@ def write_fake(path, config, tensors):
     return path
 
 
+# A config mlx-lm builds (the planner reads experts from mlx-lm's model of it).
 FAKE_CONFIG = {
-    "model_type": "qwen3_next", "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 8, "hidden_size": 32, "num_experts": 4,
-    "num_experts_per_tok": 2, "torch_dtype": "bfloat16",
+    **tiny_config("qwen3_next", hidden_size=32, num_experts=4, top_k=2, moe_intermediate_size=16),
+    "full_attention_interval": 1, "torch_dtype": "bfloat16",
 }
 
 

@@ -136,7 +136,7 @@ def _config_edit(path, **changes):
 @pytest.mark.parametrize("damage, message", [
     ("short_shard", "truncated"),
     ("top_k_too_large", "between 1 and the 8 experts"),
-    ("top_k_zero", "between 1 and the 8 experts"),
+    ("top_k_missing", "between 1 and the 8 experts"),
     ("unknown_type", "model_type 'qwen99_moe'"),
 ])
 def test_add_refuses_a_checkpoint_that_cannot_run(llm_env, tmp_path, damage, message):
@@ -146,8 +146,8 @@ def test_add_refuses_a_checkpoint_that_cannot_run(llm_env, tmp_path, damage, mes
         shard.write_bytes(shard.read_bytes()[:-1000])
     elif damage == "top_k_too_large":
         _config_edit(copy, num_experts_per_tok=17)
-    elif damage == "top_k_zero":
-        _config_edit(copy, num_experts_per_tok=0)
+    elif damage == "top_k_missing":
+        _config_edit(copy, num_experts_per_tok=None)
     else:
         _config_edit(copy, model_type="qwen99_moe")
     before = llm_env.settings_file.read_text()

@@ -7,15 +7,14 @@ error from deep inside mlx. Only config.json and the safetensors headers are rea
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 from ..errors import CheckpointError
 from ..experts.index import read_header, weight_files
+from .support import unsupported_reason
 
-# Keys that count routed experts and experts per token, across mlx-lm's MoE families.
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_topk")
 QUANT_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
 
 
@@ -52,7 +51,11 @@ def read_config(path: Path) -> dict:
 
 
 def describe(config: dict) -> dict:
-    """Architecture, routed experts, layers, experts per token and quantization."""
+    """Architecture, routed experts, layers, experts per token and quantization.
+
+    Experts and experts per token are what mlx-lm's model of this config has (`moe_shape`);
+    None where mlx-lm cannot build it.
+    """
     quant = config.get("quantization")
     if not isinstance(quant, dict) or not quant:
         quant_name = None
@@ -60,21 +63,120 @@ def describe(config: dict) -> dict:
         quant_name = f"{quant.get('bits')}bit"
     else:
         quant_name = quant["mode"]
-    experts = config_field(config, EXPERT_COUNT_KEYS) or None
+    try:
+        experts, top_k = moe_shape(config) or (None, None)
+    except CheckpointError:
+        experts = top_k = None
     return {
         "architecture": config.get("model_type"),
         "experts": experts,
-        "layers": config_field(config, ("num_hidden_layers",)),
-        "top_k": config_field(config, TOP_K_KEYS) if experts else None,
+        "layers": config_field(config, ("num_hidden_layers", "n_layers", "num_layers")),
+        "top_k": top_k,
         "quant": quant_name,
     }
+
+
+class _Routed(Exception):
+    """Carries the number of experts a router picked per token out of the probe."""
+
+
+class _RouteProbe:
+    """Stands in for an expert container: reads the router's choice, computes nothing."""
+
+    def __call__(self, x, indices, *args, **kwargs):
+        raise _Routed(indices.shape[-1])
+
+
+def moe_shape(config: dict) -> tuple[int, int] | None:
+    """(routed experts, experts per token) of the model mlx-lm builds from `config`;
+    None for a model without expert containers. One-line CheckpointError if mlx-lm
+    cannot build the model or route a token with it.
+
+    Every family spells these fields its own way (and some defaults live in its
+    ModelArgs), so they are read from mlx-lm's own model: the experts from the stacked
+    container's first dimension, the experts per token from the shape of the ids the
+    router hands that container for one token. Nothing is computed: MLX is lazy, and a
+    shape is known without evaluating it.
+    """
+    return _moe_model(json.dumps(config, sort_keys=True))[0]
+
+
+def expert_container_paths(config: dict) -> tuple[str, ...]:
+    """Module paths of the expert containers of mlx-lm's model of `config`, which are
+    also the key prefixes of their stacked tensors in the checkpoint."""
+    return _moe_model(json.dumps(config, sort_keys=True))[1]
+
+
+def _hidden_size(model, block, attr: str, experts: int) -> int:
+    """The width of the hidden state a MoE block takes: the input width of its router
+    (one score per expert), else the widest token embedding (the others are extra
+    per-layer or n-gram inputs)."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    for key, value in tree_flatten(block.parameters()):
+        if not key.startswith(attr + ".") and value.ndim == 2 and value.shape[0] == experts:
+            return value.shape[1]
+    return max(m.weight.shape[1] for _, m in model.named_modules() if isinstance(m, nn.Embedding))
+
+
+@functools.lru_cache(maxsize=16)
+def _moe_model(config_json: str) -> tuple[tuple[int, int] | None, tuple[str, ...]]:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    from ..experts.switch import expert_containers
+    from ..errors import one_line
+
+    config = json.loads(config_json)
+    try:
+        model_class, args_class = _get_classes(config)
+        model = model_class(args_class.from_dict(config))
+    except Exception as e:  # mlx-lm's own error, whatever its type
+        raise CheckpointError(
+            f"mlx-lm cannot build a {config.get('model_type')} model from it: "
+            f"{one_line(e)}"
+        ) from None
+    containers = expert_containers(model)
+    if not containers:
+        return None, ()
+    name, container = containers[0]
+    experts = next(iter(tree_flatten(container.parameters())))[1].shape[0]
+    parent_name, _, attr = name.rpartition(".")
+    modules = dict(model.named_modules())
+    setattr(modules[parent_name], attr, _RouteProbe())
+    x = mx.zeros((1, 1, _hidden_size(model, modules[parent_name], attr, experts)))
+    # The container's own caller, or (where that is a wrapper taking the router's ids) the
+    # first module above it that routes a hidden state by itself.
+    parts = parent_name.split(".")
+    first_error = None
+    for end in range(len(parts), 0, -1):
+        try:
+            modules[".".join(parts[:end])](x)
+        except _Routed as routed:
+            top_k = routed.args[0]
+            break
+        except Exception as e:
+            first_error = first_error or e
+    else:
+        raise CheckpointError(
+            f"mlx-lm cannot route a token with this config ({one_line(first_error)}); "
+            f"experts per token must be between 1 and the {experts} experts"
+        )
+    if not 1 <= top_k <= experts:
+        raise CheckpointError(
+            f"experts per token is {top_k}; it must be between 1 and the "
+            f"{experts} experts"
+        )
+    return (experts, top_k), tuple(n for n, _ in containers)
 
 
 def check_checkpoint(path: Path) -> dict:
     """The checkpoint's config if it can run; else a one-line CheckpointError.
 
-    Checks config.json (valid, a model type mlx-lm knows, a supported quantization,
-    experts per token between 1 and the number of experts) and every shard's header
+    Checks config.json (valid, a model type mlx-lm knows and the engine supports, a
+    supported quantization, a model mlx-lm builds and routes with) and every shard's header
     (readable, and the file holds every byte it promises). No weight is read.
     """
     path = Path(path)
@@ -92,14 +194,15 @@ def check_checkpoint(path: Path) -> dict:
                     f"{config_file}: unsupported quantization mode {mode!r} "
                     f"(supported: {', '.join(QUANT_MODES)})"
                 )
-    experts = config_field(config, EXPERT_COUNT_KEYS)
-    if experts:
-        top_k = config_field(config, TOP_K_KEYS)
-        if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= experts:
-            raise CheckpointError(
-                f"{config_file}: experts per token (num_experts_per_tok) is {top_k!r}; "
-                f"it must be between 1 and the {experts} experts"
-            )
+    reason = unsupported_reason(config)
+    if reason:
+        raise CheckpointError(
+            f"{config_file}: {config['model_type']} is not supported by llm-mlx-streaming: {reason}"
+        )
+    try:
+        moe_shape(config)
+    except CheckpointError as e:
+        raise CheckpointError(f"{config_file}: {e}") from None
     for file in weight_files(path):
         read_header(file)
     return config

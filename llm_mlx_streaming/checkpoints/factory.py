@@ -24,6 +24,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import _get_classes, get_total_parameters, quantize_model, save_config
 
 from . import tokenizer
+from .support import moe_modules
 from .mtp import HEAD_ARCHITECTURES, build_head, head_prefix, quantize_head
 from .architectures import (
     ARCHITECTURES,
@@ -53,10 +54,12 @@ def supported_quants(arch: str) -> tuple:
     """The entries of QUANTS that apply to `arch`.
 
     mxfp4 is what gpt-oss ships in; the other architectures are published as
-    affine 4/8-bit conversions.
+    affine 4/8-bit conversions. Any other MoE module of mlx-lm is built in float32 only.
     """
     if arch not in ARCHITECTURES:
-        raise ValueError(f"unknown architecture {arch!r}; choose from {ARCHITECTURES}")
+        if arch not in moe_modules():
+            raise ValueError(f"unknown architecture {arch!r}; choose from {ARCHITECTURES}")
+        return (None,)  # the matrix checks the streaming layer, in float32
     if arch == "gpt_oss":
         return (None, "4bit", "8bit", "mxfp4")
     return (None, "4bit", "8bit")
@@ -73,7 +76,7 @@ def quant_params(quant: str, config: dict) -> dict:
         return {"group_size": 32, "bits": 4, "mode": "mxfp4"}
     if quant not in ("4bit", "8bit"):
         raise ValueError(f"unknown quant {quant!r}; choose from {QUANTS}")
-    width = config.get(EXPERT_WIDTH_FIELD[config["model_type"]] or "intermediate_size")
+    width = config.get(EXPERT_WIDTH_FIELD.get(config["model_type"]) or "intermediate_size")
     group_size = 64 if config["hidden_size"] % 64 == 0 and width % 64 == 0 else 32
     return {"group_size": group_size, "bits": int(quant[0]), "mode": "affine"}
 

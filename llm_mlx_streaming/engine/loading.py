@@ -136,8 +136,18 @@ def load_streaming(
         loaded.store.close()
         raise
     tile_attention(model)  # long prefill chunks: attention in tiles (engine/prefill.py)
-    mx.eval(model.parameters())
+    # Also the arrays modules keep outside their parameters (RoPE frequencies): left lazy,
+    # they would be evaluated first on the engine thread, which lacks the loading
+    # thread's streams.
+    mx.eval(model.parameters(), _attribute_arrays(model))
     return loaded
+
+
+def _attribute_arrays(model: nn.Module) -> list:
+    """Arrays held by a module but not among its parameters (private `_name` entries,
+    plain attributes)."""
+    return [v for _, m in model.named_modules() for v in (*m.values(), *vars(m).values())
+            if isinstance(v, mx.array)]
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from ..checkpoints.config import EXPERT_COUNT_KEYS, TOP_K_KEYS, config_field, read_config
+from ..checkpoints.config import config_field, expert_container_paths, moe_shape, read_config
 from ..errors import CheckpointError
 from ..experts.index import CheckpointIndex
 from ..sizes import format_size, parse_size
@@ -56,9 +56,6 @@ DEFAULT_HIT_RATES = (0.5, 0.8, 0.9)
 # Where the stacked expert tensors of a layer live: mlx-lm's SwitchGLU/SwitchMLP are
 # named `switch_mlp` by every architecture but gpt_oss, whose container is `mlp.experts`.
 # The key is `<container>.<proj>.<weight|scales|biases|bias>`.
-_EXPERT_KEY = re.compile(
-    r"^(?P<container>(?:.*\.)?(?:switch_mlp|mlp\.experts))\.[^.]+\.(?:weight|scales|biases|bias)$"
-)
 # Decoder layers under a language model's `model.layers` (also inside a VLM wrapper).
 _LAYER_KEY = re.compile(r"^(?:language_model\.)?model\.layers\.(\d+)\.")
 
@@ -113,15 +110,19 @@ def _layer_order(key: str) -> list[int]:
 def checkpoint_layout(path: str | os.PathLike) -> Layout:
     """Dense bytes and per-MoE-layer bytes per expert, from config.json and headers.
 
-    A stacked expert tensor is one whose key is `<container>.<proj>.<component>` with a
-    container of `switch_mlp` (or gpt_oss's `mlp.experts`) and whose first dimension is
-    the config's number of experts; it belongs to its container's MoE layer. Every
+    A stacked expert tensor is one under an expert container of the model mlx-lm builds
+    (`expert_container_paths`) whose first dimension is
+    number of experts of mlx-lm's model; it belongs to its container's MoE layer. Every
     other tensor is dense.
     """
     path = Path(path).expanduser()
     config = read_config(path)
     index = CheckpointIndex(path)
-    num_experts = int(config_field(config, EXPERT_COUNT_KEYS) or 0)
+    try:
+        num_experts, top_k = moe_shape(config) or (0, 0)
+        containers = expert_container_paths(config)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path / 'config.json'}: {e}") from None
     num_layers = config_field(config, ("num_hidden_layers",))
     dense = skipped = 0
     groups: dict[str, int] = {}
@@ -129,25 +130,17 @@ def checkpoint_layout(path: str | os.PathLike) -> Layout:
         if _dropped_on_load(key, num_layers):
             skipped += entry.nbytes
             continue
-        m = _EXPERT_KEY.match(key)
-        if num_experts and m and entry.shape and entry.shape[0] == num_experts:
-            container = m.group("container")
+        container = next((c for c in containers if key.startswith(c + ".")), None)
+        if container and entry.shape and entry.shape[0] == num_experts:
             groups[container] = groups.get(container, 0) + entry.nbytes
         else:
             dense += entry.nbytes
     keys = sorted(groups, key=_layer_order)
-    top_k = 0
     if num_experts:
         if not keys:
             raise CheckpointError(
                 f"{path}: config.json says {num_experts} experts, but no stacked expert "
                 "tensors (switch_mlp / mlp.experts) are in the checkpoint; convert it with mlx_lm"
-            )
-        top_k = int(config_field(config, TOP_K_KEYS) or 0)
-        if not 1 <= top_k <= num_experts:
-            raise CheckpointError(
-                f"{path / 'config.json'}: no valid experts-per-token (num_experts_per_tok) "
-                f"for {num_experts} experts"
             )
     for key in keys:
         if groups[key] % num_experts:

@@ -40,8 +40,10 @@ class StreamingExperts(nn.Module):
         self.pool: ExpertPool | None = None  # set by the loader
         self.observer = None  # called with (layer, needed ids, single token) when tracing
 
-    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, indices: mx.array, *args, **kwargs) -> mx.array:
         pool = self.pool
+        if args or kwargs:
+            return self._passing_on(x, indices, args, kwargs)
         single_token = indices.size == indices.shape[-1]
         # A decode step or a short verify pass (speculation): below mlx-lm's sorting
         # threshold every route is computed alone, so the routes may be split.
@@ -64,6 +66,19 @@ class StreamingExperts(nn.Module):
                 return self._two_ways(x, pool.remap(indices))
             return self.experts(x, pool.remap(indices))
         return self._expert_major(x, indices, ids, needed)
+
+    def _passing_on(self, x, indices, args, kwargs) -> mx.array:
+        """A call with arguments beyond the routes, which only the container understands:
+        one container call over the slots of every expert the call routes to."""
+        ids = np.array(indices).reshape(-1)
+        needed = np.unique(ids)
+        if len(needed) > self.pool.slots:
+            raise RuntimeError(
+                f"MoE layer {self.ordinal}: a call with container arguments routes to "
+                f"{len(needed)} experts, more than the {self.pool.slots} slots"
+            )
+        self._load(needed, ids)
+        return self.experts(x, self.pool.remap(indices), *args, **kwargs)
 
     def _load(self, needed, ids) -> None:
         """Make `needed` resident; every route in `ids` must then have its slot."""

@@ -1,0 +1,141 @@
+"""Every MoE architecture of the installed mlx-lm streams exactly, or is refused with a reason.
+
+The architectures are found in mlx-lm at test time (checkpoints/support.py), and each is
+built from its own ModelArgs by the factory, so a module a new mlx-lm adds runs here at
+once: it passes, or fails until the factory learns it or UNSUPPORTED names why not.
+"""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mlx_lm.utils import load_model
+
+from exactness import greedy_tokens, prompt_tokens, vocab_size
+from llm_mlx_streaming.checkpoints.config import check_checkpoint, moe_shape
+from llm_mlx_streaming.checkpoints.support import UNSUPPORTED, moe_modules
+from llm_mlx_streaming.engine.kv import KVSpec
+from llm_mlx_streaming.engine.loading import load_streaming
+from llm_mlx_streaming.engine.manager import EngineManager
+from llm_mlx_streaming.engine.prefill import TiledAttention, tile_attention
+from llm_mlx_streaming.errors import CheckpointError
+from test_prefill import engine_run, same, stock_run
+
+EXPERTS, TOP_K = 8, 2
+MODULES = moe_modules()
+SUPPORTED = [m for m in MODULES if m not in UNSUPPORTED]
+POOLS = {"all": None, "top-k": TOP_K, "2": 2}
+# Each architecture once, the pool sizes taking turns, so every size meets many families.
+SLICE = [(arch, list(POOLS)[i % len(POOLS)]) for i, arch in enumerate(SUPPORTED)]
+DOCS = Path(__file__).parent.parent / "docs" / "architecture.md"
+
+
+def test_the_enumeration_finds_mlx_lm_moe_modules_and_only_those():
+    assert {"qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "dbrx", "qwen3_vl_moe"} <= set(MODULES)
+    assert not {"llama", "qwen3", "switch_layers", "base"} & set(MODULES)
+    stale = set(UNSUPPORTED) - set(MODULES)
+    assert not stale, f"UNSUPPORTED names modules this mlx-lm does not have: {stale}"
+
+
+def test_the_docs_table_is_the_unsupported_table():
+    text = DOCS.read_text()
+    section = text.split("## Unsupported architectures", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \| (.+?) \|$", section, re.M)
+    assert dict(rows) == UNSUPPORTED
+
+
+@pytest.mark.parametrize("arch,pool", SLICE)
+def test_each_architecture_gives_stock_greedy_tokens(build, arch, pool):
+    path = build(arch, num_experts=EXPERTS, top_k=TOP_K)
+    stock, config = load_model(path)
+    prompt = prompt_tokens(config["vocab_size"], n=24)
+    expected = greedy_tokens(stock, prompt, n=12)
+    loaded = load_streaming(path, expert_slots=POOLS[pool])
+    try:
+        assert loaded.pools, f"{arch}: no expert container was made to stream"
+        assert greedy_tokens(loaded.model, prompt, n=12) == expected
+        if pool == "2":
+            assert sum(p.counters.evictions for p in loaded.pools) > 0
+    finally:
+        loaded.store.close()
+
+
+@pytest.mark.parametrize("arch,field", [("ernie4_5_moe", "moe_k"), ("step3p5", "moe_top_k"),
+                                        ("kimi_linear", "num_experts_per_token")])
+def test_experts_per_token_is_read_as_mlx_lm_reads_it(build, arch, field):
+    path = build(arch, num_experts=EXPERTS, top_k=3)
+    config = check_checkpoint(path)  # the old key list refused these
+    assert config[field] == 3 and moe_shape(config) == (EXPERTS, 3)
+
+
+def test_a_top_k_mlx_lm_cannot_route_with_is_refused(build, tmp_path):
+    copy = tmp_path / "bad"
+    shutil.copytree(build("ernie4_5_moe", num_experts=EXPERTS, top_k=TOP_K), copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "moe_k": EXPERTS + 1}))
+    with pytest.raises(CheckpointError, match=f"between 1 and the {EXPERTS} experts"):
+        check_checkpoint(copy)
+
+
+@pytest.mark.parametrize("arch", ["hunyuan", "gemma4_text"])  # a shared KV: positional, keyword
+def test_a_long_prompt_through_attention_taking_more_arguments(build, arch):
+    path = build(arch, num_experts=EXPERTS, top_k=TOP_K)
+    prompt = prompt_tokens(vocab_size(path), n=80, seed=3)
+    stock, _ = load_model(path)
+    expected = stock_run(stock, prompt, 64)
+    loaded = load_streaming(path, expert_slots=TOP_K + 1)
+    try:
+        tile_attention(loaded.model, 16)
+        assert same(stock_run(loaded.model, prompt, 64), expected)
+    finally:
+        loaded.store.close()
+
+
+def test_the_tiled_path_passes_on_what_it_does_not_use(build):
+    seen = []
+
+    class Attention:
+        def __call__(self, x, mask=None, cache=None, shared=None, *, position=None):
+            seen.append((x.shape[1], shared, position))
+            return x
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    tiled = TiledAttention(Attention(), tile=4)
+    x = mx.zeros((1, 10, 8))
+    tiled(x, "causal", KVCache(), None, position=None)  # nothing set: tiled
+    assert [n for n, _, _ in seen] == [4, 4, 2]
+    seen.clear()
+    tiled(x, "causal", KVCache(), "kv", position=7)  # set: passed on, whole
+    assert seen == [(10, "kv", 7)]
+
+
+def test_kv_bits_4_equals_stock_quantized_cache_on_a_generic_family(build):
+    path = build("dots1", num_experts=EXPERTS, top_k=TOP_K, head_dim=64)
+    prompt = prompt_tokens(vocab_size(path), n=40, seed=4)
+    stock, _ = load_model(path)
+    expected = stock_run(stock, prompt, 64, kv=KVSpec(4))
+    assert not any(map(np.isnan, expected[1][0]))
+    engine = EngineManager()
+    engine.load(path, expert_slots=2)
+    try:
+        assert same(engine_run(engine, prompt, 64, kv=KVSpec(4)), expected)
+    finally:
+        engine.unload()
+
+
+def test_add_refuses_an_unsupported_architecture_in_one_line(llm_env, tmp_path):
+    from plugin_support import assert_one_line_error
+
+    copy = tmp_path / "Dbrx"
+    shutil.copytree(llm_env.checkpoint, copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "model_type": "dbrx"}))
+    before = llm_env.settings_file.read_text()
+    assert_one_line_error(llm_env.run("mlxs", "add", str(copy)), "dbrx is not supported",
+                          UNSUPPORTED["dbrx"])
+    assert llm_env.settings_file.read_text() == before
