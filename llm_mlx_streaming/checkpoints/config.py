@@ -183,6 +183,7 @@ def check_checkpoint(path: Path) -> dict:
     config = read_config(path)
     config_file = path / "config.json"
     _check_model_type(config, config_file)
+    files = weight_files(path)  # no weights at all says more than any config field
     quant = config.get("quantization") or {}
     if isinstance(quant, dict):
         modes = [quant.get("mode", "affine")] + [
@@ -203,7 +204,7 @@ def check_checkpoint(path: Path) -> dict:
         moe_shape(config)
     except CheckpointError as e:
         raise CheckpointError(f"{config_file}: {e}") from None
-    for file in weight_files(path):
+    for file in files:
         read_header(file)
     return config
 
