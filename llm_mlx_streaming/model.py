@@ -66,7 +66,7 @@ class MlxStreamModel(llm.Model):
         (the async model cancels through it)."""
         from .engine.manager import get_manager
         from .prompting import render_prompt, reply_metadata, stream_event
-        from .replies import ReplySplitter, opens_thinking
+        from .reply_split import ReplySplitter, opens_thinking
         from .tools import function_tools, template_tools
 
         settings = load_settings()
@@ -202,7 +202,7 @@ def _events(kind: str, chunk: str, tokenizer, tools: list[dict], response, gener
     from llm.parts import StreamEvent
 
     from .prompting import reply_metadata, stream_event
-    from .replies import TOOL, UNFINISHED_TOOL
+    from .reply_split import TOOL, UNFINISHED_TOOL
     from .tools import parse_tool_calls
 
     if kind == TOOL:

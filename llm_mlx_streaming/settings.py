@@ -160,7 +160,7 @@ def explicit_keys() -> set[str]:
     return set(settings.model_dump(exclude_defaults=True))
 
 
-def check_key(key: str) -> None:
+def check_setting_name(key: str) -> None:
     """A SettingsError unless `key` is one `llm mlxs config` shows."""
     if key not in CONFIG_KEYS:
         raise SettingsError(f"Unknown setting '{key}'. Settings: {', '.join(CONFIG_KEYS)}")
@@ -168,7 +168,7 @@ def check_key(key: str) -> None:
 
 def set_value(key: str, raw: object, settings: Settings | None = None) -> Settings:
     """Validate `raw` (a command-line string) for `key` and save it."""
-    check_key(key)
+    check_setting_name(key)
     settings = settings or load_settings()
     try:
         setattr(settings, key, raw)
@@ -179,7 +179,7 @@ def set_value(key: str, raw: object, settings: Settings | None = None) -> Settin
 
 
 def unset_value(key: str) -> Settings:
-    check_key(key)
+    check_setting_name(key)
     settings = load_settings()
     setattr(settings, key, Settings.model_fields[key].get_default(call_default_factory=True))
     save_settings(settings)

@@ -35,7 +35,7 @@ def test_generate_matches_mlx_lm_generate(qwen):
     assert stats["misses"] > 0 and stats["unplaced"] == 0
     assert stats["prompt_tokens"] == len(prompt) and stats["reused_tokens"] == 0
     assert stats["expert_slots"] == 5 and stats["policy"] == "lru"
-    assert engine.verify() == 0
+    assert engine.bad_slots() == 0
     engine.unload()
 
 
@@ -75,7 +75,7 @@ def test_interrupted_generation_leaves_the_engine_usable(qwen):
         for _ in engine.generate(prompt + [1, 2], max_tokens=12, logits_processors=[interrupt]):
             pass
     assert len(calls) == 4
-    assert engine.verify() == 0
+    assert engine.bad_slots() == 0
     assert [r.token for r in engine.generate(prompt, max_tokens=12)] == expected
     assert engine.last_stats["reused_tokens"] == 0  # the interrupted cache was dropped
     engine.unload()
@@ -259,7 +259,7 @@ def test_interrupt_during_an_expert_read_leaves_no_half_filled_slot(qwen, monkey
     with pytest.raises(KeyboardInterrupt):
         list(engine.generate(prompt, max_tokens=10))
     monkeypatch.setattr(store, "read", real_read)
-    assert engine.verify() == 0
+    assert engine.bad_slots() == 0
     assert sum(p.counters.unplaced for p in engine.loaded.pools) == 0
     assert [r.token for r in engine.generate(prompt, max_tokens=10)] == expected
     engine.unload()
@@ -315,7 +315,7 @@ def test_a_suspended_generation_blocks_no_other_caller(qwen):
     assert not worker.is_alive(), "the suspended generation blocked the engine"
     assert other["tokens"] == expected
     assert [expected[0]] + [r.token for r in suspended] == expected  # and it can still be read
-    assert engine.verify() == 0
+    assert engine.bad_slots() == 0
     engine.unload()
 
 
@@ -366,5 +366,5 @@ def test_a_closed_or_dropped_generation_stops_at_the_next_token(qwen):
     assert len(list(after)) == 3
     assert len(steps) < stopped_at + 40
     assert engine.session.tokens == prompt + after.tokens[:len(engine.session.tokens) - len(prompt)]
-    assert engine.verify() == 0
+    assert engine.bad_slots() == 0
     engine.unload()

@@ -42,7 +42,7 @@ def assert_pool_sound(pool, device_map: bool = True):
         device = np.array(pool.device_map)
         for e in np.nonzero(pool.slot_of >= 0)[0]:
             assert device[e] == pool.slot_of[e]
-    assert pool.verify() == 0
+    assert pool.bad_slots() == 0
 
 
 def interrupt_at_line(n: int):
@@ -93,7 +93,7 @@ def test_an_interrupt_at_any_step_of_ensure_loses_no_slot(qwen):
             assert_pool_sound(pool)
         assert interrupted > 20
         assert greedy_tokens(loaded.model, prompt, 8) == expected
-        assert sum(p.verify() for p in loaded.pools) == 0
+        assert sum(p.bad_slots() for p in loaded.pools) == 0
         assert sum(p.counters.unplaced for p in loaded.pools) == 0
     finally:
         loaded.store.close()
@@ -106,7 +106,7 @@ TOKENS = 8
 
 
 def _split(text: str) -> str:
-    from llm_mlx_streaming.replies import ReplySplitter
+    from llm_mlx_streaming.reply_split import ReplySplitter
 
     s = ReplySplitter("<think>", "</think>")
     return "".join(c for k, c in s.feed(text) + s.flush() if k == "text")
@@ -136,7 +136,7 @@ def _engine_sound(env):
 
     from llm_mlx_streaming.engine.manager import get_manager
 
-    assert get_manager().verify() == 0
+    assert get_manager().bad_slots() == 0
     rows = len(env.turns())
     assert assert_ok(_prompt(env)).stdout == _expected(env.checkpoint)
     assert len(env.turns()) == rows + 1
@@ -263,7 +263,7 @@ def test_a_shard_replaced_between_two_prompts_keeps_serving_what_was_loaded(own_
     os.replace(tmp, _shard(env))  # a new file under the old name
     # The open files still hold the loaded model's bytes: no mix of two models.
     assert assert_ok(_prompt(env, "-o", "expert_slots", "3")).stdout == _expected(env.reference)
-    assert get_manager().verify() == 0
+    assert get_manager().bad_slots() == 0
 
 
 STEPS = {  # where in ExpertPool.ensure the interrupt lands: the first line run in...
@@ -406,4 +406,4 @@ def test_a_reader_replaced_after_a_shard_was_replaced_still_reads_the_loaded_fil
     os.replace(tmp, _shard(env))
     assert_ok(env.run("mlxs", "config", "threads", "3"))
     assert assert_ok(_prompt(env, "-o", "expert_slots", "3")).stdout == _expected(env.reference)
-    assert get_manager().threads == 3 and get_manager().verify() == 0
+    assert get_manager().threads == 3 and get_manager().bad_slots() == 0

@@ -51,7 +51,7 @@ def test_stop_sequence_ends_the_reply_before_it(llm_env):
 
 
 def test_stop_matcher_holds_back_a_split_stop_sequence():
-    from llm_mlx_streaming.engine.stops import StopMatcher
+    from llm_mlx_streaming.stops import StopMatcher
 
     text = "one two END three"
     for cut in range(1, len(text)):
@@ -291,7 +291,7 @@ def test_tools_on_a_template_without_tool_support_is_one_line(llm_env):
 
 
 def test_reply_splitter_cuts_tool_markup_split_anywhere():
-    from llm_mlx_streaming.replies import ReplySplitter
+    from llm_mlx_streaming.reply_split import ReplySplitter
 
     text = "a<think>r</think>b<tool_call>{x}</tool_call>c<tool_call>{y"
     for cut in range(1, len(text)):

@@ -15,7 +15,7 @@ PROMPT = "Tell me about tea"
 
 def _split(text: str) -> str:
     """The answer text, the way the plugin splits off <think> blocks."""
-    from llm_mlx_streaming.replies import ReplySplitter
+    from llm_mlx_streaming.reply_split import ReplySplitter
 
     s = ReplySplitter("<think>", "</think>")
     return "".join(c for k, c in s.feed(text) + s.flush() if k == "text")
@@ -192,7 +192,7 @@ def test_read_settings_apply_to_the_loaded_model(llm_env):
     assert assert_ok(llm_env.run("-m", "mlx-stream", "-o", "max_tokens", "12", PROMPT)).stdout == base
     stats = llm_env.turns()[-1]["stats"]
     assert (stats["threads"], stats["page_cache"]) == (2, "bypass")
-    assert get_manager().loaded.model is dense and get_manager().verify() == 0
+    assert get_manager().loaded.model is dense and get_manager().bad_slots() == 0
     assert all(pool.store is get_manager().loaded.store for pool in get_manager().loaded.pools)
 
 

@@ -15,7 +15,7 @@ from plugin_support import assert_ok, mlx_lm_text
 
 def _split(text: str) -> tuple[str, str]:
     """(answer text, reasoning) the way the plugin splits <think> blocks."""
-    from llm_mlx_streaming.replies import ReplySplitter
+    from llm_mlx_streaming.reply_split import ReplySplitter
 
     s = ReplySplitter("<think>", "</think>")
     pieces = s.feed(text) + s.flush()
@@ -108,7 +108,7 @@ def test_python_conversation_reuses_engine(llm_env):
     j1, j2 = r1.json(), r2.json()
     assert j2["reused_tokens"] == j1["prompt_tokens"] + j1["generated_tokens"]
     assert r2.usage().input == j2["prompt_tokens"]
-    assert get_manager().verify() == 0
+    assert get_manager().bad_slots() == 0
 
 
 def _forcing_sampler(schedule):
@@ -174,10 +174,10 @@ def test_keyboard_interrupt_leaves_engine_usable(llm_env, monkeypatch):
         result = llm_env.run("-m", "mlx-stream", "-o", "max_tokens", "8", "interrupt me")
     assert result.exit_code == 1 and "Aborted" in result.output
     assert len(llm_env.turns()) == 1  # nothing logged for the interrupted prompt
-    assert get_manager().verify() == 0
+    assert get_manager().bad_slots() == 0
     again = assert_ok(llm_env.run("-m", "mlx-stream", "-o", "max_tokens", "8", "interrupt me"))
     assert again.stdout == baseline
-    assert get_manager().verify() == 0
+    assert get_manager().bad_slots() == 0
 
 
 def test_an_abandoned_stream_does_not_wedge_the_engine(llm_env):
@@ -190,7 +190,7 @@ def test_an_abandoned_stream_does_not_wedge_the_engine(llm_env):
     stream = iter(model.prompt("abandon", max_tokens=8))
     first = next(stream)  # the engine has started this generation
     assert model.prompt("abandon", max_tokens=8).text() == full
-    assert get_manager().verify() == 0
+    assert get_manager().bad_slots() == 0
     assert first + "".join(stream) == full
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from llm_mlx_streaming.replies import ReplySplitter, opens_thinking
+from llm_mlx_streaming.reply_split import ReplySplitter, opens_thinking
 
 
 def _run(splitter, segments):

@@ -269,7 +269,7 @@ def test_config_change_while_requests_queue_rebuilds_before_they_run(served, blo
     assert first_out["value"][2]["mlx_stream"]["stats"]["expert_slots"] == 4
     assert queued_out["value"][2]["mlx_stream"]["stats"]["expert_slots"] == 2
     wait_for(lambda: not call(served, "GET", "/api/stats")[2]["rebuilding"])
-    assert get_manager().slots_per_layer() == 2 and get_manager().verify() == 0
+    assert get_manager().slots_per_layer() == 2 and get_manager().bad_slots() == 0
     call(served, "POST", "/api/engine/config", {"expert_slots": None})
 
 
@@ -339,7 +339,7 @@ def test_client_disconnect_cancels_and_frees_the_engine(served):
     reply = c.chat.completions.create(model="mlx-stream", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert reply.usage.completion_tokens == 4
     assert engine.served == done_before + 1  # the cut generation never ran to its end
-    assert engine.verify() == 0
+    assert engine.bad_slots() == 0
 
 
 def test_disconnect_before_the_first_token_cancels_a_whole_reply(served, blocked):
@@ -362,7 +362,7 @@ def test_disconnect_before_the_first_token_cancels_a_whole_reply(served, blocked
     wait_for(lambda: not call(served, "GET", "/api/stats")[2]["server"]["running"])
     assert engine.served == done_before  # cut at its first tokens, never ran to its end
     assert call(served, "POST", "/v1/chat/completions", chat_body("hi"))[0] == 200
-    assert engine.served == done_before + 1 and engine.verify() == 0
+    assert engine.served == done_before + 1 and engine.bad_slots() == 0
 
 
 # -- llm's CLI with the server running ---------------------------------------------------
@@ -520,7 +520,7 @@ def test_schemathesis_finds_no_server_error(served):
     served.server.service.runtime.values.clear()  # what the fuzzer configured
     from llm_mlx_streaming.engine.manager import get_manager
 
-    assert get_manager().verify() == 0
+    assert get_manager().bad_slots() == 0
 
 
 def test_schema_through_the_api_and_through_a_routed_llm_prompt(served):

@@ -13,7 +13,7 @@ from ..settings import (
     CONFIG_KEYS,
     Settings,
     budget_bytes,
-    check_key,
+    check_setting_name,
     explicit_keys,
     load_settings,
     set_value,
@@ -64,7 +64,7 @@ def config(key, value, unset_key, json_):
         _push_to_server(unset_key, None)
         return
     if key and value is not None:
-        check_key(key)
+        check_setting_name(key)
         settings = load_settings()
         if key == "default_model":
             value = registry.resolve_name(value, settings)
@@ -77,7 +77,7 @@ def config(key, value, unset_key, json_):
     settings = load_settings()
     explicit = explicit_keys()
     if key:
-        check_key(key)
+        check_setting_name(key)
         click.echo(_fmt(getattr(settings, key)))
         return
     rows = [

@@ -62,9 +62,9 @@ class Generation:
 
     @property
     def tokenizer(self):
-        return self.start().started.tokenizer
+        return self.wait_started().started.tokenizer
 
-    def start(self) -> "Generation":
+    def wait_started(self) -> "Generation":
         """Wait until the model is loaded and the prompt rendered (raising their errors)."""
         while self.started is None:
             self._handle(self.channel.events.get())

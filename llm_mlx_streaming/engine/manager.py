@@ -27,7 +27,7 @@ from ..experts.policies import DEFAULT_POLICY, POLICIES
 from .generation import Cancelled, Channel, Generation, Started
 from ..processors import with_history
 from .request import LoadSpec, Request
-from .stops import StopMatcher
+from ..stops import StopMatcher
 
 
 class EngineError(Exception):
@@ -204,7 +204,7 @@ class EngineManager:
                                       max_context=max_context, trace_path=trace_path))
 
     # -- load or rebuild the pools without generating ---------------------
-    def prepare(self, load: LoadSpec) -> Generation:
+    def queue_load(self, load: LoadSpec) -> Generation:
         """Queue "load `load` if needed" on its own (a server's warm start, a pool
         rebuild), in turn with the generations; iterating the handle waits for it,
         raises what the load raised and then ends."""
@@ -243,7 +243,7 @@ class EngineManager:
                 if hasattr(processor, "limit_tokens"):
                     processor.limit_tokens(max_tokens)
             kv, kv_note = self._kv_layout(request.kv)
-            cache, new_tokens, reused = self.session.prepare(prompt, kv)
+            cache, new_tokens, reused = self.session.reuse_for(prompt, kv)
             cache, new_tokens, reused = self._from_disk(request, prompt, kv, cache, new_tokens, reused)
             out.put("started", Started(tokenizer, self.checkpoint, prompt, reused))
             self._generate(request, out, cache, prompt, new_tokens, reused, max_tokens, kv, kv_note)
@@ -273,7 +273,7 @@ class EngineManager:
         if found is None:
             return cache, new_tokens, reused
         self.session.adopt(found.cache, found.tokens, kv)
-        cache, new_tokens, reused = self.session.prepare(prompt, kv)
+        cache, new_tokens, reused = self.session.reuse_for(prompt, kv)
         self._disk_loaded = reused
         return cache, new_tokens, reused
 
@@ -497,11 +497,11 @@ class EngineManager:
                 total.add(pool.counters)
         return total
 
-    def verify(self) -> int:
+    def bad_slots(self) -> int:
         """Bad slots over every pool (0 when every resident expert matches the disk)."""
         with self._lock:
             self._require_loaded()
-            return sum(pool.verify() for pool in self.loaded.all_pools)
+            return sum(pool.bad_slots() for pool in self.loaded.all_pools)
 
     def metrics(self) -> dict:
         import mlx.core as mx

@@ -28,7 +28,7 @@ class Session:
         self.cache = None
         self.tokens = []
 
-    def prepare(self, prompt: list[int], kv: KVSpec = FULL_PRECISION) -> tuple[list, list[int], int]:
+    def reuse_for(self, prompt: list[int], kv: KVSpec = FULL_PRECISION) -> tuple[list, list[int], int]:
         """(cache, tokens still to prefill, tokens reused) for `prompt` under layout `kv`."""
         if kv != self.kv:
             self.reset()

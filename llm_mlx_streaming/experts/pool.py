@@ -208,7 +208,7 @@ class ExpertPool:
         self.counters.unplaced += n
         return n
 
-    def verify(self) -> int:
+    def bad_slots(self) -> int:
         """Compare every occupied slot with its expert's bytes on disk; count bad slots."""
         bad = 0
         for slot, e in enumerate(self.expert_in):

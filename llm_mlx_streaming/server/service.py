@@ -24,7 +24,7 @@ from ..run_config import resolve
 from .discovery import public_id
 from .gate import Gate, QueueFull
 from .http_layer import ApiError, BodyLimit, error_for
-from .replies import ReplyMemory
+from .reply_memory import ReplyMemory
 from .runtime import POOL_KEYS, ConfigError, RuntimeConfig, touches_pools
 from .schemas import (
     ChatCompletion,
@@ -96,7 +96,7 @@ class Service:
         self._tasks: set = set()
 
     # -- requests -------------------------------------------------------------
-    def check_key(self, request: Request) -> None:
+    def check_api_key(self, request: Request) -> None:
         if self.api_key is None:
             return
         header = request.headers.get("authorization", "")
@@ -258,7 +258,7 @@ class Service:
 
         settings = load_settings()
         run = resolve(llm.get_model(model_id).name, self.runtime.options(), settings)
-        for _ in _engine().prepare(run.load):
+        for _ in _engine().queue_load(run.load):
             pass
 
     def _spawn(self, coro) -> None:
@@ -346,7 +346,7 @@ def create_app(service: Service) -> FastAPI:
     async def health() -> dict:
         return {"status": "ok", "id": public_id(service.secret) if service.secret else None}
 
-    api = APIRouter(dependencies=[Depends(service.check_key)], responses=ERRORS)
+    api = APIRouter(dependencies=[Depends(service.check_api_key)], responses=ERRORS)
 
     @api.get("/v1/models", response_model=ModelList)
     async def models() -> dict:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .engine.stops import partial_suffix
+from .stops import partial_suffix
 
 TEXT, REASONING, TOOL = "text", "reasoning", "tool_call"
 UNFINISHED_TOOL = "tool_call_unfinished"  # markup cut off by the end of the reply
