@@ -59,9 +59,11 @@ def test_a_later_process_continues_from_disk(llm_env):
     warm = second.text()
     s2 = second.response_json
     assert s2["reused_tokens"] == s2["disk_cache_tokens"] == stats["prompt_tokens"] + stats["generated_tokens"]
-    # the longer prefix replaced the shorter one it extends
-    [latest] = _cache_files(llm_env)
+    # the second response wrote a segment with only what it added, beside the first
+    [kept, latest] = sorted(_cache_files(llm_env), key=lambda p: int(p.name.split("-")[0]))
+    assert kept == saved
     assert latest.name.startswith(f"{s2['prompt_tokens'] + s2['generated_tokens']}-")
+    assert s2["disk_cache_saved_bytes"] == latest.stat().st_size < saved.stat().st_size
     assert warm == _cold_second_turn(llm_env, model, first)
 
 
@@ -141,3 +143,35 @@ def test_a_saved_cache_longer_than_the_shared_prefix_is_cut_back(llm_env):
     _fresh_process()
     assert model.prompt("Tell me about tea, and coffee", max_tokens=4).text() == warm
     assert get_manager().last_stats["reused_tokens"] == 0
+
+
+def _tensor_bytes_damaged(path) -> None:
+    """Flip 64 bytes in the middle of the largest tensor of a safetensors file: the file
+    still reads, its header and every shape and scalar are intact, a K/V block is not."""
+    import json
+
+    data = bytearray(path.read_bytes())
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    begin, end = max((v["data_offsets"] for k, v in header.items() if k != "__metadata__"),
+                     key=lambda span: span[1] - span[0])
+    assert end - begin >= 128
+    middle = 8 + size + (begin + end) // 2
+    data[middle:middle + 64] = bytes(b ^ 0xFF for b in data[middle:middle + 64])
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_tensor_bytes_are_detected_and_the_reply_is_the_uncached_one(llm_env, capfd):
+    model, conversation, first = _first_turn(llm_env)
+    [saved] = _cache_files(llm_env)
+    _tensor_bytes_damaged(saved)
+    _fresh_process()
+    capfd.readouterr()
+    second = conversation.prompt("And then?", max_tokens=8)
+    text = second.text()
+    err = capfd.readouterr().err
+    assert f"conversation cache {saved.name}" in err and "checksum" in err
+    assert len(err.strip().splitlines()) == 1
+    assert second.response_json["disk_cache_tokens"] == second.response_json["reused_tokens"] == 0
+    assert not saved.exists()
+    assert text == _cold_second_turn(llm_env, model, first)
