@@ -175,3 +175,50 @@ def test_flipped_tensor_bytes_are_detected_and_the_reply_is_the_uncached_one(llm
     assert second.response_json["disk_cache_tokens"] == second.response_json["reused_tokens"] == 0
     assert not saved.exists()
     assert text == _cold_second_turn(llm_env, model, first)
+
+
+def _segments(llm_env):
+    return sorted(_cache_files(llm_env), key=lambda p: int(p.name.split("-")[0]))
+
+
+@pytest.mark.parametrize("damaged, reused_from", [(0, None), (1, 0)], ids=["first-segment", "second-segment"])
+def test_a_damaged_segment_invalidates_the_rest_of_its_chain(llm_env, capfd, damaged, reused_from):
+    """Turn 3 would load two segments; with one of them damaged it falls back on the
+    segments before it (or none), removes it and those after it, and replies as an
+    uncached turn would."""
+    model, conversation, first = _first_turn(llm_env)
+    _fresh_process()
+    second = conversation.prompt("And then?", max_tokens=8)
+    second.text()
+    segments = _segments(llm_env)
+    assert len(segments) == 2
+    _tensor_bytes_damaged(segments[damaged])
+    _fresh_process()
+    capfd.readouterr()
+    third = conversation.prompt("Go on", max_tokens=8)
+    text = third.text()
+    err = capfd.readouterr().err
+    assert err.count("mlx-stream:") == 1 and segments[damaged].name in err and "checksum" in err
+    expected = 0 if reused_from is None else int(segments[reused_from].name.split("-")[0])
+    assert third.response_json["disk_cache_tokens"] == third.response_json["reused_tokens"] == expected
+    assert not any(p.exists() for p in segments[damaged:])
+    # the reply an uncached third turn gives
+    llm_env.write_settings(**{**llm_env.read_settings(), "conversation_cache": False})
+    _fresh_process()
+    cold = model.conversation()
+    cold.responses.extend([first, second])
+    again = cold.prompt("Go on", max_tokens=8)
+    assert again.text() == text and again.response_json["reused_tokens"] == 0
+
+
+def test_eviction_removes_a_conversation_with_all_its_segments(llm_env):
+    model, conversation, first = _first_turn(llm_env)
+    _fresh_process()
+    conversation.prompt("And then?", max_tokens=8).text()
+    older = _segments(llm_env)
+    assert len(older) == 2
+    bound = int(sum(p.stat().st_size for p in older) * 1.2)
+    llm_env.write_settings(**{**llm_env.read_settings(), "conversation_cache_size": str(bound)})
+    llm.get_model("mlx-stream").prompt("Name a boat", max_tokens=8).text()
+    [newer] = _cache_files(llm_env)  # not the older conversation's second segment without its first
+    assert newer not in older
