@@ -40,6 +40,7 @@ import os
 import sys
 import tempfile
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,11 +88,23 @@ class _Link:
 
 @dataclass
 class _Mirror:
-    """Which chain on disk `cache` (the session's cache object) holds `tokens` of."""
+    """Which chain on disk the session's cache layers (held weakly: a dropped cache is
+    freed) hold `tokens` of."""
 
-    cache: list
+    layers: tuple  # weakref.ref to each layer object
     tokens: list[int]
     links: list[_Link]
+
+    @classmethod
+    def of(cls, cache, tokens, links) -> "_Mirror":
+        return cls(tuple(weakref.ref(c) for c in cache), list(tokens), links)
+
+    def same(self, cache) -> list[bool]:
+        """Per layer, whether `cache` still has the layer object this chain was made from
+        (one the quantization step replaced, or a new cache, does not)."""
+        if len(cache) != len(self.layers):
+            return [False] * len(cache)
+        return [ref() is c for ref, c in zip(self.layers, cache)]
 
 
 def package_version() -> str:
@@ -298,7 +311,7 @@ class DiskCache:
                     os.utime(self.folder / segment)  # recently used
                 except OSError:
                     pass
-            self._mirror = _Mirror(cache, list(prompt[:shared]), links)
+            self._mirror = _Mirror.of(cache, prompt[:shared], links)
             return Found(cache, list(prompt[:shared]))
         return None
 
@@ -361,13 +374,17 @@ class DiskCache:
 
         layers = for_saving(cache)  # long context (#13): only classes load_prompt_cache knows
         n = len(tokens)
-        links = self._base(cache, tokens, kept)
-        end = links[-1].end if links else 0
-        before = links[-1].kinds if links else (None,) * len(layers)
         kinds = tuple(_kind(c) for c in layers)
+        links = self._base(tokens, kept)
+        same = self._mirror.same(cache) if links else [False] * len(layers)
+        before = links[-1].kinds if links else kinds
+        appends = [kind is not None and kind == was and held for kind, was, held in zip(kinds, before, same)]
+        if not any(appends):
+            links = []
+        end = links[-1].end if links else 0
         parts, starts = [], []
-        for layer, kind, was in zip(layers, kinds, before):
-            start = None if kind is None else end if kind == was else 0
+        for layer, kind, append in zip(layers, kinds, appends):
+            start = None if kind is None else end if append else 0
             parts.append(layer if start is None else _segment(layer, start))
             starts.append(start)
         mx.eval([leaf for _, leaf in tree_flatten([c.state for c in parts]) if isinstance(leaf, mx.array)])
@@ -388,21 +405,22 @@ class DiskCache:
             _remove(Path(tmp))
             raise
         links = links + [_Link(n, name, digest, kinds)]
-        self._mirror = _Mirror(cache, list(tokens), links)
+        self._mirror = _Mirror.of(cache, tokens, links)
         self._prune(tokens, {link.name for link in links})
         size = final.stat().st_size
         evict(self.spec.root, self.spec.max_bytes)
         return size
 
-    def _base(self, cache, tokens: list[int], kept: int) -> list[_Link]:
-        """The links of the chain `cache` was last written to or loaded from, up to the
-        last segment within the tokens the cache still holds as they were: the first
-        `kept` (a turn feeds, so rewrites, all positions from there); [] where there is
-        none, or a segment of it is gone or was replaced (another process)."""
+    def _base(self, tokens: list[int], kept: int) -> list[_Link]:
+        """The links of the chain last written or loaded, up to the last segment within
+        the tokens the cache still holds as they were: the first `kept` (a turn feeds,
+        so rewrites, all positions from there); [] where there is none, or a segment of
+        it is gone or was replaced (another process). Which layers may append to it is
+        `_Mirror.same`."""
         from mlx_lm.utils import common_prefix_len
 
         mirror = self._mirror
-        if mirror is None or mirror.cache is not cache:
+        if mirror is None:
             return []
         clean = min(kept, common_prefix_len(mirror.tokens, tokens))
         links = [link for link in mirror.links if link.end <= clean]
