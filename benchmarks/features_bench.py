@@ -4,8 +4,11 @@
    plus applying it), and decode tok/s with and without a schema.
 2. The conversation cache on disk: a second turn in a "new process" (the in-process
    KV cache dropped) with the saved cache loaded, against prefilling it again.
+3. What the conversation cache writes per response over a conversation of several
+   turns, each in a new process (`llm -c`): the segment the turn added, against
+   rewriting the whole cache after every response (what it did before #18).
 
-    python benchmarks/features_bench.py [--prompt-tokens 1500] [--runs 3]
+    python benchmarks/features_bench.py [--prompt-tokens 1500] [--runs 3] [--turns 5]
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llm_mlx_streaming.checkpoints.factory import build_checkpoint  # noqa: E402
-from llm_mlx_streaming.engine.disk_cache import DiskCacheSpec  # noqa: E402
+from llm_mlx_streaming.engine.disk_cache import DiskCache, DiskCacheSpec  # noqa: E402
 from llm_mlx_streaming.engine.manager import EngineManager  # noqa: E402
 from llm_mlx_streaming.engine.request import LoadSpec, Request  # noqa: E402
 
@@ -141,11 +144,33 @@ def restart_rows(engine, load, tokenizer, prompt_tokens: int, runs: int) -> list
     return rows
 
 
+def write_rows(engine, load, tokenizer, prompt_tokens: int, turns: int, tokens: int) -> list[tuple]:
+    """(turn, tokens cached after it, tokens it took from disk, bytes its segment took,
+    bytes a whole rewrite takes) for each turn of a conversation, each turn in a new
+    process: the whole rewrite is the same cache saved with nothing kept from before."""
+    words = ("the quick brown fox jumps over the lazy dog and " * (prompt_tokens // 8 + 1)).split()
+    prompt = tokenizer.encode(" ".join(words[: prompt_tokens]))[:prompt_tokens]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = DiskCacheSpec(Path(tmp) / "segments", 10**11)
+        whole = DiskCache(DiskCacheSpec(Path(tmp) / "whole", 10**11), "whole")
+        for turn in range(1, turns + 1):
+            engine.session.reset()  # a new process: nothing in memory
+            done = run(engine, load, Request(prompt=prompt, max_tokens=tokens, conversation_cache=spec))
+            stats = done.stats
+            rewrite = whole.save(engine.session.cache, engine.session.tokens, kept=0)
+            rows.append((turn, len(engine.session.tokens), stats["disk_cache_tokens"],
+                         stats["disk_cache_saved_bytes"], rewrite))
+            prompt = prompt + done.tokens + tokenizer.encode(" and then what happened next?")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt-tokens", type=int, default=1500)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--turns", type=int, default=5)
     args = parser.parse_args()
     path = build_checkpoint(CACHE / "features-q4", "qwen3_moe", **SHAPE)
     engine = EngineManager()
@@ -165,6 +190,13 @@ def main() -> None:
     for label, prompt, reused, seconds in restart_rows(engine, load, tokenizer, args.prompt_tokens, args.runs):
         print(f"{label:<14} {prompt:>7} {reused:>7} {seconds:>8.3f}")
     print(f"(median of {args.runs}; second turn: prompt {args.prompt_tokens} tokens + 8 generated + a new message)")
+    print()
+    print(f"{'turn':>4} {'cached':>7} {'from disk':>9} {'MB written':>11} {'MB whole rewrite':>17}")
+    rows = write_rows(engine, load, tokenizer, args.prompt_tokens, args.turns, args.tokens)
+    for turn, cached, loaded, written, rewrite in rows:
+        print(f"{turn:>4} {cached:>7} {loaded:>9} {written / 1e6:>11.2f} {rewrite / 1e6:>17.2f}")
+    print(f"{'all':>4} {'':>7} {'':>9} {sum(r[3] for r in rows) / 1e6:>11.2f} {sum(r[4] for r in rows) / 1e6:>17.2f}"
+          f"  (turns of {args.tokens} generated tokens + a new message, each in a new process)")
 
 
 if __name__ == "__main__":

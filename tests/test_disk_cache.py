@@ -59,9 +59,11 @@ def test_a_later_process_continues_from_disk(llm_env):
     warm = second.text()
     s2 = second.response_json
     assert s2["reused_tokens"] == s2["disk_cache_tokens"] == stats["prompt_tokens"] + stats["generated_tokens"]
-    # the longer prefix replaced the shorter one it extends
-    [latest] = _cache_files(llm_env)
+    # the second response wrote a segment with only what it added, beside the first
+    [kept, latest] = sorted(_cache_files(llm_env), key=lambda p: int(p.name.split("-")[0]))
+    assert kept == saved
     assert latest.name.startswith(f"{s2['prompt_tokens'] + s2['generated_tokens']}-")
+    assert s2["disk_cache_saved_bytes"] == latest.stat().st_size < saved.stat().st_size
     assert warm == _cold_second_turn(llm_env, model, first)
 
 
@@ -141,3 +143,82 @@ def test_a_saved_cache_longer_than_the_shared_prefix_is_cut_back(llm_env):
     _fresh_process()
     assert model.prompt("Tell me about tea, and coffee", max_tokens=4).text() == warm
     assert get_manager().last_stats["reused_tokens"] == 0
+
+
+def _tensor_bytes_damaged(path) -> None:
+    """Flip 64 bytes in the middle of the largest tensor of a safetensors file: the file
+    still reads, its header and every shape and scalar are intact, a K/V block is not."""
+    import json
+
+    data = bytearray(path.read_bytes())
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    begin, end = max((v["data_offsets"] for k, v in header.items() if k != "__metadata__"),
+                     key=lambda span: span[1] - span[0])
+    assert end - begin >= 128
+    middle = 8 + size + (begin + end) // 2
+    data[middle:middle + 64] = bytes(b ^ 0xFF for b in data[middle:middle + 64])
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_tensor_bytes_are_detected_and_the_reply_is_the_uncached_one(llm_env, capfd):
+    model, conversation, first = _first_turn(llm_env)
+    [saved] = _cache_files(llm_env)
+    _tensor_bytes_damaged(saved)
+    _fresh_process()
+    capfd.readouterr()
+    second = conversation.prompt("And then?", max_tokens=8)
+    text = second.text()
+    err = capfd.readouterr().err
+    assert f"conversation cache {saved.name}" in err and "checksum" in err
+    assert len(err.strip().splitlines()) == 1
+    assert second.response_json["disk_cache_tokens"] == second.response_json["reused_tokens"] == 0
+    assert not saved.exists()
+    assert text == _cold_second_turn(llm_env, model, first)
+
+
+def _segments(llm_env):
+    return sorted(_cache_files(llm_env), key=lambda p: int(p.name.split("-")[0]))
+
+
+@pytest.mark.parametrize("damaged, reused_from", [(0, None), (1, 0)], ids=["first-segment", "second-segment"])
+def test_a_damaged_segment_invalidates_the_rest_of_its_chain(llm_env, capfd, damaged, reused_from):
+    """Turn 3 would load two segments; with one of them damaged it falls back on the
+    segments before it (or none), removes it and those after it, and replies as an
+    uncached turn would."""
+    model, conversation, first = _first_turn(llm_env)
+    _fresh_process()
+    second = conversation.prompt("And then?", max_tokens=8)
+    second.text()
+    segments = _segments(llm_env)
+    assert len(segments) == 2
+    _tensor_bytes_damaged(segments[damaged])
+    _fresh_process()
+    capfd.readouterr()
+    third = conversation.prompt("Go on", max_tokens=8)
+    text = third.text()
+    err = capfd.readouterr().err
+    assert err.count("mlx-stream:") == 1 and segments[damaged].name in err and "checksum" in err
+    expected = 0 if reused_from is None else int(segments[reused_from].name.split("-")[0])
+    assert third.response_json["disk_cache_tokens"] == third.response_json["reused_tokens"] == expected
+    assert not any(p.exists() for p in segments[damaged:])
+    # the reply an uncached third turn gives
+    llm_env.write_settings(**{**llm_env.read_settings(), "conversation_cache": False})
+    _fresh_process()
+    cold = model.conversation()
+    cold.responses.extend([first, second])
+    again = cold.prompt("Go on", max_tokens=8)
+    assert again.text() == text and again.response_json["reused_tokens"] == 0
+
+
+def test_eviction_removes_a_conversation_with_all_its_segments(llm_env):
+    model, conversation, first = _first_turn(llm_env)
+    _fresh_process()
+    conversation.prompt("And then?", max_tokens=8).text()
+    older = _segments(llm_env)
+    assert len(older) == 2
+    bound = int(sum(p.stat().st_size for p in older) * 1.2)
+    llm_env.write_settings(**{**llm_env.read_settings(), "conversation_cache_size": str(bound)})
+    llm.get_model("mlx-stream").prompt("Name a boat", max_tokens=8).text()
+    [newer] = _cache_files(llm_env)  # not the older conversation's second segment without its first
+    assert newer not in older

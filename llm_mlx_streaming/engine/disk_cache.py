@@ -2,34 +2,51 @@
 
 Each `llm` command is a new process, so `llm -c` would prefill the whole conversation
 again. At the end of a response the engine saves its KV cache with mlx-lm's
-`save_prompt_cache` (quantized if the KV is), named by the token prefix it holds:
-`<n>-<sha256 of the n token ids>.safetensors`, the ids themselves in its metadata. A
-later prompt loads the file that shares the longest prefix with it (`load_prompt_cache`),
-cut back to that prefix if it holds more, and prefills only the rest.
+`save_prompt_cache` (quantized if the KV is), as a chain of segment files, each named
+by the token prefix it completes: `<n>-<sha256 of the n token ids>.safetensors`. A
+first segment holds the whole cache; a later one only what its turn added: the
+attention layers' K/V of its own token range (`layers` in its metadata gives each
+layer's first position), the token ids of that range, and the name and checksum of
+the segment it extends. Layers that are not a growing sequence (a sliding window, a
+linear-attention state) are bounded and written in full in every segment; so is a
+layer whose class changed since (a KVCache quantized at kv_start). A response writes
+a segment only on a chain this process wrote or loaded the same cache from, up to
+the tokens the turn did not feed again; otherwise it writes a first segment.
+
+Every segment carries a sha256 of its tensors (each state entry's name, dtype, shape
+and bytes), checked on load. A later prompt loads the chain that shares the longest
+prefix with it, concatenating the segments along the sequence axis, cut back to that
+prefix if it holds more, and prefills only the rest. A segment that cannot be read,
+fails its checksum or does not fit the one before is removed with a one-line notice,
+and so are the segments after it; the prompt then falls back on a shorter chain or
+is simply prefilled.
 
 Files live in one folder per namespace: the checkpoint's fingerprint (each shard's
 inode, ctime, size and sampled bytes: experts/packed.py), the package version and
 the KV layout, hashed. Each file also carries that namespace in its metadata and is
 checked against it, so a cache from another checkpoint, version or layout is never
-loaded; one that cannot be read is removed. Either is a notice on stderr, and the
-prompt is simply prefilled. Writes go to a temporary name and are renamed into
-place; a saved prefix replaces the shorter ones it extends; the whole tree is kept
-under a size bound by evicting the least recently used files.
+loaded (a notice). Writes go to a temporary name and are renamed into place; a saved
+chain replaces the shorter ones its tokens extend (all but its own segments and those
+another segment still extends); the whole tree is kept under a size bound by
+evicting the least recently used conversations, each with all its segments.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
 import sys
 import tempfile
 import time
+import weakref
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-FORMAT = "mlx-stream-kv-2"  # 2: the token ids in the metadata
+FORMAT = "mlx-stream-kv-3"  # 3: segments, each with a checksum of its tensors
 SUFFIX = ".safetensors"
 STALE_PARTIAL_SECONDS = 3600
 
@@ -46,6 +63,48 @@ class DiskCacheSpec:
 class Found:
     cache: list
     tokens: list[int]
+
+
+@dataclass(frozen=True)
+class _Header:
+    """A cache file's metadata, read from its safetensors header alone."""
+
+    space: Optional[str]
+    ids: list[int]  # the token ids of this segment's own range
+    parent: str  # the file name of the segment it extends; "" for a first segment
+    parent_checksum: str
+    checksum: str
+
+
+@dataclass(frozen=True)
+class _Link:
+    """A segment of the chain the in-process cache was written to or loaded from."""
+
+    end: int  # the tokens the chain holds up to and with this segment
+    name: str
+    checksum: str
+    kinds: tuple  # each layer's `_kind` there: what a next segment may append to
+
+
+@dataclass
+class _Mirror:
+    """Which chain on disk the session's cache layers (held weakly: a dropped cache is
+    freed) hold `tokens` of."""
+
+    layers: tuple  # weakref.ref to each layer object
+    tokens: list[int]
+    links: list[_Link]
+
+    @classmethod
+    def of(cls, cache, tokens, links) -> "_Mirror":
+        return cls(tuple(weakref.ref(c) for c in cache), list(tokens), links)
+
+    def same(self, cache) -> list[bool]:
+        """Per layer, whether `cache` still has the layer object this chain was made from
+        (one the quantization step replaced, or a new cache, does not)."""
+        if len(cache) != len(self.layers):
+            return [False] * len(cache)
+        return [ref() is c for ref, c in zip(self.layers, cache)]
 
 
 def package_version() -> str:
@@ -88,11 +147,90 @@ def notice(message: str) -> None:
     print(f"mlx-stream: {message}", file=sys.stderr, flush=True)
 
 
+def checksum(cache) -> str:
+    """sha256 over the caches' states in order: each array's name, dtype, shape and
+    bytes, each scalar's name and value. The same on a saved cache and on the cache
+    `load_prompt_cache` makes of its file, unless a byte of the file changed."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    digest = hashlib.sha256()
+    for name, leaf in tree_flatten([c.state for c in cache]):
+        if isinstance(leaf, mx.array):
+            digest.update(f"{name}:{leaf.dtype}:{leaf.shape};".encode())
+            digest.update(memoryview(mx.contiguous(leaf)))
+        else:
+            digest.update(f"{name}={leaf!r};".encode())
+    return digest.hexdigest()
+
+
+def _kind(layer) -> Optional[tuple]:
+    """What a later segment may append to this layer: a growing attention cache's class
+    (with its quantization); None for a state written in full (sliding window, linear
+    attention, anything else)."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    if getattr(layer, "keys", None) is None:
+        return None
+    if type(layer) is KVCache:
+        return ("KVCache",)
+    if type(layer) is QuantizedKVCache:
+        return ("QuantizedKVCache", layer.group_size, layer.bits)
+    return None
+
+
+def _length(layer) -> int:
+    """Positions a growing attention cache's arrays hold."""
+    keys = layer.keys
+    return (keys if not isinstance(keys, (list, tuple)) else keys[0]).shape[-2]
+
+
+def _segment(layer, start: int):
+    """The layer's K/V from position `start` to its offset, as the same class."""
+    from mlx.utils import tree_map
+
+    part = copy.copy(layer)
+    part.keys, part.values = tree_map(lambda a: a[..., start:layer.offset, :], (layer.keys, layer.values))
+    return part
+
+
+def _assembled(parts: list[tuple[list, list]]) -> Optional[list]:
+    """One cache from its segments' (cache, layer starts), first segment first: a
+    layer's K/V concatenated along the sequence axis, a state written in full taken
+    from the last segment; None where a segment does not fit the ones before."""
+    import mlx.core as mx
+    from mlx.utils import tree_map
+
+    width = len(parts[0][0])
+    layers, pieces = [None] * width, [[] for _ in range(width)]
+    for cache, starts in parts:
+        if len(cache) != width or len(starts) != width:
+            return None
+        for i, (layer, start) in enumerate(zip(cache, starts)):
+            if start is None:  # written in full
+                layers[i], pieces[i] = layer, []
+                continue
+            kind = _kind(layer)
+            if kind is None or not isinstance(start, int) or _length(layer) != layer.offset - start:
+                return None
+            if start == 0:
+                pieces[i] = []
+            elif layers[i] is None or _kind(layers[i]) != kind or layers[i].offset != start:
+                return None
+            layers[i] = layer
+            pieces[i].append((layer.keys, layer.values))
+    for layer, kv in zip(layers, pieces):
+        if len(kv) > 1:
+            layer.keys, layer.values = tree_map(lambda *xs: mx.concatenate(list(xs), axis=-2), *kv)
+    return layers
+
+
 class DiskCache:
     def __init__(self, spec: DiskCacheSpec, space: str):
         self.spec = spec
         self.space = space
         self.folder = spec.root / space
+        self._mirror: Optional[_Mirror] = None
 
     def _entries(self):
         try:
@@ -101,108 +239,242 @@ class DiskCache:
             return []
         return [(entry, p) for p in paths if (entry := _entry(p)) is not None]
 
+    def _chains(self) -> dict[str, tuple[list[str], list[_Header]]]:
+        """{file name: (its chain's file names, their headers), first segment first}
+        for every file here whose chain checks out by name, token ids and checksum
+        links. A foreign file is a notice; one whose header cannot be read or whose
+        tokens do not match its name is removed with one; one extending a segment that
+        is gone, foreign or replaced is removed quietly (that segment had its notice,
+        or was evicted)."""
+        files = []
+        for (n, digest), path in self._entries():
+            header = _saved_header(path)
+            if header is not None and header.space != self.space:
+                notice(f"conversation cache {path.name} was made for another checkpoint, version or KV layout; ignored")
+            elif header is None:
+                notice(f"conversation cache {path.name} cannot be read or does not match its name; removed")
+                _remove(path)
+            else:
+                files.append((n, digest, path, header))
+        chains: dict[str, tuple[list[str], list[_Header]]] = {}
+        hashes: dict[str, tuple[object, int]] = {}  # prefix_hash's state, and its token count
+        for n, digest, path, header in sorted(files, key=lambda f: f[0]):  # a parent before its children
+            if header.parent:
+                before = chains.get(header.parent)
+                if before is None or before[1][-1].checksum != header.parent_checksum:
+                    _remove(path)
+                    continue
+                names, headers = before
+                running, count = hashes[header.parent]
+            else:
+                names, headers, running, count = [], [], hashlib.sha256(), 0
+            running = running.copy()
+            running.update(("," if count and header.ids else "").encode() + ",".join(map(str, header.ids)).encode())
+            count += len(header.ids)
+            if count != n or running.hexdigest()[:32] != digest:
+                notice(f"conversation cache {path.name} cannot be read or does not match its name; removed")
+                _remove(path)
+                continue
+            chains[path.name] = (names + [path.name], headers + [header])
+            hashes[path.name] = (running, count)
+        return chains
+
     def lookup(self, prompt: list[int], longer_than: int, expected) -> Optional[Found]:
         """The saved cache sharing the longest prefix with `prompt` (shorter than the
         prompt, longer than `longer_than`) that loads and checks out, cut back to that
         prefix when it holds more (a template that re-renders an earlier reply, such
         as one that drops old reasoning, shares only the part before it); `expected` is
         a fresh cache of the model, whose layout a loaded one must have."""
-        from mlx_lm.utils import common_prefix_len
-
+        chains = self._chains()
         candidates = []
-        for (n, digest), path in self._entries():
-            header = _saved_header(path)
-            if header is not None and header[0] != self.space:
-                notice(f"conversation cache {path.name} was made for another checkpoint, version or KV layout; ignored")
-                continue
-            held = header[1] if header is not None else None
-            if held is None or len(held) != n or prefix_hash(held) != digest:
-                notice(f"conversation cache {path.name} cannot be read or does not match its name; removed")
-                _remove(path)
-                continue
-            shared = min(common_prefix_len(held, prompt), len(prompt) - 1)
+        for name, (names, headers) in chains.items():
+            shared = min(_shared(headers, prompt), len(prompt) - 1)
             if shared > longer_than:
-                candidates.append((shared, -n, path))
-        for shared, minus_n, path in sorted(candidates, reverse=True):
-            cache = self._load(path, -minus_n, expected)
-            if cache is not None and shared < -minus_n:
+                candidates.append((shared, -sum(len(h.ids) for h in headers), name))
+        dead: set[str] = set()  # removed while loading: so is whatever extends them
+        for shared, minus_n, name in sorted(candidates, reverse=True):
+            names, _ = chains[name]
+            if dead.intersection(names):
+                dead.add(name)
+                _remove(self.folder / name)
+                continue
+            loaded = self._load(names, -minus_n, expected, dead)
+            if loaded is None:
+                continue
+            cache, links = loaded
+            if shared < -minus_n:
                 cache = _cut(cache, -minus_n - shared)
-            if cache is not None:
+            if cache is None:
+                continue
+            for segment in names:
                 try:
-                    os.utime(path)  # recently used
+                    os.utime(self.folder / segment)  # recently used
                 except OSError:
                     pass
-                return Found(cache, list(prompt[:shared]))
+            self._mirror = _Mirror.of(cache, prompt[:shared], links)
+            return Found(cache, list(prompt[:shared]))
         return None
 
-    def _load(self, path: Path, n: int, expected) -> Optional[list]:
+    def _load(self, names: list[str], n: int, expected, dead: set[str]) -> Optional[tuple[list, list[_Link]]]:
+        """The cache the chain `names` holds (n tokens) and its links, or None; a segment
+        that fails is removed with those after it, and they go into `dead`."""
         from mlx_lm.models.cache import load_prompt_cache
 
         from .kv import after_loading, same_layout
 
-        try:
-            cache, meta = load_prompt_cache(str(path), return_metadata=True)
-        except Exception as exc:  # truncated, not safetensors, unknown cache class
-            notice(f"conversation cache {path.name} cannot be read ({_short(exc)}); removed")
-            _remove(path)
-            return None
-        if meta.get("namespace") != self.space or meta.get("format") != FORMAT:
-            notice(f"conversation cache {path.name} was made for another checkpoint, version or KV layout; ignored")
-            return None
-        cache = after_loading(cache, expected)  # long context (#13): our window class back
-        shapes_match = same_layout(cache, expected)
-        offsets = {getattr(c, "offset", n) for c in cache}
-        if meta.get("tokens") != str(n) or not shapes_match or offsets - {n}:
-            notice(f"conversation cache {path.name} does not match its name or this model; removed")
-            _remove(path)
-            return None
-        return cache
+        parts, links, end = [], [], 0
+        for i, name in enumerate(names):
+            path = self.folder / name
+            try:
+                cache, meta = load_prompt_cache(str(path), return_metadata=True)
+            except Exception as exc:  # truncated, not safetensors, unknown cache class
+                notice(f"conversation cache {name} cannot be read ({_short(exc)}); removed")
+                return self._dead(names[i:], dead)
+            if meta.get("namespace") != self.space or meta.get("format") != FORMAT:
+                notice(f"conversation cache {name} was made for another checkpoint, version or KV layout; ignored")
+                return None
+            if checksum(cache) != meta.get("checksum"):
+                notice(f"conversation cache {name} does not match its checksum (damaged); removed")
+                return self._dead(names[i:], dead)
+            try:
+                starts = json.loads(meta["layers"])
+                end = int(meta["tokens"])
+            except (KeyError, ValueError):
+                starts = None
+            if not isinstance(starts, list):
+                notice(f"conversation cache {name} does not match its name or this model; removed")
+                return self._dead(names[i:], dead)
+            parts.append((cache, starts))
+            links.append(_Link(end, name, meta["checksum"], tuple(_kind(c) for c in cache)))
+        cache = _assembled(parts)
+        if cache is not None:
+            cache = after_loading(cache, expected)  # long context (#13): our window class back
+        offsets = {getattr(c, "offset", n) for c in cache or ()}
+        if cache is None or end != n or not same_layout(cache, expected) or offsets - {n}:
+            notice(f"conversation cache {names[-1]} does not match its name or this model; removed")
+            return self._dead(names[-1:], dead)
+        return cache, links
 
-    def save(self, cache, tokens: list[int]) -> int:
-        """Write `cache` (which has seen exactly `tokens`) atomically; drop the saved
-        prefixes it extends; keep the tree under its size bound. Returns the bytes written."""
+    def _dead(self, names: list[str], dead: set[str]) -> None:
+        for name in names:
+            dead.add(name)
+            _remove(self.folder / name)
+        return None
+
+    def save(self, cache, tokens: list[int], kept: int) -> int:
+        """Write `cache`, which has seen exactly `tokens`, the first `kept` of them
+        before this response: as a segment on the chain this process wrote or loaded it
+        from where there is one, else whole; drop the saved chains it extends; keep the
+        tree under its size bound. Returns the bytes written."""
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
         from mlx_lm.models.cache import save_prompt_cache
 
         from .kv import for_saving
 
-        cache = for_saving(cache)  # long context (#13): only classes load_prompt_cache knows
+        layers = for_saving(cache)  # long context (#13): only classes load_prompt_cache knows
         n = len(tokens)
-        digest = prefix_hash(tokens)
+        kinds = tuple(_kind(c) for c in layers)
+        links = self._base(tokens, kept)
+        same = self._mirror.same(cache) if links else [False] * len(layers)
+        before = links[-1].kinds if links else kinds
+        appends = [kind is not None and kind == was and held for kind, was, held in zip(kinds, before, same)]
+        if not any(appends):
+            links = []
+        end = links[-1].end if links else 0
+        parts, starts = [], []
+        for layer, kind, append in zip(layers, kinds, appends):
+            start = None if kind is None else end if append else 0
+            parts.append(layer if start is None else _segment(layer, start))
+            starts.append(start)
+        mx.eval([leaf for _, leaf in tree_flatten([c.state for c in parts]) if isinstance(leaf, mx.array)])
+        digest = checksum(parts)
+        name = f"{n}-{prefix_hash(tokens)}{SUFFIX}"
         self.folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".partial-", suffix=SUFFIX)
         os.close(fd)
         try:
-            save_prompt_cache(tmp, cache, {"format": FORMAT, "namespace": self.space, "tokens": str(n),
-                                           "token_ids": json.dumps([int(t) for t in tokens])})
-            final = self.folder / f"{n}-{digest}{SUFFIX}"
+            save_prompt_cache(tmp, parts, {
+                "format": FORMAT, "namespace": self.space, "tokens": str(n),
+                "token_ids": json.dumps([int(t) for t in tokens[end:]]),
+                "parent": links[-1].name if links else "", "parent_checksum": links[-1].checksum if links else "",
+                "checksum": digest, "layers": json.dumps(starts)})
+            final = self.folder / name
             os.replace(tmp, final)
         except BaseException:
             _remove(Path(tmp))
             raise
-        for (m, other), path in self._entries():
-            if m < n and other == prefix_hash(tokens[:m]):
-                _remove(path)
+        links = links + [_Link(n, name, digest, kinds)]
+        self._mirror = _Mirror.of(cache, tokens, links)
+        self._prune(tokens, {link.name for link in links})
         size = final.stat().st_size
         evict(self.spec.root, self.spec.max_bytes)
         return size
 
+    def _base(self, tokens: list[int], kept: int) -> list[_Link]:
+        """The links of the chain last written or loaded, up to the last segment within
+        the tokens the cache still holds as they were: the first `kept` (a turn feeds,
+        so rewrites, all positions from there); [] where there is none, or a segment of
+        it is gone or was replaced (another process). Which layers may append to it is
+        `_Mirror.same`."""
+        from mlx_lm.utils import common_prefix_len
 
-def _saved_header(path: Path) -> Optional[tuple[Optional[str], list[int]]]:
-    """(namespace, token ids) of a cache file, from its safetensors header alone."""
+        mirror = self._mirror
+        if mirror is None:
+            return []
+        clean = min(kept, common_prefix_len(mirror.tokens, tokens))
+        links = [link for link in mirror.links if link.end <= clean]
+        for link in links:
+            header = _saved_header(self.folder / link.name)
+            if header is None or header.checksum != link.checksum:
+                return []
+        return links
+
+    def _prune(self, tokens: list[int], own: set[str]) -> None:
+        """Remove saved chains that `tokens` extends, longest first: none of `own`
+        (the new chain) and none that another segment still extends."""
+        entries = self._entries()
+        parents = Counter(header.parent for _, path in entries if (header := _saved_header(path)) is not None)
+        for (m, digest), path in sorted(entries, key=lambda e: -e[0][0]):
+            if m < len(tokens) and path.name not in own and not parents[path.name] \
+                    and digest == prefix_hash(tokens[:m]):
+                header = _saved_header(path)
+                _remove(path)
+                if header is not None:
+                    parents[header.parent] -= 1
+
+
+def _shared(headers: list[_Header], prompt: list[int]) -> int:
+    """Tokens a chain's segments (their token ids in order) share with `prompt`'s start."""
+    from mlx_lm.utils import common_prefix_len
+
+    shared = 0
+    for header in headers:
+        same = common_prefix_len(header.ids, prompt[shared:shared + len(header.ids)])
+        shared += same
+        if same < len(header.ids):
+            break
+    return shared
+
+
+def _saved_header(path: Path) -> Optional[_Header]:
+    """A cache file's metadata, from its safetensors header alone."""
     try:
         with open(path, "rb") as fh:
             size = int.from_bytes(fh.read(8), "little")
             if not 0 < size < 64 * 2**20:
                 return None
             header = json.loads(fh.read(size))
-        # save_prompt_cache flattens its metadata into the header ("1.token_ids")
+        # save_prompt_cache flattens its metadata into the header ("0.token_ids")
         meta = {k.split(".")[-1]: v for k, v in header["__metadata__"].items()}
         ids = json.loads(meta["token_ids"])
+        found = _Header(meta.get("namespace"), ids, meta.get("parent", ""), meta.get("parent_checksum", ""),
+                        meta.get("checksum", ""))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     if not (isinstance(ids, list) and all(isinstance(t, int) for t in ids)):
         return None
-    return meta.get("namespace"), ids
+    return found
 
 
 def _cut(cache, count: int) -> Optional[list]:
@@ -217,25 +489,40 @@ def _cut(cache, count: int) -> Optional[list]:
 
 
 def evict(root: Path, max_bytes: int) -> None:
-    """Remove the least recently used cache files until the tree fits `max_bytes`."""
-    files = []
+    """Remove the least recently used conversations (a first segment with every segment
+    that extends it, used as recently as its latest file) until the tree fits
+    `max_bytes`."""
     for path in root.glob(f"*/.partial-*{SUFFIX}"):  # left by a process killed mid-write
         try:
             if time.time() - path.stat().st_mtime > STALE_PARTIAL_SECONDS:
                 _remove(path)
         except OSError:
             continue
-    for path in root.glob(f"*/*{SUFFIX}"):
-        try:
-            st = path.stat()
-        except OSError:
-            continue
-        files.append((st.st_mtime, st.st_size, path))
-    total = sum(size for _, size, _ in files)
-    for _, size, path in sorted(files, key=lambda f: f[0]):
+    groups: dict[tuple[Path, str], list] = {}
+    for folder in {p.parent for p in root.glob(f"*/*{SUFFIX}")}:
+        files = {}
+        for path in folder.glob(f"*{SUFFIX}"):
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            if _entry(path) is not None:
+                header = _saved_header(path)
+                files[path.name] = (st.st_mtime, st.st_size, path, header.parent if header else "")
+        for name, (mtime, size, path, _) in files.items():
+            first, seen = name, {name}
+            while files[first][3] in files and files[first][3] not in seen:
+                first = files[first][3]
+                seen.add(first)
+            group = groups.setdefault((folder, first), [0.0, 0, []])
+            group[0], group[1] = max(group[0], mtime), group[1] + size
+            group[2].append(path)
+    total = sum(size for _, size, _ in groups.values())
+    for _, size, paths in sorted(groups.values(), key=lambda g: g[0]):
         if total <= max_bytes:
             break
-        _remove(path)
+        for path in paths:
+            _remove(path)
         total -= size
 
 

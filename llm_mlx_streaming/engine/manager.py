@@ -252,7 +252,8 @@ class EngineManager:
     def _disk_cache(self, request: Request, kv):
         """The conversation cache for this request's checkpoint and KV layout, or None."""
         spec = request.conversation_cache
-        if spec is None:
+        if spec is None:  # this turn changes the session's cache unseen: a later one writes it whole
+            self._disk = self._disk_key = None
             return None
         from .disk_cache import DiskCache, namespace
 
@@ -285,7 +286,7 @@ class EngineManager:
         if disk is None or not self.session.tokens:
             return
         try:
-            stats["disk_cache_saved_bytes"] = disk.save(self.session.cache, self.session.tokens)
+            stats["disk_cache_saved_bytes"] = disk.save(self.session.cache, self.session.tokens, stats["reused_tokens"])
         except Exception as e:  # OSError, a cache class save_prompt_cache cannot write
             stats["disk_cache_error"] = one_line(e)
             if "disk_cache" not in self._warned:
