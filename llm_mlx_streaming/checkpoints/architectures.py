@@ -103,13 +103,14 @@ def tiny_config(
     """config.json dict for mlx-lm's model class of `arch` (model_type=arch).
 
     The ARCHITECTURES have hand-picked fields; any other MoE module of mlx-lm gets
-    `generic_config`. `overrides` are applied last, so any field can be forced.
+    `generic_config` (where a `head_dim` override sets every attention head dim, see
+    there). `overrides` are applied last, so any field can be forced.
     """
     if arch not in ARCHITECTURES:
         return _generic_checkpoint_config(
             arch, hidden_size=hidden_size, num_layers=num_layers, num_experts=num_experts,
             top_k=top_k, moe_intermediate_size=moe_intermediate_size,
-            vocab_size=vocab_size, overrides=overrides,
+            head_dim=overrides.pop("head_dim", None), vocab_size=vocab_size, overrides=overrides,
         )
     if EXPERTS_FIELD[arch] is not None and not 1 <= top_k <= num_experts:
         raise ValueError(f"need 1 <= top_k <= num_experts, got {top_k=} {num_experts=}")
@@ -304,6 +305,11 @@ _GENERIC_FIELDS = {
     "hidden_size_per_layer_input": 16,
 }
 _REQUIRED_BY_TYPE = {bool: False, int: 1, float: 1.0}
+# What generic_config's `head_dim` sets: the dims of what attention caches ...
+_HEAD_DIM_FIELDS = ("head_dim", "v_head_dim", "swa_head_dim", "swa_v_head_dim", "global_head_dim")
+# ... and, where the head dim is hidden // heads, the head counts.
+_HEADS_FIELDS = ("num_attention_heads", "n_heads", "num_heads")
+_KV_HEADS_FIELDS = ("num_key_value_heads",)
 
 
 def _alternate(num_layers: int, first: str, second: str) -> list[str]:
@@ -450,10 +456,15 @@ def generic_config(
     num_experts: int = 8,
     top_k: int = 2,
     moe_intermediate_size: int = 32,
+    head_dim: int | None = None,
     vocab_size: int,
 ) -> dict:
     """Model fields for `mlx_lm.models.<module>`, filled from the fields of its own
-    ModelArgs (a wrapper's text model's fields go under `text_config`)."""
+    ModelArgs (a wrapper's text model's fields go under `text_config`).
+
+    `head_dim` (default 16) sets the cached keys' and values' head dims; a family whose
+    args have no head_dim field (it is hidden // heads there) gets hidden // head_dim heads.
+    """
     import dataclasses
     import typing
 
@@ -462,13 +473,20 @@ def generic_config(
 
     def fill(args_class) -> dict:
         hints = typing.get_type_hints(args_class)
+        fields = dataclasses.fields(args_class)
         cfg = {}
-        for f in dataclasses.fields(args_class):
+        for f in fields:
             if f.name in _GENERIC_FIELDS:
                 value = _GENERIC_FIELDS[f.name]
                 cfg[f.name] = symbols[value] if isinstance(value, str) else value
             elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 cfg[f.name] = _REQUIRED_BY_TYPE.get(hints.get(f.name))
+        if head_dim is not None:
+            cfg.update({k: head_dim for k in _HEAD_DIM_FIELDS if k in cfg})
+            if "head_dim" not in cfg:
+                heads = max(1, hidden_size // head_dim)
+                cfg.update({k: heads for k in _HEADS_FIELDS if k in cfg})
+                cfg.update({k: min(heads, v) for k, v in cfg.items() if k in _KV_HEADS_FIELDS})
         cfg["model_type"] = module
         cfg.update(_FAMILY_FIELDS.get(module, lambda n: {})(num_layers))
         return cfg

@@ -225,6 +225,7 @@ def stream_speculative(run: SpeculativeRun, tokenizer) -> Iterator[GenerationRes
 
 
 def _response(text, token, logprobs, from_draft, prompt_size, prompt_tps, generated, tic, finish):
+    mx.eval(logprobs)  # here, on the stream it was made on: the caller may read it from another thread
     return GenerationResponse(
         text=text, token=token, logprobs=logprobs, from_draft=from_draft,
         prompt_tokens=prompt_size, prompt_tps=prompt_tps, generation_tokens=generated,
