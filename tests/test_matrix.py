@@ -21,8 +21,9 @@ from llm_mlx_streaming.engine.kv import KVSpec
 from llm_mlx_streaming.engine.loading import load_streaming
 from llm_mlx_streaming.engine.manager import EngineManager
 from llm_mlx_streaming.engine.prefill import TiledAttention, tile_attention
+from llm_mlx_streaming.engine.request import Request
 from llm_mlx_streaming.errors import CheckpointError
-from test_prefill import engine_run, same, stock_run
+from test_prefill import same, stock_run
 
 EXPERTS, TOP_K = 8, 2
 MODULES = moe_modules()
@@ -139,3 +140,81 @@ def test_add_refuses_an_unsupported_architecture_in_one_line(llm_env, tmp_path):
     assert_one_line_error(llm_env.run("mlxs", "add", str(copy)), "dbrx is not supported",
                           UNSUPPORTED["dbrx"])
     assert llm_env.settings_file.read_text() == before
+
+
+# -- each feature once, on families the feature's own tests do not build ------------
+
+
+@pytest.mark.parametrize("arch,pool", [("qwen3_5_moe", "all"), ("glm4_moe_lite", "top-k"),
+                                       ("exaone_moe", "2")])  # linear+full; MLA mask; window+full
+def test_a_long_prompt_takes_the_tiled_path_at_every_pool_size(build, arch, pool):
+    path = build(arch, num_experts=EXPERTS, top_k=TOP_K)
+    prompt = prompt_tokens(vocab_size(path), n=80, seed=5)
+    stock, _ = load_model(path)
+    expected = stock_run(stock, prompt, 64)
+    engine = EngineManager()
+    engine.load(path, expert_slots=POOLS[pool])
+    try:
+        assert tile_attention(engine.loaded.model, 16) > 0
+        assert same(engine_run(engine, prompt, 64), expected)
+    finally:
+        engine.unload()
+
+
+def test_k_3_ngram_speculation_gives_stock_greedy_tokens(build):
+    path = build("minimax", num_experts=EXPERTS, top_k=TOP_K)
+    stock, _ = load_model(path)
+    start = prompt_tokens(vocab_size(path), n=4, seed=1)
+    prompt = start + greedy_tokens(stock, start, n=2) + start  # a repeat the drafter finds
+    engine = EngineManager()
+    engine.load(path, expert_slots=2)
+    try:
+        generation = engine.run(None, Request(prompt=prompt, max_tokens=10, k=3, draft="ngram"))
+        out = list(generation)
+        assert [r.token for r in out] == greedy_tokens(stock, prompt, n=10)
+        assert generation.stats["draft_tokens"] > 0 and not generation.stats["speculation_off"]
+        assert all(np.isfinite(np.array(r.logprobs)).all() for r in out)  # readable off the engine thread
+    finally:
+        engine.unload()
+
+
+def engine_run(engine, prompt, step, n=6, kv=KVSpec(), disk=None):
+    out = list(engine.run(None, Request(prompt=prompt, max_tokens=n, prefill_step=step, kv=kv,
+                                        conversation_cache=disk)))
+    return [r.token for r in out], [np.array(r.logprobs) for r in out]
+
+
+def _turns(path, disk, slots=2):
+    """(turn 2 from the disk cache in a new engine, the same turn cold, the later stats)."""
+    prompt = prompt_tokens(vocab_size(path), n=24, seed=6)
+    first, later, cold = EngineManager(), EngineManager(), EngineManager()
+    for engine in (first, later, cold):
+        engine.load(path, expert_slots=slots)
+    try:
+        reply = engine_run(first, prompt, None, n=8, disk=disk)[0]
+        follow = prompt + reply + prompt[:10]
+        return (engine_run(later, follow, None, n=8, disk=disk), engine_run(cold, follow, None, n=8),
+                first.last_stats, later.last_stats)
+    finally:
+        for engine in (first, later, cold):
+            engine.unload()
+
+
+def test_a_hybrid_model_continues_from_the_conversation_cache_on_disk(build, tmp_path):
+    from llm_mlx_streaming.engine.disk_cache import DiskCacheSpec
+
+    path = build("nemotron_h", num_experts=EXPERTS, top_k=TOP_K)  # mamba state + attention KV
+    warm, cold, _, stats = _turns(path, DiskCacheSpec(tmp_path / "kv", 10**9))
+    assert stats["disk_cache_tokens"] == 24 + 8
+    assert warm[0] == cold[0]
+
+
+def test_a_cache_class_mlx_lm_cannot_load_back_is_not_saved(build, tmp_path, capfd):
+    from llm_mlx_streaming.engine.disk_cache import DiskCacheSpec
+
+    path = build("deepseek_v41", num_experts=EXPERTS, top_k=TOP_K)
+    warm, cold, first, _ = _turns(path, DiskCacheSpec(tmp_path / "kv", 10**9))
+    assert "LayerCache" in first["disk_cache_error"] and "disk_cache_saved_bytes" not in first
+    assert not list((tmp_path / "kv").rglob("*.safetensors"))
+    assert same(warm, cold)
+    assert "removed" not in capfd.readouterr().err

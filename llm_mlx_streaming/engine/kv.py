@@ -211,13 +211,19 @@ def kept_note(cache) -> Optional[str]:
 def for_saving(cache) -> list:
     """The caches as mlx-lm's `save_prompt_cache` can name them: a FullPrecisionWindow
     (not one of mlx-lm's classes, which `load_prompt_cache` looks names up in) is saved
-    as the RotatingKVCache it is."""
+    as the RotatingKVCache it is; a class that mlx-lm could not load back is a ValueError."""
+    from mlx_lm.models import cache as mlx_cache
     from mlx_lm.models.cache import RotatingKVCache
 
     from .kv_window import FullPrecisionWindow
 
     out = []
     for c in cache:
+        name = type(c).__name__
+        if type(c) is not FullPrecisionWindow and getattr(mlx_cache, name, None) is not type(c):
+            # load_prompt_cache looks each class up by name in mlx_lm.models.cache
+            raise ValueError(f"mlx-lm's load_prompt_cache cannot load this model's cache class {name} "
+                             f"({type(c).__module__})")
         if type(c) is FullPrecisionWindow:
             plain = RotatingKVCache(c.max_size, c.keep)
             plain.state = c.state
