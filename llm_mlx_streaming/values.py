@@ -39,27 +39,23 @@ def budget(value) -> str:
     """A memory_budget as stored: "auto" or a size string."""
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise ValueError("a size like 12GB, or auto")
-    try:
-        size = parse_size(value)
-    except ValueError:
-        raise ValueError("not a size; use e.g. 12GB, 12G, 1.5GiB, 512MB, or auto") from None
-    if size <= 0:
-        raise ValueError("must be more than 0 bytes")
-    return str(value).strip()
+    return _size(value, "12GB, 12G, 1.5GiB, 512MB, or auto", allow_zero=False)
 
 
 def disk_size(value) -> str:
     """A size on disk as stored (0 allowed)."""
+    return _size(value, "2GB, 500MB, 1.5GiB", allow_zero=True)
+
+
+def _size(value, examples: str, allow_zero: bool) -> str:
     if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise ValueError("a size like 2GB or 500MB")
+        raise ValueError(f"a size like {examples}")
     try:
         size = parse_size(value)
     except ValueError:
-        raise ValueError("not a size; use e.g. 2GB, 500MB, 1.5GiB") from None
-    if size < 0:
-        raise ValueError("must be 0 bytes or more")
+        raise ValueError(f"not a size; use e.g. {examples}") from None
+    if size < 0 or (size == 0 and not allow_zero):
+        raise ValueError("must be 0 bytes or more" if allow_zero else "must be more than 0 bytes")
     return str(value).strip()
 
 
