@@ -70,7 +70,7 @@ def engine(path, slots, request, tile=None):
     """(tokens, logprobs, stats) of one request on a fresh session, as `llm` runs it."""
     manager = get_manager()
     spec = LoadSpec(Path(path), expert_slots=slots)
-    list(manager.prepare(spec))
+    list(manager.queue_load(spec))
     manager.session.reset()
     tiled = tile_attention(manager.loaded.model, tile) if tile else None
     try:
