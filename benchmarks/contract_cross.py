@@ -134,7 +134,14 @@ def kv_bits(path, model, prompt, cell):
     prompt = prompt + prompt[:16]  # 40 tokens
     reason = blocker(load_config(path), (n for n, _ in tree_flatten(model.parameters())))
     if reason:  # the engine keeps such a cache full precision, with a note (engine/kv.py)
-        return cell.na(f"kv_bits not applied: {reason}")
+        expected = stock(model, prompt)
+        for name, slots in POOLS.items():
+            got = engine(path, slots, Request(prompt=prompt, max_tokens=N, kv=KV))
+            if reason not in (got[2].get("kv_note") or ""):
+                cell.fail(f"pool {name}: kv_note {got[2].get('kv_note')!r} does not say {reason!r}")
+            elif not same(got, expected):
+                cell.fail(f"pool {name}: full precision {got[0]} != stock {expected[0]}")
+        return cell.na(f"kv_bits not applied: {reason} (full precision checked against stock)")
     kwargs = KV.generate_kwargs()
     try:
         expected = stock(model, prompt, **kwargs)

@@ -117,19 +117,23 @@ def test_a_quantized_plan_gives_the_pools_more_slots(build):
     assert four.kv_bits == 4 and "4-bit" in four.kv_description and full.kv_bits is None
 
 
-def test_models_that_cannot_quantize_fall_back_with_a_note(build):
-    """gpt_oss attends with sinks, which mlx-lm's quantized attention refuses: the
-    cache stays full precision, the output is stock's without kv_bits, and a note says so."""
-    path = build("gpt_oss", num_experts=8, top_k=2)
+@pytest.mark.parametrize("arch,why,shape", [
+    ("gpt_oss", "sinks", {}),  # attends with sinks, which mlx-lm's quantized attention refuses
+    ("phixtral", "values.dtype", {"head_dim": 32}),  # its code reads values.dtype off the cache
+])
+def test_models_that_cannot_quantize_fall_back_with_a_note(build, arch, why, shape):
+    """The cache stays full precision, the output is stock's without kv_bits, and a note
+    (the same in the plan) says why."""
+    path = build(arch, num_experts=8, top_k=2, **shape)
     model, tokenizer = mlx_load(str(path))
     prompt = prompt_tokens(vocab_size(path), n=20)
     expected = stock_run(model, tokenizer, prompt, 6, KVSpec())
     engine = EngineManager()
     engine.load(path, expert_slots=4)
-    assert same(engine_run(engine, prompt, 6, KVSpec(4)), expected)
+    assert same(engine_run(engine, prompt, 6, KVSpec(4, 32)), expected)
     stats = engine.last_stats
-    assert stats["kv_bits"] is None and "sinks" in stats["kv_note"]
-    assert "sinks" in plan_memory(path, "1GB", kv=KVSpec(4)).kv_description
+    assert stats["kv_bits"] is None and why in stats["kv_note"]
+    assert why in plan_memory(path, "1GB", kv=KVSpec(4, 32)).kv_description
     engine.unload()
 
 

@@ -53,3 +53,34 @@ def model_module(config: dict) -> str:
 def unsupported_reason(config: dict) -> str | None:
     """Why the engine refuses this config's architecture, or None."""
     return UNSUPPORTED.get(model_module(config))
+
+
+@functools.lru_cache(maxsize=None)
+def cached_array_reads(module: str) -> tuple[str, ...]:
+    """What the module's code reads off the keys or values a cache hands back, such as
+    `values.dtype`: a quantized cache hands back tuples, which have none of it.
+
+    Read from the source (ast): in each function, an attribute of a name assigned from
+    `update_and_fetch(...)`, read after that assignment.
+    """
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec(f"mlx_lm.models.{module}")
+    tree = ast.parse(open(spec.origin, encoding="utf-8").read())
+    found = []
+    for function in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+        fetched = {}
+        for node in ast.walk(function):
+            if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                    and getattr(node.value.func, "attr", None) == "update_and_fetch"):
+                for target in node.targets:
+                    for name in ast.walk(target):
+                        if isinstance(name, ast.Name):
+                            fetched[name.id] = min(fetched.get(name.id, node.lineno), node.lineno)
+        for node in ast.walk(function):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.attr in ("dtype", "shape") and node.value.id in fetched
+                    and node.lineno > fetched[node.value.id]):
+                found.append(f"{node.value.id}.{node.attr}")
+    return tuple(dict.fromkeys(found))

@@ -13,7 +13,8 @@ is what mlx-lm leaves to its caller:
   model's full-attention layers are quantized; linear-attention state (`ArraysCache`)
   has nothing to quantize and stays as it is;
 - a model whose attention cannot read a quantized cache (attention sinks, a latent
-  MLA cache) runs with a full-precision cache and a `kv_note` saying why.
+  MLA cache, code that reads `values.dtype` off what the cache returns) runs with a
+  full-precision cache and a `kv_note` saying why.
 
 Nothing here imports mlx at module level: the planner sizes quantized caches from
 the same arithmetic without loading anything.
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from .. import values
+from ..checkpoints.support import cached_array_reads, model_module
 from ..values import KV_GROUP_SIZES
 
 
@@ -94,6 +96,12 @@ def blocker(config: dict, weight_names: Iterable[str]) -> Optional[str]:
         return "its attention caches a compressed latent (MLA), which mlx-lm does not quantize"
     if any(name.rsplit(".", 1)[-1] == "sinks" for name in weight_names):
         return "its attention uses sinks, which mlx-lm's quantized attention does not support"
+    if config.get("model_type"):
+        module = model_module(config)
+        reads = cached_array_reads(module)
+        if reads:
+            return (f"its attention (mlx-lm's {module}.py) reads {', '.join(reads)} off the cached "
+                    "keys and values, which a quantized cache does not have")
     return None
 
 
