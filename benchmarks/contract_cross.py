@@ -8,7 +8,8 @@ a 4-bit KV cache in groups of 32 applies. Every cell runs at pool sizes all, top
 slots through `get_manager().run(LoadSpec, Request)`:
 
 - plain: greedy tokens and logprobs equal stock mlx-lm's `generate_step`;
-- k 3: ngram speculation, greedy tokens equal stock mlx-lm's greedy tokens;
+- k 3: speculation with the ngram drafter and with drafters whose drafts are all right
+  (oracle) and all wrong (adversary): greedy tokens equal stock mlx-lm's greedy tokens;
 - kv_bits 4: tokens and logprobs equal stock mlx-lm's quantized cache (kv_bits 4, groups
   of 32, from token 0); where stock mlx-lm cannot quantize a sliding window it is run with
   the engine's caches (the windows kept full precision, the rest quantized by mlx-lm);
@@ -16,7 +17,9 @@ slots through `get_manager().run(LoadSpec, Request)`:
   tiles of 16, equal to stock mlx-lm's same chunks untiled;
 - conversation cache: turn 2 of a conversation, loaded from the cache on disk in a fresh
   session, gives the tokens of the same turn computed cold (no cache), and the tokens and
-  logprobs of stock mlx-lm's turn 2 on the cache it kept from turn 1.
+  logprobs of stock mlx-lm's turn 2 on the cache it kept from turn 1;
+- llm CLI: `llm -m mlx-stream/ARCH "..."` run twice (the second run reuses the conversation
+  cache) prints stock mlx-lm's greedy text for the same chat-templated prompt.
 
 ok, FAIL or n/a; the reasons are listed under the table. An architecture whose stock greedy
 output is nearly constant (fewer than 3 distinct tokens for every prompt tried) is named.
@@ -24,6 +27,8 @@ output is nearly constant (fewer than 3 distinct tokens for every prompt tried) 
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import tempfile
 import time
@@ -44,11 +49,13 @@ from llm_mlx_streaming.engine.manager import get_manager
 from llm_mlx_streaming.engine.planner import ATTENTION_TILE
 from llm_mlx_streaming.engine.prefill import tile_attention
 from llm_mlx_streaming.engine.request import LoadSpec, Request
+from llm_mlx_streaming.speculation.scripted import ScriptedDrafter
 
 EXPERTS, TOP_K, HEAD_DIM, N = 8, 2, 32, 10
 POOLS = {"all": None, "top-k": TOP_K, "2": 2}
 KV = KVSpec(4, 32, 0)
-FEATURES = ("plain", "k 3", "kv_bits 4", "tiled long prompt", "conversation cache")
+FEATURES = ("plain", "k 3", "kv_bits 4", "tiled long prompt", "conversation cache", "llm CLI")
+PROMPT = "Tell me about tea"
 
 
 def shape(arch: str) -> dict:
@@ -111,23 +118,31 @@ def plain(path, model, prompt, cell):
 
 def speculation(path, model, prompt, cell):
     # The start, stock's first replies to it, the start again: the ngram drafter finds the
-    # repeat, and the prompt (10 tokens) leaves room in a 16-token sliding window.
+    # repeat, and the prompt (10 tokens) leaves room in a 16-token sliding window. The
+    # scripted drafters verify on every architecture: the oracle's drafts are all right,
+    # the adversary's all wrong.
     prompt = prompt[:4] + stock(model, prompt[:4])[0][:2] + prompt[:4]
     expected = stock(model, prompt)[0]
-    drafted, off = [], None
-    for name, slots in POOLS.items():
-        got, _, stats = engine(path, slots, Request(prompt=prompt, max_tokens=N, k=3, draft="ngram"))
-        if got != expected:
-            cell.fail(f"pool {name}: {got} != stock greedy {expected}")
-        drafted.append(stats.get("draft_tokens") or 0)
-        off = stats.get("speculation_off") or off
-    if not any(drafted):
+    vocab = load_config(path)["vocab_size"]
+    drafters = {"ngram": lambda: None, "oracle": lambda: ScriptedDrafter(prompt + expected, vocab),
+                "adversary": lambda: ScriptedDrafter(prompt + expected, vocab, wrong=True)}
+    drafted, off = {}, None
+    for kind, make in drafters.items():
+        for name, slots in POOLS.items():
+            request = Request(prompt=prompt, max_tokens=N, k=3, draft="ngram", drafter=make())
+            got, _, stats = engine(path, slots, request)
+            if got != expected:
+                cell.fail(f"{kind} drafts, pool {name}: {got} != stock greedy {expected}")
+            drafted[kind] = max(drafted.get(kind, 0), stats.get("draft_tokens") or 0)
+            off = stats.get("speculation_off") or off
+    if not any(drafted.values()):
+        cell.na(f"speculation off: {off} (output checked: stock greedy)" if off
+                else "no drafter's drafts were verified")
+    else:
+        if not drafted["ngram"]:
+            cell.notes.append("the ngram drafter proposed no drafts (verified: oracle and adversary)")
         if off:
-            cell.na(f"speculation off: {off} (output checked: stock greedy)")
-        else:
-            cell.notes.append("the ngram drafter proposed no drafts (the verify pass not exercised)")
-    elif off:
-        cell.notes.append(f"drafted {min(drafted)}+ tokens, then: {off}")
+            cell.notes.append(f"drafted {min(drafted.values())}+ tokens, then: {off}")
 
 
 def kv_bits(path, model, prompt, cell):
@@ -200,6 +215,36 @@ def conversation(path, model, prompt, cell, root):
                               "stock mlx-lm's cached turn differs from its cold one (a split prefill)")
 
 
+def through_llm(path, arch, cell, root):
+    """`llm -m mlx-stream/ARCH PROMPT` twice per pool size, in an llm user dir of its own:
+    both runs (the second reuses the conversation cache on disk) print stock mlx-lm's
+    greedy text for the chat-templated prompt."""
+    from click.testing import CliRunner
+    from llm.cli import cli
+    from mlx_lm import generate, load
+
+    from llm_mlx_streaming.reply_split import ReplySplitter
+
+    model, tokenizer = load(str(path))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
+    splitter = ReplySplitter("<think>", "</think>")
+    text = generate(model, tokenizer, prompt, max_tokens=N)
+    expected = "".join(c for k, c in splitter.feed(text) + splitter.flush() if k == "text") + "\n"
+    user_dir = Path(root) / f"{arch}-llm"
+    user_dir.mkdir()
+    os.environ["LLM_USER_PATH"] = str(user_dir)
+    for name, slots in POOLS.items():
+        entry = {"path": str(path)} | ({"expert_slots": slots} if slots else {})
+        (user_dir / "mlx-streaming.json").write_text(json.dumps({"models": {arch: entry}}))
+        for run in ("first", "second"):
+            result = CliRunner().invoke(cli, ["-m", f"mlx-stream/{arch}", PROMPT, "-o", "max_tokens", str(N)])
+            if result.exit_code:
+                return cell.fail(f"pool {name}, {run} run: exit {result.exit_code}: "
+                                 f"{(result.output or repr(result.exception)).strip().splitlines()[-1]}")
+            if result.stdout != expected:
+                cell.fail(f"pool {name}, {run} run: {result.stdout!r} != stock {expected!r}")
+
+
 def choose_prompt(model, vocab):
     """The first prompt (of a few seeds) whose stock greedy output is not nearly constant."""
     for seed in range(10):
@@ -220,6 +265,8 @@ def row(arch, root):
         try:
             if feature == "conversation cache":
                 conversation(path, model, prompt, cell, Path(root) / f"{arch}-disk")
+            elif feature == "llm CLI":
+                through_llm(path, arch, cell, root)
             else:
                 runs[feature](path, model, prompt, cell)
         except Exception as e:  # a failure of the engine, shown in the table

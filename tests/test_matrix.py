@@ -31,6 +31,7 @@ SUPPORTED = [m for m in MODULES if m not in UNSUPPORTED]
 POOLS = {"all": None, "top-k": TOP_K, "2": 2}
 # Each architecture once, the pool sizes taking turns, so every size meets many families.
 SLICE = [(arch, list(POOLS)[i % len(POOLS)]) for i, arch in enumerate(SUPPORTED)]
+CLI_PROMPT = "Tell me about tea"
 DOCS = Path(__file__).parent.parent / "docs" / "architecture.md"
 
 
@@ -62,6 +63,44 @@ def test_each_architecture_gives_stock_greedy_tokens(build, arch, pool):
             assert sum(p.counters.evictions for p in loaded.pools) > 0
     finally:
         loaded.store.close()
+
+
+@pytest.mark.parametrize("arch,pool", SLICE)
+def test_each_architecture_through_llm_gives_stock_text_cold_from_disk_and_in_process(
+        build, tmp_path, monkeypatch, arch, pool):
+    """`llm -m mlx-stream/ARCH` three times: cold, then from the conversation cache on
+    disk (a new process has no KV in memory), then reusing the in-process KV."""
+    from mlx_lm import generate, load
+
+    from llm_mlx_streaming.engine.manager import get_manager
+    from plugin_support import LlmEnv
+
+    path = build(arch, num_experts=EXPERTS, top_k=TOP_K)
+    model, tokenizer = load(str(path))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": CLI_PROMPT}], add_generation_prompt=True)
+    expected = reply_text(generate(model, tokenizer, prompt, max_tokens=12)) + "\n"
+    monkeypatch.setenv("LLM_USER_PATH", str(tmp_path))
+    env = LlmEnv(tmp_path, path)
+    entry = {"path": str(path)} | ({"expert_slots": POOLS[pool]} if POOLS[pool] else {})
+    env.write_settings(models={arch: entry})
+    outs = []
+    for forget in (True, True, False):
+        if forget and get_manager().session is not None:
+            get_manager().session.reset()
+        result = env.run("-m", f"mlx-stream/{arch}", CLI_PROMPT, "-o", "max_tokens", "12")
+        assert result.exit_code == 0, (result.output, result.exception)
+        outs.append(result.stdout)
+    assert outs == [expected] * 3
+    stats = [t["stats"] for t in env.turns()]
+    assert not stats[0].get("disk_cache_tokens") and not stats[0].get("reused_tokens")
+
+
+def reply_text(text: str) -> str:
+    """The answer text, the way the plugin splits off <think> blocks."""
+    from llm_mlx_streaming.reply_split import ReplySplitter
+
+    splitter = ReplySplitter("<think>", "</think>")
+    return "".join(c for kind, c in splitter.feed(text) + splitter.flush() if kind == "text")
 
 
 @pytest.mark.parametrize("arch,field", [("ernie4_5_moe", "moe_k"), ("step3p5", "moe_top_k"),

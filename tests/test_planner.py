@@ -403,3 +403,15 @@ def test_the_engine_allocates_the_planned_pool(ckpt):
         assert sum(p.counters.misses for p in loaded.pools[1:]) > 0
     finally:
         loaded.store.close()
+
+
+@pytest.mark.parametrize("arch", ["phixtral", "longcat_flash"])  # num_layers, model_dim, num_heads
+def test_shapes_are_read_from_the_model_mlx_lm_builds(build, arch):
+    from llm_mlx_streaming.checkpoints.config import decoder_shape, read_config
+    from llm_mlx_streaming.engine.planner import prefill_step_for
+
+    path = build(arch, num_experts=8, top_k=2)
+    layers, hidden, heads = decoder_shape(read_config(path))
+    assert layers == 2 and hidden > 0 and heads > 1
+    assert plan_memory(path, "1GB", max_context=1024).kv_bytes > 0
+    assert prefill_step_for(path, "1GB") >= 2048

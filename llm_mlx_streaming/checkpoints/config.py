@@ -107,6 +107,31 @@ def expert_container_paths(config: dict) -> tuple[str, ...]:
     return _moe_model(json.dumps(config, sort_keys=True))[1]
 
 
+def decoder_shape(config: dict) -> tuple[int, int, int]:
+    """(decoder layers, hidden size, attention heads) of the model mlx-lm builds from
+    `config`: the layers as mlx-lm counts them for its caches (`len(model.layers)`), the
+    width of the widest token embedding, the heads from the config under any of the names
+    families use (1 when none is given). Shapes only: nothing is computed."""
+    return _decoder_shape(json.dumps(config, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=16)
+def _decoder_shape(config_json: str) -> tuple[int, int, int]:
+    import mlx.nn as nn
+    from mlx_lm.utils import _get_classes
+
+    config = json.loads(config_json)
+    heads = int(config_field(config, ("num_attention_heads", "num_heads", "n_heads", "n_head")) or 1)
+    try:
+        model_class, args_class = _get_classes(config)
+        model = model_class(args_class.from_dict(config))
+        widths = [m.weight.shape[1] for _, m in model.named_modules() if isinstance(m, nn.Embedding)]
+        return len(model.layers), max(widths), heads
+    except Exception:  # a config mlx-lm cannot build is refused by moe_shape, with mlx-lm's words
+        layers = config_field(config, ("num_hidden_layers", "num_layers", "n_layers"))
+        return int(layers or 0), int(config_field(config, ("hidden_size", "model_dim", "d_model")) or 0), heads
+
+
 def _hidden_size(model, block, attr: str, experts: int) -> int:
     """The width of the hidden state a MoE block takes: the input width of its router
     (one score per expert), else the widest token embedding (the others are extra

@@ -303,7 +303,7 @@ class DiskCache:
                 continue
             cache, links = loaded
             if shared < -minus_n:
-                cache = _cut(cache, -minus_n - shared)
+                cache = _cut(cache, -minus_n, shared)
             if cache is None:
                 continue
             for segment in names:
@@ -477,14 +477,16 @@ def _saved_header(path: Path) -> Optional[_Header]:
     return found
 
 
-def _cut(cache, count: int) -> Optional[list]:
-    """`cache` without its last `count` tokens, or None where a layer cannot be cut
-    (a linear-attention state is only ever extended)."""
-    from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+def _cut(cache, held: int, keep: int) -> Optional[list]:
+    """`cache`, which holds `held` tokens, cut back to its first `keep`; None where a
+    layer cannot be cut (a linear-attention state is only ever extended)."""
+    from mlx_lm.models.cache import trim_prompt_cache
 
-    if not can_trim_prompt_cache(cache):
+    from .session import can_rewind
+
+    if not can_rewind(cache, keep):
         return None
-    trim_prompt_cache(cache, count)
+    trim_prompt_cache(cache, held - keep)
     return cache
 
 

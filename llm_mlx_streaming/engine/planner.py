@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from ..checkpoints.config import config_field, expert_container_paths, moe_shape, read_config
+from ..checkpoints.config import config_field, decoder_shape, expert_container_paths, moe_shape, read_config
 from ..errors import CheckpointError
 from ..experts.index import CheckpointIndex
 from ..sizes import format_size, parse_size
@@ -123,7 +123,7 @@ def checkpoint_layout(path: str | os.PathLike) -> Layout:
         containers = expert_container_paths(config)
     except CheckpointError as e:
         raise CheckpointError(f"{path / 'config.json'}: {e}") from None
-    num_layers = config_field(config, ("num_hidden_layers",))
+    num_layers = decoder_shape(config)[0] or None
     dense = skipped = 0
     groups: dict[str, int] = {}
     for key, entry in index.tensors.items():
@@ -220,14 +220,13 @@ def kv_cache_bytes(
     width = bytes_per_element or _activation_bytes(config)
     quantized = kv.quantized and not kv_blocker and kv.start < max_context
     full_width = bytes_per_element_of(kv, width) if quantized else width
-    num_layers = int(config_field(config, ("num_hidden_layers",)) or 0)
-    heads = int(config_field(config, ("num_attention_heads",)) or 1)
+    num_layers, hidden, heads = decoder_shape(config)
     kv_lora = config_field(config, ("kv_lora_rank",))
     if kv_lora:
         per_token = int(kv_lora) + int(config_field(config, ("qk_rope_head_dim",)) or 0)
     else:
         kv_heads = int(config_field(config, ("num_key_value_heads",)) or heads)
-        head_dim = config_field(config, ("head_dim",)) or int(config_field(config, ("hidden_size",)) or 0) // heads
+        head_dim = config_field(config, ("head_dim",)) or hidden // heads
         per_token = 2 * kv_heads * int(head_dim)
     tokens = max_context + KV_STEP - 1 if max_context else 0
     window = config_field(config, ("sliding_window",))
@@ -275,8 +274,7 @@ def prefill_bytes_per_token(config: dict, top_k: int, bytes_per_element: int | N
     x head_dim elements; and its expert routes, top_k x (2 x hidden + 3 x expert width)
     elements (the gathered rows, gate, up, their product, the output rows)."""
     width = bytes_per_element or _activation_bytes(config)
-    hidden = int(config_field(config, ("hidden_size",)) or 0)
-    heads = int(config_field(config, ("num_attention_heads",)) or 1)
+    _, hidden, heads = decoder_shape(config)
     kv_heads = int(config_field(config, ("num_key_value_heads",)) or heads)
     head_dim = int(config_field(config, ("head_dim",)) or hidden // heads)
     expert_width = int(config_field(config, ("moe_intermediate_size", "intermediate_size")) or hidden)
@@ -288,7 +286,7 @@ def attention_tile_bytes(config: dict, context: int) -> int:
     """The scores of one attention tile against `context` keys: tile x heads x context
     float32 values, what mlx materializes on the CPU and for a quantized cache (Metal's
     fused kernel for a full-precision cache does not, so there this over-estimates)."""
-    heads = int(config_field(config, ("num_attention_heads",)) or 1)
+    heads = decoder_shape(config)[2]
     return ATTENTION_TILE * heads * context * 4
 
 

@@ -3,7 +3,7 @@
 A chat turn's prompt is the previous turn's prompt and reply plus the new message, so
 its tokens usually extend what the cache already holds: only the new tokens need a
 prefill. Caches that can be trimmed (attention KV, quantized or not) are cut back to
-the common prefix; those that cannot (linear-attention state) are reused only when the
+the common prefix (a chunked-attention cache only to a chunk it still holds whole); those that cannot (linear-attention state) are reused only when the
 cached tokens are a strict prefix of the new prompt: such a state cannot be rewound,
 only extended. A cache is reused only under the KV layout it was built with (see
 engine/kv.py): a turn that asks for another one starts a new cache.
@@ -15,6 +15,18 @@ from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import common_prefix_len
 
 from .kv import FULL_PRECISION, KVSpec, make_cache
+
+
+def can_rewind(cache: list, tokens: int) -> bool:
+    """Whether trimming `cache` back to its first `tokens` tokens leaves exactly the cache
+    those tokens built. mlx-lm's `ChunkedKVCache` (llama4) says it is always trimmable,
+    but it drops keys before the current attention chunk: it can be cut back only to a
+    position whose chunk it still holds from the chunk's first token."""
+    for layer in cache:
+        start, chunk = getattr(layer, "start_position", 0), getattr(layer, "chunk_size", None)
+        if start and chunk and start > tokens // chunk * chunk:
+            return False
+    return can_trim_prompt_cache(cache)
 
 
 class Session:
@@ -36,7 +48,7 @@ class Session:
         if self.cache is not None:
             reuse = min(common_prefix_len(self.tokens, prompt), len(prompt) - 1)
             if reuse < len(self.tokens):
-                if reuse > 0 and can_trim_prompt_cache(self.cache):
+                if reuse > 0 and can_rewind(self.cache, reuse):
                     trim_prompt_cache(self.cache, len(self.tokens) - reuse)
                 else:
                     reuse = 0
