@@ -142,7 +142,7 @@ def speculation(path, model, prompt, cell):
         if not drafted["ngram"]:
             cell.notes.append("the ngram drafter proposed no drafts (verified: oracle and adversary)")
         if off:
-            cell.notes.append(f"drafted {min(drafted.values())}+ tokens, then: {off}")
+            cell.notes.append(f"drafted {max(drafted.values())}+ tokens, then: {off}")
 
 
 def kv_bits(path, model, prompt, cell):
