@@ -153,6 +153,17 @@ KNOBS: tuple[Knob, ...] = (
         description="auto: when `llm mlxs serve` runs for this llm user dir, prompts go to it (its warm "
         "engine); off: always run in this process (-o no_server 1 for one prompt).",
     ),
+    _setting_only(
+        name="server_hosts", type=list[str], default=[], check=values.names,
+        description="Names besides loopback names, IP addresses and this machine's own name that a "
+        "request's Host header may give (`llm mlxs serve` answers others 403, so that a web page "
+        "cannot reach it by DNS rebinding); * allows any.",
+    ),
+    _setting_only(
+        name="server_origins", type=list[str], default=[], check=values.names,
+        description="Web origins (e.g. http://mytool.lan:3000) whose browser pages may call `llm mlxs "
+        "serve`, with CORS; others are answered 403, loopback pages are always allowed; * allows any.",
+    ),
     _option_only(name="no_server", type=bool, check=values.parse_switch,
                  description="Run in this process even when `llm mlxs serve` is running"),
     # -- the conversation cache on disk ----------------------------------------------

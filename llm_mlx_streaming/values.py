@@ -149,3 +149,16 @@ def stop(value):
     if not items or any(s == "" for s in items):
         raise ValueError("stop sequences must not be empty")
     return items
+
+
+def names(value) -> list[str]:
+    """A list of names as stored: a JSON list, or one string of comma-separated names."""
+    if isinstance(value, str):
+        text = value.strip()
+        value = json.loads(text) if text.startswith("[") else text.split(",")
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError('use comma-separated names, e.g. "mymac.local,studio.lan"')
+    found = [v.strip() for v in value if v.strip()]
+    if any(any(c.isspace() for c in v) for v in found):
+        raise ValueError("a name has no spaces in it; separate names with commas")
+    return found

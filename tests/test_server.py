@@ -76,7 +76,7 @@ def raw_status(served, rest: bytes) -> int:
     sock = socket.create_connection(("127.0.0.1", served.server.port), timeout=30)
     try:
         try:
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                          + rest)
         except OSError:
             pass
@@ -326,7 +326,7 @@ def test_client_disconnect_cancels_and_frees_the_engine(served):
     done_before = engine.served
     sock = socket.create_connection(("127.0.0.1", served.server.port), timeout=30)
     body = json.dumps(chat_body("go on and on", max_tokens=80, stream=True)).encode()
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     received = b""
     while received.count(b"data:") < 3:
@@ -352,7 +352,7 @@ def test_disconnect_before_the_first_token_cancels_a_whole_reply(served, blocked
     done_before = engine.served
     sock = socket.create_connection(("127.0.0.1", served.server.port), timeout=30)
     body = json.dumps(chat_body("a long answer please", max_tokens=80)).encode()  # not streamed
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     assert blocked.entered.wait(30)  # the engine holds it, before its first token
     gone = call(served, "GET", "/api/stats")[2]["server"]["disconnects"]

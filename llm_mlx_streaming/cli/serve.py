@@ -18,7 +18,13 @@ from .group import mlxs
 @click.option("--api-key", help="Bearer token every endpoint but /health requires")
 @click.option("--max-queue", default=8, show_default=True, type=click.IntRange(0),
               help="Requests that may wait for the engine; more get 503 with Retry-After")
-def serve(host, port, model, api_key, max_queue):
+@click.option("--allow-host", "hosts", multiple=True, metavar="NAME",
+              help="A name clients may reach this server by, besides loopback, IP addresses and this "
+              "machine's name (repeatable; * any; default: `llm mlxs config server_hosts`)")
+@click.option("--allow-origin", "origins", multiple=True, metavar="ORIGIN",
+              help="A web origin whose pages may call the API, with CORS (repeatable; * any; "
+              "default: `llm mlxs config server_origins`)")
+def serve(host, port, model, api_key, max_queue, hosts, origins):
     """Serve the mlx-stream models over an OpenAI-compatible HTTP API.
 
     While it runs, `llm -m mlx-stream...`, `llm chat` and `llm -c` in this llm user
@@ -26,7 +32,8 @@ def serve(host, port, model, api_key, max_queue):
     """
     from ..server.run import Server
 
-    server = Server(host=host, port=port, model=model, api_key=api_key, max_queue=max_queue)
+    server = Server(host=host, port=port, model=model, api_key=api_key, max_queue=max_queue,
+                    hosts=list(hosts) if hosts else None, origins=list(origins) if origins else None)
     click.echo(f"mlx-stream: serving on {server.url} (Ctrl-C stops)", err=True)
     # uvicorn shuts down on SIGINT and SIGTERM, then re-raises the signal to the handler
     # it found: let SIGTERM end like Ctrl-C, so `kill` removes the discovery file too

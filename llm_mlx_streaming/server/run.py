@@ -13,6 +13,7 @@ import time
 from typing import Optional
 
 from ..errors import MlxStreamError
+from ..settings import load_settings
 from . import discovery
 
 
@@ -36,7 +37,8 @@ def _connect_host(host: str) -> str:
 
 class Server:
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0, model: Optional[str] = None,
-                 api_key: Optional[str] = None, max_queue: int = 8) -> None:
+                 api_key: Optional[str] = None, max_queue: int = 8, hosts: Optional[list[str]] = None,
+                 origins: Optional[list[str]] = None) -> None:
         import uvicorn
 
         from .service import Service, create_app
@@ -48,8 +50,11 @@ class Server:
             raise MlxStreamError(f"A server already runs for this llm user dir at {running.url} (pid {running.pid})")
         from .http_layer import ApiError
 
+        settings = load_settings()
+        hosts = [host] + (settings.server_hosts if hosts is None else hosts)  # its own address too
+        origins = settings.server_origins if origins is None else origins
         self.service = Service(default_model=model, api_key=api_key, secret=discovery.new_secret(),
-                               max_queue=max_queue)
+                               max_queue=max_queue, hosts=tuple(hosts), origins=tuple(origins))
         if model:
             try:
                 self.service.model_for(model)

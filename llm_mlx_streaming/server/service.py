@@ -23,6 +23,7 @@ from .bridge import Result, Run
 from ..run_config import resolve
 from .discovery import public_id
 from .gate import Gate, QueueFull
+from .guard import Guard
 from .http_layer import ApiError, BodyLimit, error_for
 from .reply_memory import ReplyMemory
 from .runtime import POOL_KEYS, ConfigError, RuntimeConfig, touches_pools
@@ -82,8 +83,10 @@ class Service:
     """The server's state: the gate, the runtime parameters, the replies it gave."""
 
     def __init__(self, *, default_model: Optional[str] = None, api_key: Optional[str] = None,
-                 secret: Optional[str] = None, max_queue: int = 8) -> None:
+                 secret: Optional[str] = None, max_queue: int = 8, hosts: tuple[str, ...] = (),
+                 origins: tuple[str, ...] = ()) -> None:
         self.default_model = default_model
+        self.hosts, self.origins = tuple(hosts), tuple(origins)  # server/guard.py
         self.api_key, self.secret = api_key, secret
         self.gate = Gate(max_queue)
         self.runtime = RuntimeConfig()
@@ -325,6 +328,7 @@ def create_app(service: Service) -> FastAPI:
                   lifespan=lifespan)
     app.state.service = service
     app.add_middleware(BodyLimit)
+    app.add_middleware(Guard, hosts=service.hosts, origins=service.origins)  # outermost
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
