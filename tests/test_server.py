@@ -670,3 +670,37 @@ def test_a_seeded_penalised_completion_is_the_same_when_its_prompt_is_cached(ser
     replies = [call(served, "POST", "/v1/completions", body)[2] for _ in range(3)]
     assert all(r["mlx_stream"]["stats"]["reused_tokens"] > 0 for r in replies[1:])
     assert [r["choices"][0]["text"] for r in replies] == [replies[0]["choices"][0]["text"]] * 3
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize("path,field,value", [
+    ("/v1/chat/completions", "foo", 1),
+    ("/v1/completions", "echo", True),
+    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("/v1/chat/completions", "tool_choice", "required"),
+    ("/v1/chat/completions", "presence_penalty", 0.5),
+    ("/v1/chat/completions", "logprobs", True),
+    ("/v1/completions", "logit_bias", {"5": 1.0}),
+])
+def test_a_field_that_is_not_honoured_is_a_400_naming_it(served, path, field, value):
+    body = dict(CHAT) if "chat" in path else {"prompt": "hi", "max_tokens": 2}
+    status, _, reply = call(served, "POST", path, {**body, field: value})
+    assert status == 400, reply
+    assert reply["error"]["message"].startswith(field) or f"{field} " in reply["error"]["message"], reply
+
+
+def test_a_message_field_that_is_not_honoured_is_a_400_naming_it(served):
+    messages = [{"role": "user", "content": "hi", "name": "bob"}]
+    status, _, reply = call(served, "POST", "/v1/chat/completions", {**CHAT, "messages": messages})
+    assert status == 400 and reply["error"]["message"].startswith("messages.0.name"), reply
+
+
+def test_openai_fields_at_their_no_op_value_are_accepted(served):
+    body = {**CHAT, "user": "u1", "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
+            "logprobs": False, "tools": [], "tool_choice": "none", "parallel_tool_calls": True,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True,
+                                                                       "schema": {"type": "object"}}}}
+    status, _, reply = call(served, "POST", "/v1/chat/completions", body)
+    assert status == 200, reply

@@ -3,15 +3,16 @@
 The request models subclass the plugin's own `Options`, so every engine option the
 plugin has (expert_slots, policy, memory_budget, and each one added later) is a body
 field with the plugin's validation and its description in the OpenAPI schema, with no
-list to keep in step here. Fields OpenAI clients send that do not apply (n > 1,
-penalties, logprobs, user) are ignored, as mlx-lm's own server does.
+list to keep in step here. Nothing is dropped silently: a field not declared here is a
+400 naming it, and the OpenAI fields this server does not implement are accepted only
+at their no-op value (docs/server.md lists them).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from ..model import Options
@@ -30,8 +31,16 @@ class TextContent(BaseModel):
     text: str
 
 
+STRICT = ConfigDict(extra="forbid")
+
+# OpenAI fields accepted only at the value that changes nothing, {field: allowed values}.
+NO_OP_FIELDS = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+                "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
+                "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False)}
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     role: Literal["system", "developer", "user", "assistant"]
     content: Union[str, list[TextContent], None] = None
@@ -49,20 +58,22 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     include_usage: bool = False
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     name: Optional[str] = None
+    description: Optional[str] = None
+    strict: Optional[bool] = Field(None, description="Always strict: the reply is constrained to the schema")
     schema_: dict[str, Any] = Field(alias="schema", description="The JSON schema the reply must follow")
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JsonSchemaFormat] = None
@@ -79,7 +90,7 @@ class ResponseFormat(BaseModel):
 class _GenerationRequest(Options):
     """What both generation routes take: the plugin's options plus OpenAI's fields."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     no_server: SkipJsonSchema[Optional[bool]] = None  # SERVER_ONLY: not part of the API
 
@@ -91,6 +102,24 @@ class _GenerationRequest(Options):
     response_format: Optional[ResponseFormat] = Field(
         None, description="json_object or json_schema: the reply is constrained to it (llm's --schema)"
     )
+    user: Optional[str] = Field(None, description="An end-user id (accepted; it changes nothing)")
+    presence_penalty: Optional[float] = Field(None, description="Only 0")
+    frequency_penalty: Optional[float] = Field(None, description="Only 0")
+    logit_bias: Optional[dict[str, float]] = Field(None, description="Only {}")
+    logprobs: Optional[Union[bool, int]] = Field(None, description="Not implemented: only false")
+    top_logprobs: Optional[int] = Field(None, description="Not implemented: only 0")
+    tools: Optional[list[dict[str, Any]]] = Field(None, description="Not implemented: only []")
+    tool_choice: Optional[Union[str, dict[str, Any]]] = Field(None, description='Not implemented: only "none"')
+    parallel_tool_calls: Optional[bool] = None
+
+    @model_validator(mode="after")
+    def _refuse_what_is_not_implemented(self):
+        for name, allowed in NO_OP_FIELDS.items():
+            value = getattr(self, name, None)
+            if not any(value == a for a in allowed):
+                raise ValueError(f"{name} {value!r} is not supported by this server "
+                                 f"(accepted: {', '.join(repr(a) for a in allowed if a is not None)})")
+        return self
 
 
 class ChatCompletionRequest(_GenerationRequest):

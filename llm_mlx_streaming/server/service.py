@@ -340,6 +340,8 @@ def create_app(service: Service) -> FastAPI:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         where = ".".join(loc)
         message = err.get("msg", "invalid request").removeprefix("Value error, ")
+        if err.get("type") == "extra_forbidden":
+            message = "not a field this server knows (docs/server.md lists the fields)"
         return ApiError(400, f"{where}: {message}" if where else message, param=where or None).response()
 
     @app.exception_handler(Exception)
