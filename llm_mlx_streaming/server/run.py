@@ -12,8 +12,8 @@ import threading
 import time
 from typing import Optional
 
+from ..client import discovery
 from ..errors import MlxStreamError
-from . import discovery
 
 
 def is_loopback(host: str) -> bool:
