@@ -373,7 +373,7 @@ def test_a_checkpoint_with_a_head_packs_and_serves_as_a_draft_model(build, tmp_p
     """`llm mlxs pack` and a draft model load it like the engine does (stock mlx-lm would
     refuse the head's tensors); the head then reads from the safetensors next to a packed
     store that holds the layers."""
-    from llm_mlx_streaming.experts.packed import pack_checkpoint
+    from llm_mlx_streaming.checkpoints.packing import pack_checkpoint
     from llm_mlx_streaming.speculation.draft_model import build_draft_model
     from llm_mlx_streaming.speculation.drafter import DraftContext
 
