@@ -24,7 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llm_mlx_streaming.checkpoints.factory import build_checkpoint  # noqa: E402
+from fixtures.factory import build_checkpoint  # noqa: E402
 from llm_mlx_streaming.engine.loading import load_streaming  # noqa: E402
 from llm_mlx_streaming.speculation.drafter import DraftContext  # noqa: E402
 from llm_mlx_streaming.speculation.kinds import make_drafter  # noqa: E402

@@ -194,7 +194,7 @@ def child_argv(engine: str, path: Path, fraction: float, tokens: int, runs: int,
 
 def normal_main(args) -> None:
     sys.path.insert(0, str(ROOT))
-    from llm_mlx_streaming.checkpoints.factory import build_checkpoint
+    from fixtures.factory import build_checkpoint
     from llm_mlx_streaming.experts.index import CheckpointIndex
 
     t_all = time.perf_counter()
