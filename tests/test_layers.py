@@ -24,7 +24,7 @@ LAYERS = [
     {"processors", "values", "stops", "errors", "sizes"},
 ]
 
-# Arrows that point up: none is left, and none may be added.
+# Arrows that point up (known knots, to be untied): none, and none may be added.
 KNOWN_UPWARD: set = set()
 KNOWN_PACKAGE_CYCLES: set = set()
 

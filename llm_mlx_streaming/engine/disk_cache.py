@@ -245,7 +245,7 @@ class DiskCache:
             links.append(_Link(end, name, meta["checksum"], tuple(layer_kind(c) for c in cache)))
         cache = assembled(parts)
         if cache is not None:
-            cache = after_loading(cache, expected)  # long context (#13): our window class back
+            cache = after_loading(cache, expected)  # our sliding-window class back (engine/kv_window.py)
         offsets = {getattr(c, "offset", n) for c in cache or ()}
         if cache is None or end != n or not same_layout(cache, expected) or offsets - {n}:
             notice(f"conversation cache {names[-1]} does not match its name or this model; removed")
@@ -269,7 +269,7 @@ class DiskCache:
 
         from .kv import for_saving
 
-        layers = for_saving(cache)  # long context (#13): only classes load_prompt_cache knows
+        layers = for_saving(cache)  # only classes load_prompt_cache knows
         n = len(tokens)
         kinds = tuple(layer_kind(c) for c in layers)
         links = self._base(tokens, kept)
