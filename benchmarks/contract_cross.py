@@ -41,15 +41,17 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_config, load_model
 
-from llm_mlx_streaming.checkpoints.factory import ARCHITECTURES, build_checkpoint
-from llm_mlx_streaming.checkpoints.support import UNSUPPORTED, moe_modules
-from llm_mlx_streaming.engine.disk_cache import DiskCacheSpec
-from llm_mlx_streaming.engine.kv import KVSpec, blocker, make_cache
-from llm_mlx_streaming.engine.manager import get_manager
-from llm_mlx_streaming.engine.planner import ATTENTION_TILE
-from llm_mlx_streaming.engine.prefill import tile_attention
-from llm_mlx_streaming.engine.request import LoadSpec, Request
-from llm_mlx_streaming.speculation.scripted import ScriptedDrafter
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fixtures.factory import ARCHITECTURES, build_checkpoint  # noqa: E402
+from llm_mlx_streaming.checkpoints.support import UNSUPPORTED, moe_modules  # noqa: E402
+from llm_mlx_streaming.engine.disk_cache import DiskCacheSpec  # noqa: E402
+from llm_mlx_streaming.engine.kv import KVSpec, blocker, make_cache  # noqa: E402
+from llm_mlx_streaming.engine.manager import get_manager  # noqa: E402
+from llm_mlx_streaming.engine.planner import ATTENTION_TILE  # noqa: E402
+from llm_mlx_streaming.engine.prefill import tile_attention  # noqa: E402
+from llm_mlx_streaming.engine.request import LoadSpec, Request  # noqa: E402
+from fixtures.scripted import ScriptedDrafter  # noqa: E402
 
 EXPERTS, TOP_K, HEAD_DIM, N = 8, 2, 32, 10
 POOLS = {"all": None, "top-k": TOP_K, "2": 2}

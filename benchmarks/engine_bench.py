@@ -19,7 +19,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llm_mlx_streaming.checkpoints.factory import build_checkpoint  # noqa: E402
+from fixtures.factory import build_checkpoint  # noqa: E402
 from llm_mlx_streaming.engine.manager import EngineManager  # noqa: E402
 from llm_mlx_streaming.experts.index import CheckpointIndex  # noqa: E402
 from llm_mlx_streaming.experts.policies import DEFAULT_POLICY  # noqa: E402

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llm_mlx_streaming.checkpoints.factory import build_checkpoint  # noqa: E402
+from fixtures.factory import build_checkpoint  # noqa: E402
 from llm_mlx_streaming.engine.disk_cache import DiskCache, DiskCacheSpec  # noqa: E402
 from llm_mlx_streaming.engine.manager import EngineManager  # noqa: E402
 from llm_mlx_streaming.engine.request import LoadSpec, Request  # noqa: E402

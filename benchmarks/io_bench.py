@@ -41,10 +41,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llm_mlx_streaming.checkpoints.factory import build_checkpoint  # noqa: E402
-from llm_mlx_streaming.experts.packed import (  # noqa: E402
-    layer_maps, open_packed, pack_checkpoint, packed_dir, verify_packed,
-)
+from fixtures.factory import build_checkpoint  # noqa: E402
+from llm_mlx_streaming.checkpoints.packing import layer_maps, pack_checkpoint, verify_packed  # noqa: E402
+from llm_mlx_streaming.experts.packed import open_packed, packed_dir  # noqa: E402
 from llm_mlx_streaming.experts.pool import ExpertPool  # noqa: E402
 from llm_mlx_streaming.experts.store import ExpertStore  # noqa: E402
 

@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llm_mlx_streaming.checkpoints.factory import build_checkpoint  # noqa: E402
+from fixtures.factory import build_checkpoint  # noqa: E402
 from llm_mlx_streaming.engine.kv import KVSpec, cache_bytes, make_cache  # noqa: E402
 from llm_mlx_streaming.engine.manager import EngineManager  # noqa: E402
 from llm_mlx_streaming.engine.planner import ATTENTION_TILE, plan_memory  # noqa: E402

@@ -24,10 +24,11 @@ from mlx_lm.models.cache import make_prompt_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llm_mlx_streaming.checkpoints.factory import build_checkpoint  # noqa: E402
+from fixtures.factory import build_checkpoint  # noqa: E402
 from llm_mlx_streaming.engine.loading import load_streaming  # noqa: E402
 from llm_mlx_streaming.speculation.drafter import DraftContext  # noqa: E402
 from llm_mlx_streaming.speculation.kinds import make_drafter  # noqa: E402
+from llm_mlx_streaming.speculation.mtp_head import loaded_head  # noqa: E402
 
 CACHE = Path(__file__).resolve().parent / ".cache"
 SHAPE = dict(hidden_size=512, moe_intermediate_size=512, num_experts=64, top_k=8, num_layers=4)
@@ -94,8 +95,8 @@ def main() -> None:
             step, step_mb, history = target_steps(loaded, prompt, args.steps)
             cells = []
             for k in depths:
-                draft_passes(drafter, loaded.mtp_head.pool, prompt, history[:4], k)  # warm-up
-                seconds, mb = draft_passes(drafter, loaded.mtp_head.pool, prompt, history, k)
+                draft_passes(drafter, loaded_head(loaded).pool, prompt, history[:4], k)  # warm-up
+                seconds, mb = draft_passes(drafter, loaded_head(loaded).pool, prompt, history, k)
                 cells.append(f"{seconds * 1e3:>8.2f} {seconds / step:>6.2f} {mb:>7.2f}")
             print(f"{fraction:>8.0%} {step * 1e3:>14.2f} {step_mb:>8.2f} " + " ".join(cells))
         finally:

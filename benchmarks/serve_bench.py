@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine_bench import CACHE, SHAPE  # noqa: E402  (the same checkpoint)
 
-from llm_mlx_streaming.checkpoints.factory import build_checkpoint  # noqa: E402
+from fixtures.factory import build_checkpoint  # noqa: E402
 
 PROMPTS = [
     "Tell me about solid state drives", "What is a B-tree?", "Name three file systems",

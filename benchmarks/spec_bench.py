@@ -35,10 +35,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llm_mlx_streaming.checkpoints.factory import build_checkpoint  # noqa: E402
+from fixtures.factory import build_checkpoint  # noqa: E402
+from fixtures.scripted import ScriptedDrafter  # noqa: E402
 from llm_mlx_streaming.engine.manager import EngineManager  # noqa: E402
 from llm_mlx_streaming.engine.request import Request  # noqa: E402
-from llm_mlx_streaming.speculation.scripted import ScriptedDrafter  # noqa: E402
 
 CACHE = Path(__file__).resolve().parent / ".cache"
 SHAPE = dict(hidden_size=1024, moe_intermediate_size=768, num_experts=128, top_k=8, num_layers=4)

@@ -73,7 +73,7 @@ class MlxStreamModel(llm.Model):
         options = prompt.options
         drafter(options, settings)  # an unknown drafter is refused before a server sees it
         # -- a running `llm mlxs serve` for this user dir answers instead ---
-        from .server.client import running_server
+        from .client.client import running_server
 
         server = running_server(options, settings, prompt)
         if server is not None:

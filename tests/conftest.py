@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture(scope="session")
 def build(tmp_path_factory):
     """build(arch, **kwargs) -> path of a tiny checkpoint, cached for the session."""
-    from llm_mlx_streaming.checkpoints.factory import build_checkpoint
+    from fixtures.factory import build_checkpoint
 
     root = tmp_path_factory.mktemp("checkpoints")
     built = {}

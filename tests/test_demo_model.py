@@ -18,7 +18,8 @@ from mlx_lm.utils import load_model
 from exactness import greedy_tokens, logits_trace
 from llm_mlx_streaming.checkpoints.default import SHIPPED
 from llm_mlx_streaming.engine.loading import load_streaming
-from llm_mlx_streaming.experts.simulate import load_trace, simulate
+from llm_mlx_streaming.experts.simulate import simulate
+from llm_mlx_streaming.experts.traces import load_trace
 from llm_mlx_streaming.model import BUNDLED_REPETITION_PENALTY, REPETITION_CONTEXT, Options
 from llm_mlx_streaming.model import repetition_processors
 from llm_mlx_streaming.run_config import repetition_penalty

@@ -266,7 +266,8 @@ def test_interrupt_during_an_expert_read_leaves_no_half_filled_slot(qwen, monkey
 
 
 def test_trace_records_each_layers_routing_for_the_simulator(qwen, tmp_path):
-    from llm_mlx_streaming.experts.simulate import load_trace, simulate
+    from llm_mlx_streaming.experts.simulate import simulate
+    from llm_mlx_streaming.experts.traces import load_trace
 
     engine = EngineManager()
     engine.load(qwen, expert_slots=16)  # whole layers: tracing must still see every step

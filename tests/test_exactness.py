@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.utils import load_model
 
 from exactness import greedy_tokens, logits_trace, prompt_tokens, vocab_size
-from llm_mlx_streaming.checkpoints.factory import ARCHITECTURES, supported_quants
+from fixtures.factory import ARCHITECTURES, supported_quants
 from llm_mlx_streaming.engine.loading import load_streaming
 from llm_mlx_streaming.experts import switch
 from llm_mlx_streaming.experts.policies import POLICIES

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from mlx_lm.models import switch_layers
 
-from llm_mlx_streaming.checkpoints import tokenizer as tok_module
-from llm_mlx_streaming.checkpoints.factory import (
+from fixtures import tokenizer as tok_module
+from fixtures.factory import (
     ARCHITECTURES,
     QUANTS,
     build_checkpoint,
@@ -302,7 +302,7 @@ def test_does_not_overwrite_a_foreign_checkpoint(tmp_path):
 
 
 def test_interrupted_build_is_redone(tmp_path, monkeypatch):
-    from llm_mlx_streaming.checkpoints import factory
+    from fixtures import factory
 
     def crash(*args, **kwargs):
         raise KeyboardInterrupt

@@ -14,8 +14,8 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import load_model
 
 from llm_mlx_streaming.engine.loading import load_streaming
-from llm_mlx_streaming.engine.mtp_head import NoHeadError, mtp_head
 from llm_mlx_streaming.experts.index import CheckpointIndex
+from llm_mlx_streaming.speculation.mtp_head import NoHeadError, loaded_head, mtp_head
 
 HEADS = [("deepseek_v3", None), ("deepseek_v3", "4bit"), ("qwen3_next", None),
          ("qwen3_next", "8bit"), ("glm4_moe", "4bit")]
@@ -166,7 +166,7 @@ def test_a_checkpoint_without_a_head_is_one_line(build, arch, kwargs, says):
         with pytest.raises(NoHeadError, match=says) as raised:
             mtp_head(loaded)
         assert "\n" not in str(raised.value) and "MTP" in str(raised.value)
-        assert loaded.mtp_head is None
+        assert loaded_head(loaded) is None
     finally:
         loaded.store.close()
 
@@ -283,7 +283,7 @@ def test_a_damaged_head_is_one_line(build, tmp_path):
     try:
         with pytest.raises(DraftError, match=r"model\.layers\.2\.hnorm\.weight.*\[32\]") as raised:
             _drafter(loaded)
-        assert "\n" not in str(raised.value) and loaded.mtp_head is None
+        assert "\n" not in str(raised.value) and loaded_head(loaded) is None
     finally:
         loaded.store.close()
 
@@ -328,7 +328,7 @@ def test_engine_greedy_with_draft_mtp_equals_plain_decoding(build, arch, quant):
                 assert drafter.cache.offset == len(drafter.seen) - 1 - drafter.start
             follow = prompt + plain + [97, 230]
             assert _run(engine, follow, k=3, draft="mtp")[0] == _run(engine, follow, k=0)[0]
-            head = engine.loaded.mtp_head.pool
+            head = loaded_head(engine.loaded).pool
             assert head.counters.hits + head.counters.misses > 0
             assert engine.bad_slots() == 0
         finally:
@@ -373,7 +373,7 @@ def test_a_checkpoint_with_a_head_packs_and_serves_as_a_draft_model(build, tmp_p
     """`llm mlxs pack` and a draft model load it like the engine does (stock mlx-lm would
     refuse the head's tensors); the head then reads from the safetensors next to a packed
     store that holds the layers."""
-    from llm_mlx_streaming.experts.packed import pack_checkpoint
+    from llm_mlx_streaming.checkpoints.packing import pack_checkpoint
     from llm_mlx_streaming.speculation.draft_model import build_draft_model
     from llm_mlx_streaming.speculation.drafter import DraftContext
 

@@ -10,11 +10,10 @@ import pytest
 from mlx_lm.utils import load_model
 
 from exactness import greedy_tokens, logits_trace, prompt_tokens
+from llm_mlx_streaming.checkpoints import packing
+from llm_mlx_streaming.checkpoints.packing import layer_maps, pack_checkpoint, verify_packed
 from llm_mlx_streaming.engine.loading import load_streaming
-from llm_mlx_streaming.experts import packed as packed_mod
-from llm_mlx_streaming.experts.packed import (
-    ALIGN, INDEX_NAME, PACKED_DIR, layer_maps, pack_checkpoint, verify_packed,
-)
+from llm_mlx_streaming.experts.packed import ALIGN, FORMAT_VERSION, INDEX_NAME, PACKED_DIR
 
 EXPERTS, TOP_K = 16, 4
 CASES = [("qwen3_moe", "4bit"), ("gpt_oss", "mxfp4"), ("mixtral", None)]
@@ -88,7 +87,7 @@ def test_the_safetensors_path_reads_each_component_separately(build, tmp_path):
 def test_records_hold_each_expert_contiguously_page_aligned(build, tmp_path):
     path = packed_copy(build, tmp_path, "mixtral", "8bit", shards=3)
     index = json.loads((path / PACKED_DIR / INDEX_NAME).read_text())
-    assert index["version"] == packed_mod.FORMAT_VERSION
+    assert index["version"] == FORMAT_VERSION
     assert set(index["source"]) == {f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)}
     maps = layer_maps(path)
     assert [e["key"] for e in index["layers"]] == [m.key for m in maps]
@@ -123,7 +122,7 @@ def test_progress_reports_layers_and_bytes(build, tmp_path):
 
 def test_an_interrupted_pack_leaves_no_store_that_looks_valid(build, tmp_path, monkeypatch, capsys):
     path = packed_copy(build, tmp_path)  # a good store exists, then a re-pack dies
-    real = packed_mod._write_layer
+    real = packing._write_layer
     calls = []
 
     def dies(layer, dest, progress):
@@ -133,7 +132,7 @@ def test_an_interrupted_pack_leaves_no_store_that_looks_valid(build, tmp_path, m
             raise KeyboardInterrupt
         return real(layer, dest, progress)
 
-    monkeypatch.setattr(packed_mod, "_write_layer", dies)
+    monkeypatch.setattr(packing, "_write_layer", dies)
     with pytest.raises(KeyboardInterrupt):
         pack_checkpoint(path)
     folder = path / PACKED_DIR

@@ -10,7 +10,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from exactness import greedy_tokens, prompt_tokens, vocab_size
-from llm_mlx_streaming.checkpoints.architectures import tiny_config
+from fixtures.architectures import tiny_config
 from llm_mlx_streaming.cli.plan import format_plan
 from llm_mlx_streaming.engine.planner import (
     KV_STEP,

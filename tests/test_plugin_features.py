@@ -207,7 +207,7 @@ def tools_env(llm_env, build, monkeypatch):
     """llm_env serving a checkpoint whose chat template supports tools, as 'tools'; `script`
     lists the replies the next generations are forced to write (text, then end of turn)."""
     from llm_mlx_streaming.engine import manager as manager_mod
-    from llm_mlx_streaming.checkpoints.tokenizer import IM_END, token_ids
+    from fixtures.tokenizer import IM_END, token_ids
 
     path = build("qwen3_moe", tool_template=True)
     llm_env.write_settings(default_model="tools", models={"tools": {"path": str(path), "expert_slots": 4}})

@@ -97,7 +97,8 @@ def test_a_restored_mtime_does_not_make_a_stale_packed_store_look_fresh(llm_env,
 
 
 def test_verify_compares_the_records_with_the_checkpoints_bytes(build, tmp_path):
-    from llm_mlx_streaming.experts.packed import INDEX_NAME, fingerprint, pack_checkpoint, packed_dir, verify_packed
+    from llm_mlx_streaming.checkpoints.packing import pack_checkpoint, verify_packed
+    from llm_mlx_streaming.experts.packed import INDEX_NAME, fingerprint, packed_dir
 
     path = tmp_path / "ckpt"
     shutil.copytree(build("qwen3_moe", quant="4bit", num_experts=8, top_k=2), path)

@@ -409,7 +409,7 @@ def test_llm_mlxs_stats_live_and_config_push(served):
 
 
 def test_server_dying_mid_request_is_one_line(llm_env):
-    from llm_mlx_streaming.server import discovery
+    from llm_mlx_streaming.client import discovery
 
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
@@ -448,7 +448,7 @@ def test_non_loopback_bind_needs_an_api_key(llm_env):
 
 
 def test_api_key_discovery_file_and_stale_files(tmp_path, monkeypatch, plugin_checkpoint):
-    from llm_mlx_streaming.server import discovery
+    from llm_mlx_streaming.client import discovery
     from llm_mlx_streaming.server.run import Server
 
     monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "llm"))
@@ -547,7 +547,7 @@ def test_schema_through_the_api_and_through_a_routed_llm_prompt(served):
 
 
 def test_a_server_that_does_not_answer_is_one_line(llm_env):
-    from llm_mlx_streaming.server import discovery
+    from llm_mlx_streaming.client import discovery
 
     closed = socket.create_server(("127.0.0.1", 0))
     port = closed.getsockname()[1]
@@ -566,7 +566,7 @@ def test_a_server_that_does_not_answer_is_one_line(llm_env):
     {"secret": ""}, None,
 ])
 def test_a_damaged_discovery_file_is_removed_with_a_notice_and_the_prompt_runs(llm_env, fields):
-    from llm_mlx_streaming.server import discovery
+    from llm_mlx_streaming.client import discovery
 
     path = discovery.discovery_path()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -581,7 +581,7 @@ def test_a_damaged_discovery_file_is_removed_with_a_notice_and_the_prompt_runs(l
 def test_a_discovery_file_whose_port_another_program_took_is_removed(llm_env):
     import http.server
 
-    from llm_mlx_streaming.server import discovery
+    from llm_mlx_streaming.client import discovery
 
     other = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # answers 501
     thread = threading.Thread(target=other.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
@@ -635,7 +635,7 @@ def test_the_serve_command_runs_until_stopped_and_cleans_up(llm_env, stop_signal
     import subprocess
     import sys
 
-    from llm_mlx_streaming.server import discovery
+    from llm_mlx_streaming.client import discovery
 
     env = {**os.environ, "LLM_USER_PATH": str(llm_env.user_dir)}
     llm_bin = os.path.join(os.path.dirname(sys.executable), "llm")

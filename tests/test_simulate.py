@@ -16,12 +16,11 @@ from llm_mlx_streaming.experts import policies
 from llm_mlx_streaming.experts.simulate import (
     belady,
     format_table,
-    load_trace,
     replay,
     simulate,
     split_step,
-    write_trace_line,
 )
+from llm_mlx_streaming.experts.traces import load_trace, write_trace_line
 
 MIXTRAL = Path(__file__).parents[2] / "shared/traces/mixtral-8x7b-instruct-fp8_vllm.jsonl"
 POLICY_NAMES = tuple(policies.POLICIES)

@@ -9,7 +9,8 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load_model
 
 from exactness import prompt_tokens, vocab_size
-from llm_mlx_streaming.checkpoints.factory import ARCHITECTURES, supported_quants
+from fixtures.factory import ARCHITECTURES, supported_quants
+from fixtures.scripted import ScriptedDrafter
 from llm_mlx_streaming.engine.manager import EngineError, EngineManager
 from llm_mlx_streaming.engine.request import Request
 from llm_mlx_streaming.speculation import heads
@@ -17,7 +18,6 @@ from llm_mlx_streaming.speculation.drafter import DraftContext, DraftError, Draf
 from llm_mlx_streaming.speculation.kinds import make_drafter
 from llm_mlx_streaming.speculation.ngram import NgramDrafter
 from llm_mlx_streaming.speculation.sampling import TargetSampler, choose
-from llm_mlx_streaming.speculation.scripted import ScriptedDrafter
 
 EXPERTS, TOP_K, K = 16, 4, 3
 MOE_ARCHS = [a for a in ARCHITECTURES if a != "qwen3"]

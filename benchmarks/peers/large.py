@@ -46,7 +46,7 @@ def build_large(dest: Path, shape: dict = LARGE_SHAPE, layers_per_shard: int = L
     import numpy as np
 
     sys.path.insert(0, str(ROOT))
-    from llm_mlx_streaming.checkpoints.factory import build_checkpoint
+    from fixtures.factory import build_checkpoint
 
     marker = dest / "large.json"
     want = {"version": LARGE_VERSION, "shape": shape, "layers_per_shard": layers_per_shard}

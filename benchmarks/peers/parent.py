@@ -65,7 +65,8 @@ def pack_all(path: Path, peers_py: str) -> None:
     """Each engine's own packed copy, as its setup makes one: ours with `llm mlxs pack`'s
     function, BigRig's with the function its CLI calls when it installs a model. boyle
     has none: it reads the safetensors."""
-    from llm_mlx_streaming.experts.packed import INDEX_NAME, pack_checkpoint, packed_dir
+    from llm_mlx_streaming.checkpoints.packing import pack_checkpoint
+    from llm_mlx_streaming.experts.packed import INDEX_NAME, packed_dir
 
     if not (packed_dir(path) / INDEX_NAME).exists():  # a stale one: the engine says so and the table shows it
         t = time.perf_counter()
@@ -193,7 +194,7 @@ def child_argv(engine: str, path: Path, fraction: float, tokens: int, runs: int,
 
 def normal_main(args) -> None:
     sys.path.insert(0, str(ROOT))
-    from llm_mlx_streaming.checkpoints.factory import build_checkpoint
+    from fixtures.factory import build_checkpoint
     from llm_mlx_streaming.experts.index import CheckpointIndex
 
     t_all = time.perf_counter()

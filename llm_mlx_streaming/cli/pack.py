@@ -33,13 +33,14 @@ def pack(name, verify, remove):
     llm mlxs pack q30 --verify   check it against the checkpoint: each problem, or ok
     llm mlxs pack q30 --remove   delete it
     """
-    from ..experts import packed as packed_mod
+    from ..checkpoints.packing import pack_checkpoint, verify_packed
+    from ..experts.packed import packed_dir, store_files
 
     if verify and remove:
         raise click.UsageError("--verify and --remove do not go together")
     settings = load_settings()
     label, path, _ = resolve_checkpoint(name, settings)
-    folder = packed_mod.packed_dir(path)
+    folder = packed_dir(path)
     if remove:
         if not folder.exists():
             raise MlxStreamError(f"{label} has no packed store ({folder})")
@@ -53,7 +54,7 @@ def pack(name, verify, remove):
             raise MlxStreamError(f"{label} has no packed store; write one with `{command}`")
         bar = ByteProgress("verifying")
         try:
-            problems = packed_mod.verify_packed(path, progress=bar)
+            problems = verify_packed(path, progress=bar)
         except (ValueError, OSError, KeyError) as exc:
             raise MlxStreamError(f"Cannot verify the packed store of {label}: {one_line(exc)}") from None
         finally:
@@ -70,13 +71,13 @@ def pack(name, verify, remove):
     _check_space(path, folder)
     report = _Progress()
     try:
-        out = packed_mod.pack_checkpoint(path, progress=report)
+        out = pack_checkpoint(path, progress=report)
     except (ValueError, OSError, KeyError) as exc:
         raise MlxStreamError(f"Cannot pack {label}: {one_line(exc)}") from None
     finally:
         report.close()
     _forget_loaded(path)
-    size = sum(p.stat().st_size for p in packed_mod.store_files(out))
+    size = sum(p.stat().st_size for p in store_files(out))
     click.echo(f"Packed {label}: {report.layers} MoE layers, {format_size(size)} in {out}")
     if settings.packed == "off":
         click.echo("Note: the packed setting is off; `llm mlxs config packed auto` uses the store", err=True)

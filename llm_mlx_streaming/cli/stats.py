@@ -246,7 +246,7 @@ def stats(count, json_, database, live):
 
 # -- the running server's figures ---------------------------------------------
 def _live(json_: bool) -> None:
-    from ..server.client import running_server
+    from ..client.client import running_server
     from ..settings import load_settings
 
     server = running_server(None, load_settings())

@@ -33,22 +33,21 @@ evicting the least recently used conversations, each with all its segments.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import os
 import sys
 import tempfile
-import time
 import weakref
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from .cache_files import SUFFIX, Header, evict, name_entry, prefix_hash, remove, saved_header
+from .kv_segments import assembled, checksum, cut, layer_kind, segment_from
+
 FORMAT = "mlx-stream-kv-3"  # 3: segments, each with a checksum of its tensors
-SUFFIX = ".safetensors"
-STALE_PARTIAL_SECONDS = 3600
 
 
 @dataclass(frozen=True)
@@ -66,24 +65,13 @@ class Found:
 
 
 @dataclass(frozen=True)
-class _Header:
-    """A cache file's metadata, read from its safetensors header alone."""
-
-    space: Optional[str]
-    ids: list[int]  # the token ids of this segment's own range
-    parent: str  # the file name of the segment it extends; "" for a first segment
-    parent_checksum: str
-    checksum: str
-
-
-@dataclass(frozen=True)
 class _Link:
     """A segment of the chain the in-process cache was written to or loaded from."""
 
     end: int  # the tokens the chain holds up to and with this segment
     name: str
     checksum: str
-    kinds: tuple  # each layer's `_kind` there: what a next segment may append to
+    kinds: tuple  # each layer's `layer_kind` there: what a next segment may append to
 
 
 @dataclass
@@ -130,99 +118,8 @@ def namespace(checkpoint: Path, kv) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def prefix_hash(tokens) -> str:
-    return hashlib.sha256(",".join(str(int(t)) for t in tokens).encode()).hexdigest()[:32]
-
-
-def _entry(path: Path) -> Optional[tuple[int, str]]:
-    """(token count, prefix hash) from a cache file's name."""
-    name = path.name
-    if not name.endswith(SUFFIX) or name.startswith("."):
-        return None
-    count, _, digest = name[: -len(SUFFIX)].partition("-")
-    return (int(count), digest) if count.isdigit() and digest else None
-
-
 def notice(message: str) -> None:
     print(f"mlx-stream: {message}", file=sys.stderr, flush=True)
-
-
-def checksum(cache) -> str:
-    """sha256 over the caches' states in order: each array's name, dtype, shape and
-    bytes, each scalar's name and value. The same on a saved cache and on the cache
-    `load_prompt_cache` makes of its file, unless a byte of the file changed."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    digest = hashlib.sha256()
-    for name, leaf in tree_flatten([c.state for c in cache]):
-        if isinstance(leaf, mx.array):
-            digest.update(f"{name}:{leaf.dtype}:{leaf.shape};".encode())
-            digest.update(memoryview(mx.contiguous(leaf)))
-        else:
-            digest.update(f"{name}={leaf!r};".encode())
-    return digest.hexdigest()
-
-
-def _kind(layer) -> Optional[tuple]:
-    """What a later segment may append to this layer: a growing attention cache's class
-    (with its quantization); None for a state written in full (sliding window, linear
-    attention, anything else)."""
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache
-
-    if getattr(layer, "keys", None) is None:
-        return None
-    if type(layer) is KVCache:
-        return ("KVCache",)
-    if type(layer) is QuantizedKVCache:
-        return ("QuantizedKVCache", layer.group_size, layer.bits)
-    return None
-
-
-def _length(layer) -> int:
-    """Positions a growing attention cache's arrays hold."""
-    keys = layer.keys
-    return (keys if not isinstance(keys, (list, tuple)) else keys[0]).shape[-2]
-
-
-def _segment(layer, start: int):
-    """The layer's K/V from position `start` to its offset, as the same class."""
-    from mlx.utils import tree_map
-
-    part = copy.copy(layer)
-    part.keys, part.values = tree_map(lambda a: a[..., start:layer.offset, :], (layer.keys, layer.values))
-    return part
-
-
-def _assembled(parts: list[tuple[list, list]]) -> Optional[list]:
-    """One cache from its segments' (cache, layer starts), first segment first: a
-    layer's K/V concatenated along the sequence axis, a state written in full taken
-    from the last segment; None where a segment does not fit the ones before."""
-    import mlx.core as mx
-    from mlx.utils import tree_map
-
-    width = len(parts[0][0])
-    layers, pieces = [None] * width, [[] for _ in range(width)]
-    for cache, starts in parts:
-        if len(cache) != width or len(starts) != width:
-            return None
-        for i, (layer, start) in enumerate(zip(cache, starts)):
-            if start is None:  # written in full
-                layers[i], pieces[i] = layer, []
-                continue
-            kind = _kind(layer)
-            if kind is None or not isinstance(start, int) or _length(layer) != layer.offset - start:
-                return None
-            if start == 0:
-                pieces[i] = []
-            elif layers[i] is None or _kind(layers[i]) != kind or layers[i].offset != start:
-                return None
-            layers[i] = layer
-            pieces[i].append((layer.keys, layer.values))
-    for layer, kv in zip(layers, pieces):
-        if len(kv) > 1:
-            layer.keys, layer.values = tree_map(lambda *xs: mx.concatenate(list(xs), axis=-2), *kv)
-    return layers
 
 
 class DiskCache:
@@ -237,9 +134,9 @@ class DiskCache:
             paths = list(self.folder.iterdir())
         except OSError:
             return []
-        return [(entry, p) for p in paths if (entry := _entry(p)) is not None]
+        return [(entry, p) for p in paths if (entry := name_entry(p)) is not None]
 
-    def _chains(self) -> dict[str, tuple[list[str], list[_Header]]]:
+    def _chains(self) -> dict[str, tuple[list[str], list[Header]]]:
         """{file name: (its chain's file names, their headers), first segment first}
         for every file here whose chain checks out by name, token ids and checksum
         links. A foreign file is a notice; one whose header cannot be read or whose
@@ -248,21 +145,21 @@ class DiskCache:
         or was evicted)."""
         files = []
         for (n, digest), path in self._entries():
-            header = _saved_header(path)
+            header = saved_header(path)
             if header is not None and header.space != self.space:
                 notice(f"conversation cache {path.name} was made for another checkpoint, version or KV layout; ignored")
             elif header is None:
                 notice(f"conversation cache {path.name} cannot be read or does not match its name; removed")
-                _remove(path)
+                remove(path)
             else:
                 files.append((n, digest, path, header))
-        chains: dict[str, tuple[list[str], list[_Header]]] = {}
+        chains: dict[str, tuple[list[str], list[Header]]] = {}
         hashes: dict[str, tuple[object, int]] = {}  # prefix_hash's state, and its token count
         for n, digest, path, header in sorted(files, key=lambda f: f[0]):  # a parent before its children
             if header.parent:
                 before = chains.get(header.parent)
                 if before is None or before[1][-1].checksum != header.parent_checksum:
-                    _remove(path)
+                    remove(path)
                     continue
                 names, headers = before
                 running, count = hashes[header.parent]
@@ -273,7 +170,7 @@ class DiskCache:
             count += len(header.ids)
             if count != n or running.hexdigest()[:32] != digest:
                 notice(f"conversation cache {path.name} cannot be read or does not match its name; removed")
-                _remove(path)
+                remove(path)
                 continue
             chains[path.name] = (names + [path.name], headers + [header])
             hashes[path.name] = (running, count)
@@ -296,14 +193,14 @@ class DiskCache:
             names, _ = chains[name]
             if dead.intersection(names):
                 dead.add(name)
-                _remove(self.folder / name)
+                remove(self.folder / name)
                 continue
             loaded = self._load(names, -minus_n, expected, dead)
             if loaded is None:
                 continue
             cache, links = loaded
             if shared < -minus_n:
-                cache = _cut(cache, -minus_n, shared)
+                cache = cut(cache, -minus_n, shared)
             if cache is None:
                 continue
             for segment in names:
@@ -345,10 +242,10 @@ class DiskCache:
                 notice(f"conversation cache {name} does not match its name or this model; removed")
                 return self._dead(names[i:], dead)
             parts.append((cache, starts))
-            links.append(_Link(end, name, meta["checksum"], tuple(_kind(c) for c in cache)))
-        cache = _assembled(parts)
+            links.append(_Link(end, name, meta["checksum"], tuple(layer_kind(c) for c in cache)))
+        cache = assembled(parts)
         if cache is not None:
-            cache = after_loading(cache, expected)  # long context (#13): our window class back
+            cache = after_loading(cache, expected)  # our sliding-window class back (engine/kv_window.py)
         offsets = {getattr(c, "offset", n) for c in cache or ()}
         if cache is None or end != n or not same_layout(cache, expected) or offsets - {n}:
             notice(f"conversation cache {names[-1]} does not match its name or this model; removed")
@@ -358,7 +255,7 @@ class DiskCache:
     def _dead(self, names: list[str], dead: set[str]) -> None:
         for name in names:
             dead.add(name)
-            _remove(self.folder / name)
+            remove(self.folder / name)
         return None
 
     def save(self, cache, tokens: list[int], kept: int) -> int:
@@ -372,9 +269,9 @@ class DiskCache:
 
         from .kv import for_saving
 
-        layers = for_saving(cache)  # long context (#13): only classes load_prompt_cache knows
+        layers = for_saving(cache)  # only classes load_prompt_cache knows
         n = len(tokens)
-        kinds = tuple(_kind(c) for c in layers)
+        kinds = tuple(layer_kind(c) for c in layers)
         links = self._base(tokens, kept)
         same = self._mirror.same(cache) if links else [False] * len(layers)
         before = links[-1].kinds if links else kinds
@@ -385,7 +282,7 @@ class DiskCache:
         parts, starts = [], []
         for layer, kind, append in zip(layers, kinds, appends):
             start = None if kind is None else end if append else 0
-            parts.append(layer if start is None else _segment(layer, start))
+            parts.append(layer if start is None else segment_from(layer, start))
             starts.append(start)
         mx.eval([leaf for _, leaf in tree_flatten([c.state for c in parts]) if isinstance(leaf, mx.array)])
         digest = checksum(parts)
@@ -402,7 +299,7 @@ class DiskCache:
             final = self.folder / name
             os.replace(tmp, final)
         except BaseException:
-            _remove(Path(tmp))
+            remove(Path(tmp))
             raise
         links = links + [_Link(n, name, digest, kinds)]
         self._mirror = _Mirror.of(cache, tokens, links)
@@ -425,7 +322,7 @@ class DiskCache:
         clean = min(kept, common_prefix_len(mirror.tokens, tokens))
         links = [link for link in mirror.links if link.end <= clean]
         for link in links:
-            header = _saved_header(self.folder / link.name)
+            header = saved_header(self.folder / link.name)
             if header is None or header.checksum != link.checksum:
                 return []
         return links
@@ -434,17 +331,17 @@ class DiskCache:
         """Remove saved chains that `tokens` extends, longest first: none of `own`
         (the new chain) and none that another segment still extends."""
         entries = self._entries()
-        parents = Counter(header.parent for _, path in entries if (header := _saved_header(path)) is not None)
+        parents = Counter(header.parent for _, path in entries if (header := saved_header(path)) is not None)
         for (m, digest), path in sorted(entries, key=lambda e: -e[0][0]):
             if m < len(tokens) and path.name not in own and not parents[path.name] \
                     and digest == prefix_hash(tokens[:m]):
-                header = _saved_header(path)
-                _remove(path)
+                header = saved_header(path)
+                remove(path)
                 if header is not None:
                     parents[header.parent] -= 1
 
 
-def _shared(headers: list[_Header], prompt: list[int]) -> int:
+def _shared(headers: list[Header], prompt: list[int]) -> int:
     """Tokens a chain's segments (their token ids in order) share with `prompt`'s start."""
     from mlx_lm.utils import common_prefix_len
 
@@ -455,84 +352,6 @@ def _shared(headers: list[_Header], prompt: list[int]) -> int:
         if same < len(header.ids):
             break
     return shared
-
-
-def _saved_header(path: Path) -> Optional[_Header]:
-    """A cache file's metadata, from its safetensors header alone."""
-    try:
-        with open(path, "rb") as fh:
-            size = int.from_bytes(fh.read(8), "little")
-            if not 0 < size < 64 * 2**20:
-                return None
-            header = json.loads(fh.read(size))
-        # save_prompt_cache flattens its metadata into the header ("0.token_ids")
-        meta = {k.split(".")[-1]: v for k, v in header["__metadata__"].items()}
-        ids = json.loads(meta["token_ids"])
-        found = _Header(meta.get("namespace"), ids, meta.get("parent", ""), meta.get("parent_checksum", ""),
-                        meta.get("checksum", ""))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-    if not (isinstance(ids, list) and all(isinstance(t, int) for t in ids)):
-        return None
-    return found
-
-
-def _cut(cache, held: int, keep: int) -> Optional[list]:
-    """`cache`, which holds `held` tokens, cut back to its first `keep`; None where a
-    layer cannot be cut (a linear-attention state is only ever extended)."""
-    from mlx_lm.models.cache import trim_prompt_cache
-
-    from .session import can_rewind
-
-    if not can_rewind(cache, keep):
-        return None
-    trim_prompt_cache(cache, held - keep)
-    return cache
-
-
-def evict(root: Path, max_bytes: int) -> None:
-    """Remove the least recently used conversations (a first segment with every segment
-    that extends it, used as recently as its latest file) until the tree fits
-    `max_bytes`."""
-    for path in root.glob(f"*/.partial-*{SUFFIX}"):  # left by a process killed mid-write
-        try:
-            if time.time() - path.stat().st_mtime > STALE_PARTIAL_SECONDS:
-                _remove(path)
-        except OSError:
-            continue
-    groups: dict[tuple[Path, str], list] = {}
-    for folder in {p.parent for p in root.glob(f"*/*{SUFFIX}")}:
-        files = {}
-        for path in folder.glob(f"*{SUFFIX}"):
-            try:
-                st = path.stat()
-            except OSError:
-                continue
-            if _entry(path) is not None:
-                header = _saved_header(path)
-                files[path.name] = (st.st_mtime, st.st_size, path, header.parent if header else "")
-        for name, (mtime, size, path, _) in files.items():
-            first, seen = name, {name}
-            while files[first][3] in files and files[first][3] not in seen:
-                first = files[first][3]
-                seen.add(first)
-            group = groups.setdefault((folder, first), [0.0, 0, []])
-            group[0], group[1] = max(group[0], mtime), group[1] + size
-            group[2].append(path)
-    total = sum(size for _, size, _ in groups.values())
-    for _, size, paths in sorted(groups.values(), key=lambda g: g[0]):
-        if total <= max_bytes:
-            break
-        for path in paths:
-            _remove(path)
-        total -= size
-
-
-def _remove(path: Path) -> None:
-    try:
-        path.unlink()
-    except OSError:
-        pass
 
 
 def _short(exc: BaseException) -> str:

@@ -15,17 +15,17 @@ from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten
 
 from ..checkpoints.config import check_checkpoint
 from ..checkpoints.mtp import classes_without_head
 from ..errors import CheckpointError, one_line
 from ..experts.index import CheckpointIndex
 from ..experts.policies import DEFAULT_POLICY
-from ..experts.pool import ExpertPool
 from ..experts.packed import CHECK_MODES, open_packed
+from ..experts.pool import ExpertPool
 from ..experts.store import DEFAULT_THREADS, ExpertStore
-from ..experts.switch import StreamingExperts, expert_containers
+from ..experts.switch import StreamingExperts, attach_pool, expert_containers
 from .prefill import tile_attention
 
 
@@ -40,9 +40,9 @@ class StreamingModel:
     store: ExpertStore
     layers: list[StreamingExperts] = field(default_factory=list)
     dtypes: list[dict] = field(default_factory=list)
-    # The checkpoint's MTP head (engine/mtp_head.py), loaded when a drafter first asks;
-    # its experts stream through a pool of their own, rebuilt with the others.
-    mtp_head: object = None
+    # Parts loaded beside the model by a layer above (a drafter's head), by name: each
+    # has a `.pool` reading through `store` and a `.build_pool(loaded)` run on rebuilds.
+    attachments: dict = field(default_factory=dict)
     expert_slots: int | Sequence[int] | None = None  # as last given to build_pools
     policy: str = DEFAULT_POLICY
 
@@ -52,9 +52,9 @@ class StreamingModel:
 
     @property
     def all_pools(self) -> list[ExpertPool]:
-        """The layers' pools and, once loaded, the MTP head's: every pool that reads
-        through `store` and counts I/O."""
-        return self.pools + ([self.mtp_head.pool] if self.mtp_head is not None else [])
+        """The layers' pools and the attachments': every pool that reads through `store`
+        and counts I/O."""
+        return self.pools + [a.pool for a in self.attachments.values()]
 
     def build_pools(self, expert_slots: int | Sequence[int] | None, policy: str) -> None:
         """(Re)create every layer's pool; dense weights are untouched.
@@ -70,22 +70,8 @@ class StreamingModel:
             slots = expert_slots[i] if isinstance(expert_slots, Sequence) else expert_slots
             attach_pool(module, dtypes, slots, self.store, policy)
         self.expert_slots, self.policy = expert_slots, policy
-        if self.mtp_head is not None:
-            self.mtp_head.build_pool(self)
-
-
-def attach_pool(module: StreamingExperts, dtypes: dict, slots: int | None, store: ExpertStore,
-                policy: str) -> ExpertPool:
-    """Give `module` a new pool of `slots` (None: one per expert), filled when whole."""
-    if slots is None:
-        slots = module.layout.num_experts
-    pool = ExpertPool(module.layout, slots, dtypes, store, policy)
-    module.experts.update(tree_unflatten(list(pool.arrays.items())))
-    module.pool = None  # drop the old slots before filling the new ones
-    if pool.slots == pool.num_experts:
-        pool.fill()
-    module.pool = pool
-    return pool
+        for attachment in self.attachments.values():
+            attachment.build_pool(self)
 
 
 def load_streaming(

@@ -1,7 +1,7 @@
 """Records which experts each MoE layer routed to, per generation, for the simulator.
 
 One JSON line per phase (prefill, decode) per generation, in the format
-`experts/simulate.py` reads, so `llm mlxs simulate` can judge eviction policies on the
+`experts/traces.py` reads, so `llm mlxs simulate` can judge eviction policies on the
 user's own model and prompts.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..experts.simulate import write_trace_line
+from ..experts.traces import write_trace_line
 
 
 class TraceRecorder:

@@ -13,9 +13,11 @@ import threading
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_unflatten
 
 from .index import LayerExperts
 from .pool import ExpertPool
+from .store import ExpertStore
 
 SORT_THRESHOLD = 64  # mlx-lm's SwitchGLU sorts routes by expert from this many on
 _local = threading.local()  # MLX streams belong to the thread that made them
@@ -171,3 +173,17 @@ def expert_containers(model: nn.Module) -> list[tuple[str, nn.Module]]:
         (name, m) for name, m in model.named_modules() if isinstance(m, (SwitchGLU, SwitchMLP))
     ]
     return sorted(found, key=lambda item: [int(n) for n in re.findall(r"\d+", item[0])])
+
+
+def attach_pool(module: StreamingExperts, dtypes: dict, slots: int | None, store: ExpertStore,
+                policy: str) -> ExpertPool:
+    """Give `module` a new pool of `slots` (None: one per expert), filled when whole."""
+    if slots is None:
+        slots = module.layout.num_experts
+    pool = ExpertPool(module.layout, slots, dtypes, store, policy)
+    module.experts.update(tree_unflatten(list(pool.arrays.items())))
+    module.pool = None  # drop the old slots before filling the new ones
+    if pool.slots == pool.num_experts:
+        pool.fill()
+    module.pool = pool
+    return pool

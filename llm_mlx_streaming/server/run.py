@@ -12,9 +12,9 @@ import threading
 import time
 from typing import Optional
 
+from ..client import discovery
 from ..errors import MlxStreamError
 from ..settings import load_settings
-from . import discovery
 
 
 def is_loopback(host: str) -> bool:

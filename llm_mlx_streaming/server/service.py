@@ -18,10 +18,10 @@ from fastapi import APIRouter, Body, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 
+from ..client.discovery import public_id
 from ..errors import one_line
-from .bridge import Result, Run
 from ..run_config import resolve
-from .discovery import public_id
+from .bridge import Result, Run
 from .gate import Gate, QueueFull
 from .guard import Guard
 from .http_layer import ApiError, BodyLimit, error_for

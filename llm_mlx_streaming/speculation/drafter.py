@@ -6,7 +6,7 @@ target agrees with. Drafters never decide what is emitted, so a bad drafter cost
 speed, never correctness.
 
 speculation/kinds.py turns a name given with ``-o draft NAME`` into one. Scripted
-drafters for tests and benchmarks (speculation/scripted.py) are built directly.
+drafters for tests and benchmarks (fixtures/scripted.py, not installed) are built directly.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The engine shows the drafter the prompt as it prefills it, then after each verify pass
 the accepted tokens, with the target's final hidden states at the positions that
-produced them. Each pair (h_t, x_{t+1}) goes through the head (engine/mtp_head.py),
+produced them. Each pair (h_t, x_{t+1}) goes through the head (mtp_head.py),
 which extends its own small KV cache and leaves the logits for the token after x_{t+1}:
 the first draft, greedy. Further drafts chain the head on its own output hidden state
 and its own draft; those chained positions are trimmed from the head's cache again at
@@ -16,9 +16,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import common_prefix_len
 
-from ..engine.mtp_head import LoadedHead, mtp_head
 from ..errors import CheckpointError
 from .drafter import DraftContext, DraftError
+from .mtp_head import LoadedHead, mtp_head
 
 
 # Chain a further draft only while the head gives its latest one at least this

@@ -31,7 +31,7 @@ def off_reason(request) -> Optional[str]:
         return "stateful logits processor"
     if request.sampler is not None:
         return "custom sampler"
-    if request.kv.quantized:  # long context (#13): mlx-lm's loop quantizes the cache
+    if request.kv.quantized:  # mlx-lm's loop quantizes the cache
         return "quantized KV cache (kv_bits)"
     return None
 

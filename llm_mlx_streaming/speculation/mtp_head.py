@@ -1,5 +1,8 @@
 """Loads a checkpoint's MTP head next to a streamed model, its experts streamed too.
 
+The head is kept among the loaded model's attachments, so the engine rebuilds and
+counts its pool with the layers' without knowing what it is.
+
 mlx-lm drops the head's tensors at load (checkpoints/mtp.py), so they are read here
 from the same safetensors: the head is built from mlx-lm's layer classes, quantized as
 the checkpoint says, and its expert container swapped for a `StreamingExperts` whose
@@ -19,8 +22,9 @@ from ..checkpoints.mtp import MTPHead, build_head, declared_layers, head_prefix
 from ..errors import CheckpointError
 from ..experts.index import CheckpointIndex
 from ..experts.pool import ExpertPool
-from ..experts.switch import StreamingExperts, expert_containers
-from .loading import StreamingModel, attach_pool
+from ..experts.switch import StreamingExperts, attach_pool, expert_containers
+
+ATTACHMENT = "mtp"  # the head's name among the loaded model's attachments
 
 
 class NoHeadError(CheckpointError):
@@ -39,7 +43,7 @@ class LoadedHead:
     def pool(self) -> ExpertPool:
         return self.experts.pool
 
-    def build_pool(self, loaded: StreamingModel) -> None:
+    def build_pool(self, loaded) -> None:
         """A pool like a typical layer's, under the model's policy: the one slot count
         every layer has, or the lower median of a memory plan's (whose whole layers would
         otherwise make the head whole too, which the plan did not budget)."""
@@ -51,14 +55,20 @@ class LoadedHead:
         attach_pool(self.experts, self.dtypes, slots, loaded.store, loaded.policy)
 
 
-def mtp_head(loaded: StreamingModel) -> LoadedHead:
-    """The head of `loaded`, loaded on first use and kept with the model."""
-    if loaded.mtp_head is None:
-        loaded.mtp_head = load_head(loaded)
-    return loaded.mtp_head
+def mtp_head(loaded) -> LoadedHead:
+    """The head of `loaded` (the engine's `StreamingModel`), loaded on first use and
+    kept among its attachments."""
+    if ATTACHMENT not in loaded.attachments:
+        loaded.attachments[ATTACHMENT] = load_head(loaded)
+    return loaded.attachments[ATTACHMENT]
 
 
-def load_head(loaded: StreamingModel) -> LoadedHead:
+def loaded_head(loaded) -> LoadedHead | None:
+    """The head of `loaded` if a drafter has loaded it, else None."""
+    return loaded.attachments.get(ATTACHMENT)
+
+
+def load_head(loaded) -> LoadedHead:
     """Build, quantize and fill the MTP head of `loaded`'s checkpoint.
 
     NoHeadError (one line) when config.json declares no head or the safetensors hold
