@@ -95,14 +95,9 @@ class EngineManager(ModelProvider):
         return figures.engine_figures(self)
 
 
-_manager: EngineManager | None = None
-_manager_lock = threading.Lock()
+_manager = worker.Once(EngineManager)
 
 
 def get_manager() -> EngineManager:
     """The process-wide engine."""
-    global _manager
-    with _manager_lock:
-        if _manager is None:
-            _manager = EngineManager()
-        return _manager
+    return _manager()

@@ -50,13 +50,18 @@ class _EngineThread:
                 del job, channel
 
 
-_thread: _EngineThread | None = None
-_thread_lock = threading.Lock()
+class Once:
+    """A process-wide object, built by `factory` on first use, once whatever the threads."""
+
+    def __init__(self, factory: Callable) -> None:
+        self._factory, self._value = factory, None
+        self._lock = threading.Lock()
+
+    def __call__(self):
+        with self._lock:
+            if self._value is None:
+                self._value = self._factory()
+            return self._value
 
 
-def _engine_thread() -> _EngineThread:
-    global _thread
-    with _thread_lock:
-        if _thread is None:
-            _thread = _EngineThread()
-        return _thread
+_engine_thread = Once(_EngineThread)
