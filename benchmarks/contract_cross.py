@@ -50,7 +50,7 @@ from llm_mlx_streaming.engine.kv import KVSpec, blocker, make_cache  # noqa: E40
 from llm_mlx_streaming.engine.manager import get_manager  # noqa: E402
 from llm_mlx_streaming.engine.planner import ATTENTION_TILE  # noqa: E402
 from llm_mlx_streaming.engine.prefill import tile_attention  # noqa: E402
-from llm_mlx_streaming.engine.request import LoadSpec, Request  # noqa: E402
+from llm_mlx_streaming.engine.request import Injected, LoadSpec, Request  # noqa: E402
 from fixtures.scripted import ScriptedDrafter  # noqa: E402
 
 EXPERTS, TOP_K, HEAD_DIM, N = 8, 2, 32, 10
@@ -131,7 +131,7 @@ def speculation(path, model, prompt, cell):
     drafted, off = {}, None
     for kind, make in drafters.items():
         for name, slots in POOLS.items():
-            request = Request(prompt=prompt, max_tokens=N, k=3, draft="ngram", drafter=make())
+            request = Request(prompt=prompt, max_tokens=N, k=3, draft="ngram", injected=Injected(drafter=make()))
             got, _, stats = engine(path, slots, request)
             if got != expected:
                 cell.fail(f"{kind} drafts, pool {name}: {got} != stock greedy {expected}")

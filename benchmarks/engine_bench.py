@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fixtures.factory import build_checkpoint  # noqa: E402
 from llm_mlx_streaming.engine.manager import EngineManager  # noqa: E402
+from llm_mlx_streaming.engine.request import Request  # noqa: E402
 from llm_mlx_streaming.experts.index import CheckpointIndex  # noqa: E402
 from llm_mlx_streaming.experts.policies import DEFAULT_POLICY  # noqa: E402
 
@@ -45,7 +46,7 @@ def engine_decode(engine: EngineManager, prompt: list[int], tokens: int) -> dict
     engine.session.reset()
     mx.reset_peak_memory()
     first = None
-    for response in engine.generate(prompt, max_tokens=tokens):
+    for response in engine.run(None, Request(prompt=list(prompt), max_tokens=tokens)):
         if first is None:
             first = engine.counters()  # prefill done: what follows is decode
     end = engine.counters()

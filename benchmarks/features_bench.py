@@ -64,7 +64,7 @@ def schema_rows(engine, load, tokenizer, tokens: int, runs: int) -> list[tuple]:
                 timed = _Timed(processor)
                 processors = [timed]
             stats = run(engine, load, Request(prompt=prompt, max_tokens=tokens, temperature=1.0, seed=1,
-                                              logits_processors=processors)).stats
+                                              logits_processors=processors, budget_aware=processors)).stats
             tps.append(stats["decode_tps"])
             if label == "schema":
                 per_token.append(statistics.median(timed.times) * 1e6)

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fixtures.factory import build_checkpoint  # noqa: E402
 from fixtures.scripted import ScriptedDrafter  # noqa: E402
 from llm_mlx_streaming.engine.manager import EngineManager  # noqa: E402
-from llm_mlx_streaming.engine.request import Request  # noqa: E402
+from llm_mlx_streaming.engine.request import Injected, Request  # noqa: E402
 
 CACHE = Path(__file__).resolve().parent / ".cache"
 SHAPE = dict(hidden_size=1024, moe_intermediate_size=768, num_experts=128, top_k=8, num_layers=4)
@@ -68,8 +68,8 @@ def decode(engine: EngineManager, prompt: list[int], tokens: int, k, drafter=Non
             pass_log.append((len(inputs), now - clock[0]))
         clock[0] = now
 
-    generation = engine.run(None, Request(prompt=prompt, max_tokens=tokens, k=k, drafter=drafter,
-                                          spec_observer=timed))
+    generation = engine.run(None, Request(prompt=prompt, max_tokens=tokens, k=k,
+                                          injected=Injected(drafter=drafter, after_verify=timed)))
     out = []
     for response in generation:
         if first is None:

@@ -41,6 +41,12 @@ async def in_worker(make: Callable[[Callable], Iterator]):
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     generations: list = []
+    stopped = threading.Event()
+
+    def hand(generation) -> None:  # one handed over after the consumer stopped is cancelled at once
+        generations.append(generation)
+        if stopped.is_set():
+            generation.cancel()
 
     def post(item) -> None:
         try:
@@ -50,7 +56,7 @@ async def in_worker(make: Callable[[Callable], Iterator]):
 
     def work() -> None:
         try:
-            for event in make(generations.append):
+            for event in make(hand):
                 post(("event", event))
         except BaseException as exc:  # re-raised in the awaiting task
             post(("error", exc))
@@ -73,5 +79,6 @@ async def in_worker(make: Callable[[Callable], Iterator]):
                 return
     finally:
         if not finished:
-            for generation in generations:
+            stopped.set()
+            for generation in list(generations):
                 generation.cancel()

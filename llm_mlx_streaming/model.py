@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Optional
 
 import click
@@ -42,6 +43,31 @@ def repetition_processors(penalty: float) -> list:
                                                           repetition_context_size=REPETITION_CONTEXT)]
 
 
+@dataclass(frozen=True)
+class BuiltPrompt:
+    """What the model hands the engine for one prompt, rendered with the checkpoint's
+    tokenizer before the request is queued."""
+
+    tokens: list[int]
+    generation_prompt: str  # the template's text after the last message (it may open a thinking block)
+    processors: list  # logits processors, in the order they apply
+    budget_aware: tuple = ()  # those of them told the reply's token budget (a schema's)
+
+
+def build_prompt(tokenizer, prompt, *, thinking, tools, grammar, processors: list) -> BuiltPrompt:
+    """Token ids for llm's `prompt`, with `processors` and, for a `--schema` (`grammar`),
+    the processor that constrains the reply to it."""
+    from .prompting import render_prompt
+
+    tokens, generation_prompt = render_prompt(tokenizer, prompt, thinking=thinking, tools=tools)
+    budget_aware: tuple = ()
+    if grammar is not None:
+        from .constrained import SchemaProcessor
+
+        budget_aware = (SchemaProcessor(grammar, tokenizer),)
+    return BuiltPrompt(tokens, generation_prompt, [*processors, *budget_aware], budget_aware)
+
+
 class MlxStreamModel(llm.Model):
     can_stream = True
     supports_schema = True  # constrained decoding (constrained.py)
@@ -65,7 +91,7 @@ class MlxStreamModel(llm.Model):
         """The reply's stream events; `on_generation` is told the engine's handle
         (the async model cancels through it)."""
         from .engine.manager import get_manager
-        from .prompting import render_prompt, reply_metadata, stream_event
+        from .prompting import reply_metadata, stream_event
         from .reply_split import ReplySplitter, opens_thinking
         from .tools import function_tools, template_tools
 
@@ -80,23 +106,16 @@ class MlxStreamModel(llm.Model):
             yield from server.answer(self.model_id, prompt, response, on_generation)
             return
         r = resolve(self.name, options, settings)
-        rendered = {}
-        processors: list = repetition_processors(r.repetition_penalty)  # render adds the schema's
         grammar = _schema_grammar(prompt.schema) if prompt.schema else None
-
         tools = template_tools(function_tools(prompt))
-
-        def render(tokenizer):
-            tokens, rendered["generation_prompt"] = render_prompt(
-                tokenizer, prompt, thinking=options.thinking, tools=tools
-            )
-            if grammar is not None:
-                from .constrained import SchemaProcessor
-
-                processors.append(SchemaProcessor(grammar, tokenizer))
-            return tokens
-
-        generation = get_manager().run(r.load, r.request(render, processors))
+        engine = get_manager()
+        with _one_line_errors(r):
+            ready = engine.tokenizer_for(r.load)
+            if on_generation is not None:
+                on_generation(ready)
+            built = build_prompt(ready.tokenizer, prompt, thinking=options.thinking, tools=tools,
+                                 grammar=grammar, processors=repetition_processors(r.repetition_penalty))
+        generation = engine.run(r.load, r.request(built.tokens, built.processors, built.budget_aware))
         if on_generation is not None:
             on_generation(generation)
         generated: list[int] = []
@@ -107,7 +126,7 @@ class MlxStreamModel(llm.Model):
             if options.thinking is False:  # -o thinking off: no reasoning events, whatever the model writes
                 start = end = None
             splitter = ReplySplitter(
-                start, end, opens_thinking(rendered["generation_prompt"], start, end),
+                start, end, opens_thinking(built.generation_prompt, start, end),
                 *((tokenizer.tool_call_start, tokenizer.tool_call_end) if tools else ()),
             )
             eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
@@ -125,20 +144,20 @@ class MlxStreamModel(llm.Model):
         yield stream_event("text", "", reply_metadata(_spelled(tokenizer, generated, "".join(raw))))
 
         stats = _jsonable({**r.plan_figures, **generation.stats})
-        _check_schema_closed(stats, processors, generated)
+        _check_schema_closed(stats, built.budget_aware, generated)
         response.set_usage(input=len(generation.started.prompt_tokens), output=stats.get("generated_tokens"))
         response.response_json = stats
         response.set_resolved_model(r.resolved_model)
 
 
-def _check_schema_closed(stats: dict, processors: list, reply: list[int]) -> None:
+def _check_schema_closed(stats: dict, budget_aware: tuple, reply: list[int]) -> None:
     """Record whether a --schema reply is a complete document; warn in one line when
     max_tokens cut it short."""
-    from .constrained import SchemaProcessor, cut_short_notice
+    from .constrained import cut_short_notice
 
-    schema = next((p for p in processors if isinstance(p, SchemaProcessor)), None)
-    if schema is None:
+    if not budget_aware:
         return
+    (schema,) = budget_aware
     stats["schema_closed"] = schema.closed(reply)
     if notice := cut_short_notice(stats):
         click.echo(notice, err=True)

@@ -10,7 +10,7 @@ front of what mlx-lm shows it, which is exactly what a cold run shows it.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import mlx.core as mx
 
@@ -28,6 +28,13 @@ class Stateless:
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         return self.processor(tokens, logits)
+
+
+class Budgeted(Protocol):
+    """A processor that shapes the reply to fit its token budget (constrained.py's
+    schema closes its document before the budget runs out)."""
+
+    def limit_tokens(self, budget: int) -> None: ...
 
 
 class WithPrefix:

@@ -53,12 +53,12 @@ class RunConfig:
     conversation_cache: Any = None  # engine.disk_cache.DiskCacheSpec, None: off
     plan_figures: dict = field(default_factory=dict)
 
-    def request(self, prompt, logits_processors: list) -> Request:
-        """The engine request for `prompt` (token ids, or a function of the tokenizer)."""
+    def request(self, tokens: Sequence[int], logits_processors: list, budget_aware: Sequence = ()) -> Request:
+        """The engine request for the prompt's token ids."""
         return Request(
-            prompt=prompt, max_tokens=self.max_tokens, stop=self.stop, conversation_cache=self.conversation_cache,
-            logits_processors=logits_processors, temperature=self.temperature, top_p=self.top_p,
-            min_p=self.min_p, top_k=self.top_k, seed=self.seed, max_context=self.max_context,
+            prompt=tokens, max_tokens=self.max_tokens, stop=self.stop, conversation_cache=self.conversation_cache,
+            logits_processors=logits_processors, budget_aware=budget_aware, temperature=self.temperature,
+            top_p=self.top_p, min_p=self.min_p, top_k=self.top_k, seed=self.seed, max_context=self.max_context,
             trace_path=self.trace_path, k=self.k, draft=self.draft, draft_path=self.draft_path,
             kv=self.kv, prefill_step=self.prefill_step,
         )

@@ -35,3 +35,11 @@ def vocab_size(path) -> int:
     from pathlib import Path
 
     return json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+
+
+def generate(engine, prompt: list[int], *, max_tokens=None, logits_processors=(), **request):
+    """Queue a generation from token ids on whatever `engine` has loaded (its Generation)."""
+    from llm_mlx_streaming.engine.request import Request
+
+    return engine.run(None, Request(prompt=list(prompt), max_tokens=max_tokens,
+                                    logits_processors=list(logits_processors), **request))

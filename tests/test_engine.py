@@ -10,7 +10,7 @@ from mlx.utils import tree_flatten
 from mlx_lm import generate as mlx_generate
 from mlx_lm import load as mlx_load
 
-from exactness import greedy_tokens, prompt_tokens, vocab_size
+from exactness import generate, greedy_tokens, prompt_tokens, vocab_size
 from llm_mlx_streaming.engine.loading import load_streaming
 from llm_mlx_streaming.engine.manager import EngineError, EngineManager, peak_rss_bytes
 from llm_mlx_streaming.experts.index import CheckpointIndex
@@ -29,7 +29,7 @@ def test_generate_matches_mlx_lm_generate(qwen):
 
     engine = EngineManager()
     engine.load(qwen, expert_slots=5, policy="lru")
-    text = "".join(r.text for r in engine.generate(prompt, max_tokens=40))
+    text = "".join(r.text for r in generate(engine, prompt, max_tokens=40))
     assert text == expected
     stats = engine.last_stats
     assert stats["misses"] > 0 and stats["unplaced"] == 0
@@ -43,16 +43,16 @@ def test_a_turn_that_extends_the_last_one_prefills_only_new_tokens(qwen):
     engine = EngineManager()
     engine.load(qwen, expert_slots=6)
     prompt = prompt_tokens(vocab_size(qwen), n=40)
-    first = [r.token for r in engine.generate(prompt, max_tokens=8)]
+    first = [r.token for r in generate(engine, prompt, max_tokens=8)]
     follow = prompt + first + prompt_tokens(vocab_size(qwen), n=10, seed=3)
-    second = [r.token for r in engine.generate(follow, max_tokens=8)]
+    second = [r.token for r in generate(engine, follow, max_tokens=8)]
     stats = engine.last_stats
     assert stats["reused_tokens"] == len(prompt) + len(first)
     assert stats["prefilled_tokens"] == 10
 
     fresh = EngineManager()
     fresh.load(qwen, expert_slots=6)
-    assert [r.token for r in fresh.generate(follow, max_tokens=8)] == second
+    assert [r.token for r in generate(fresh, follow, max_tokens=8)] == second
     assert fresh.last_stats["reused_tokens"] == 0
     engine.unload(), fresh.unload()
 
@@ -61,7 +61,7 @@ def test_interrupted_generation_leaves_the_engine_usable(qwen):
     engine = EngineManager()
     engine.load(qwen, expert_slots=5)
     prompt = prompt_tokens(vocab_size(qwen), n=30)
-    expected = [r.token for r in engine.generate(prompt, max_tokens=12)]
+    expected = [r.token for r in generate(engine, prompt, max_tokens=12)]
 
     calls = []
 
@@ -72,11 +72,11 @@ def test_interrupted_generation_leaves_the_engine_usable(qwen):
         return logits
 
     with pytest.raises(KeyboardInterrupt):
-        for _ in engine.generate(prompt + [1, 2], max_tokens=12, logits_processors=[interrupt]):
+        for _ in generate(engine, prompt + [1, 2], max_tokens=12, logits_processors=[interrupt]):
             pass
     assert len(calls) == 4
     assert engine.bad_slots() == 0
-    assert [r.token for r in engine.generate(prompt, max_tokens=12)] == expected
+    assert [r.token for r in generate(engine, prompt, max_tokens=12)] == expected
     assert engine.last_stats["reused_tokens"] == 0  # the interrupted cache was dropped
     engine.unload()
 
@@ -96,7 +96,7 @@ def test_a_second_caller_waits_its_turn(qwen):
             time.sleep(0.01)  # long enough for the other caller to run if it could
             return logits
 
-        results[name] = [r.token for r in engine.generate(prompt, max_tokens=6, logits_processors=[note])]
+        results[name] = [r.token for r in generate(engine, prompt, max_tokens=6, logits_processors=[note])]
 
     threads = [threading.Thread(target=run, args=("a", 0)), threading.Thread(target=run, args=("b", 0.02))]
     for t in threads:
@@ -114,13 +114,13 @@ def test_changing_expert_slots_rebuilds_pools_and_keeps_dense_weights(qwen):
     engine.load(qwen, expert_slots=4)
     dense = {k: id(v) for k, v in tree_flatten(engine.loaded.model.parameters()) if ".experts." not in k}
     prompt = prompt_tokens(vocab_size(qwen), n=30)
-    before = [r.token for r in engine.generate(prompt, max_tokens=10)]
+    before = [r.token for r in generate(engine, prompt, max_tokens=10)]
     engine.load(qwen, expert_slots=9, policy="lfuda")
     assert all(pool.slots == 9 for pool in engine.loaded.pools)
     after_ids = {k: id(v) for k, v in tree_flatten(engine.loaded.model.parameters()) if ".experts." not in k}
     assert after_ids == dense
     engine.session.reset()
-    assert [r.token for r in engine.generate(prompt, max_tokens=10)] == before
+    assert [r.token for r in generate(engine, prompt, max_tokens=10)] == before
     metrics = engine.metrics()
     assert metrics["expert_slots"] == 9 and metrics["policy"] == "lfuda"
     assert metrics["misses"] > 0 and metrics["hit_rate"] is not None
@@ -135,7 +135,7 @@ def test_prompt_longer_than_the_context_is_refused(qwen):
     engine.load(qwen)
     limit = engine.context_length
     with pytest.raises(EngineError, match=f"context of {limit} tokens"):
-        next(engine.generate([1] * (limit + 5), max_tokens=4))
+        next(generate(engine, [1] * (limit + 5), max_tokens=4))
     engine.unload()
 
 
@@ -240,7 +240,7 @@ def test_interrupt_during_an_expert_read_leaves_no_half_filled_slot(qwen, monkey
     engine = EngineManager()
     engine.load(qwen, expert_slots=4)
     prompt = prompt_tokens(vocab_size(qwen), n=30)
-    expected = [r.token for r in engine.generate(prompt, max_tokens=10)]
+    expected = [r.token for r in generate(engine, prompt, max_tokens=10)]
     store = engine.loaded.store
     real_read = store.read
     reads = []
@@ -257,11 +257,11 @@ def test_interrupt_during_an_expert_read_leaves_no_half_filled_slot(qwen, monkey
     monkeypatch.setattr(store, "read", flaky_read)
     engine.session.reset()
     with pytest.raises(KeyboardInterrupt):
-        list(engine.generate(prompt, max_tokens=10))
+        list(generate(engine, prompt, max_tokens=10))
     monkeypatch.setattr(store, "read", real_read)
     assert engine.bad_slots() == 0
     assert sum(p.counters.unplaced for p in engine.loaded.pools) == 0
-    assert [r.token for r in engine.generate(prompt, max_tokens=10)] == expected
+    assert [r.token for r in generate(engine, prompt, max_tokens=10)] == expected
     engine.unload()
 
 
@@ -273,7 +273,7 @@ def test_trace_records_each_layers_routing_for_the_simulator(qwen, tmp_path):
     engine.load(qwen, expert_slots=16)  # whole layers: tracing must still see every step
     trace = tmp_path / "trace.jsonl"
     prompt = prompt_tokens(vocab_size(qwen), n=20)
-    generated = len(list(engine.generate(prompt, max_tokens=12, trace_path=trace)))
+    generated = len(list(generate(engine, prompt, max_tokens=12, trace_path=trace)))
     (decode,) = load_trace(trace, phase="decode")
     assert decode.layers == len(engine.loaded.layers) and decode.experts == 16 and decode.top_k == 4
     # one-token model calls: the prompt's last token, then every generated token
@@ -295,7 +295,7 @@ def test_buffer_cache_stays_bounded_over_a_long_session(qwen):
     mx.set_cache_limit(limit)
     assert limit == 256 * 2**20  # the floor, for a model this small
     for seed in range(4):
-        list(engine.generate(prompt_tokens(vocab_size(qwen), n=200, seed=seed), max_tokens=4))
+        list(generate(engine, prompt_tokens(vocab_size(qwen), n=200, seed=seed), max_tokens=4))
         assert mx.get_cache_memory() <= limit
     engine.unload()
 
@@ -306,11 +306,11 @@ def test_a_suspended_generation_blocks_no_other_caller(qwen):
     engine = EngineManager()
     engine.load(qwen, expert_slots=5)
     prompt = prompt_tokens(vocab_size(qwen), n=20)
-    expected = [r.token for r in engine.generate(prompt, max_tokens=8)]
-    suspended = engine.generate(prompt, max_tokens=8)
+    expected = [r.token for r in generate(engine, prompt, max_tokens=8)]
+    suspended = generate(engine, prompt, max_tokens=8)
     next(suspended)
     other = {}
-    worker = threading.Thread(target=lambda: other.update(tokens=[r.token for r in engine.generate(prompt, max_tokens=8)]))
+    worker = threading.Thread(target=lambda: other.update(tokens=[r.token for r in generate(engine, prompt, max_tokens=8)]))
     worker.start()
     worker.join(timeout=60)
     assert not worker.is_alive(), "the suspended generation blocked the engine"
@@ -329,7 +329,7 @@ def test_a_generation_outlives_its_thread(qwen):
     handed = {}
 
     def start():
-        handed["gen"] = engine.generate(prompt, max_tokens=8)
+        handed["gen"] = generate(engine, prompt, max_tokens=8)
         next(handed["gen"])
 
     for _ in range(3):  # the later threads are likely to get the first one's id
@@ -337,7 +337,7 @@ def test_a_generation_outlives_its_thread(qwen):
         t.start()
         t.join()
         first = handed["gen"]
-        later = threading.Thread(target=lambda: list(engine.generate(prompt, max_tokens=4)))
+        later = threading.Thread(target=lambda: list(generate(engine, prompt, max_tokens=4)))
         later.start()
         later.join()
         assert len([first.tokens[0]] + [r.token for r in first]) == 8
@@ -355,15 +355,15 @@ def test_a_closed_or_dropped_generation_stops_at_the_next_token(qwen):
         time.sleep(0.02)
         return logits
 
-    gen = engine.generate(prompt, max_tokens=200, logits_processors=[count])
+    gen = generate(engine, prompt, max_tokens=200, logits_processors=[count])
     next(gen)
     gen.close()
     stopped_at = len(steps)
     assert stopped_at < 20
-    gen = engine.generate(prompt, max_tokens=200, logits_processors=[count])
+    gen = generate(engine, prompt, max_tokens=200, logits_processors=[count])
     next(gen)
     del gen  # garbage-collected: the engine notices at the next token
-    after = engine.generate(prompt, max_tokens=3)
+    after = generate(engine, prompt, max_tokens=3)
     assert len(list(after)) == 3
     assert len(steps) < stopped_at + 40
     assert engine.session.tokens == prompt + after.tokens[:len(engine.session.tokens) - len(prompt)]

@@ -12,7 +12,7 @@ from exactness import prompt_tokens, vocab_size
 from fixtures.factory import ARCHITECTURES, supported_quants
 from fixtures.scripted import ScriptedDrafter
 from llm_mlx_streaming.engine.manager import EngineError, EngineManager
-from llm_mlx_streaming.engine.request import Request
+from llm_mlx_streaming.engine.request import Injected, Request
 from llm_mlx_streaming.speculation import heads
 from llm_mlx_streaming.speculation.drafter import DraftContext, DraftError, Drafter
 from llm_mlx_streaming.speculation.kinds import make_drafter
@@ -37,8 +37,9 @@ def _engine(path, slots):
     return engine
 
 
-def _generate(engine, prompt, **request):
-    generation = engine.run(None, Request(prompt=list(prompt), max_tokens=request.pop("max_tokens", TOKENS), **request))
+def _generate(engine, prompt, drafter=None, **request):
+    generation = engine.run(None, Request(prompt=list(prompt), max_tokens=request.pop("max_tokens", TOKENS),
+                                          injected=Injected(drafter=drafter), **request))
     return [r.token for r in generation], generation.stats
 
 

@@ -36,6 +36,9 @@ class Ours:
     def __init__(self, path: str, fraction: float, shims: bool):
         sys.path.insert(0, str(ROOT))
         from llm_mlx_streaming.engine.manager import EngineManager
+        from llm_mlx_streaming.engine.request import Request
+
+        self._request = Request
 
         config = json.loads((Path(path) / "config.json").read_text())
         self.slots = max(1, round(config["num_experts"] * fraction))
@@ -59,7 +62,7 @@ class Ours:
     def generate(self, prompt, max_tokens):
         self.engine.session.reset()  # no KV reuse between runs: every run prefills
         self._phase = {"run": self._phase["run"] + 1, "phase": "prefill"}
-        for r in self.engine.generate(prompt, max_tokens=max_tokens):
+        for r in self.engine.run(None, self._request(prompt=list(prompt), max_tokens=max_tokens)):
             yield r
             self._phase["phase"] = "decode"  # what follows the first token
 

@@ -272,8 +272,7 @@ def _live(json_: bool) -> None:
     if st.get("rebuild_error"):
         rows.append(["last rebuild", f"failed: {st['rebuild_error']}"])
     table(None, rows, indent="  ")
-    seconds = st.get("read_seconds") or 0
-    figures = {**st, "mb_read": round((st.get("bytes_read") or 0) / 1e6, 3), "read_seconds": round(seconds, 4),
-               "read_mb_per_s": round(st["bytes_read"] / seconds / 1e6, 1) if seconds else None,
-               "peak_memory_bytes": st.get("mlx_peak_memory_bytes")}
+    from ..engine.figures import read_figures
+
+    figures = {**st, **read_figures(st), "peak_memory_bytes": st.get("mlx_peak_memory_bytes")}
     table(None, _stat_lines(figures)[4:], indent="  ")

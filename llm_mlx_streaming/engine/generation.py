@@ -23,7 +23,7 @@ class Cancelled(Exception):
 
 @dataclass(frozen=True)
 class Started:
-    """What a generation runs on, known once its model is loaded and its prompt rendered."""
+    """What a generation runs on, known once its model is loaded and its cache reused."""
 
     tokenizer: Any
     checkpoint: Path
@@ -65,7 +65,7 @@ class Generation:
         return self.wait_started().started.tokenizer
 
     def wait_started(self) -> "Generation":
-        """Wait until the model is loaded and the prompt rendered (raising their errors)."""
+        """Wait until the model is loaded and the generation set up (raising their errors)."""
         while self.started is None:
             self._handle(self.channel.events.get())
         return self

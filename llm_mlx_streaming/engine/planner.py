@@ -19,23 +19,29 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Sequence
 
-from ..checkpoints.config import config_field, decoder_shape, expert_container_paths, moe_shape, read_config
-from ..errors import CheckpointError
-from ..experts.index import CheckpointIndex
 from ..sizes import format_size, parse_size
 from ..values import DEFAULT_MAX_CONTEXT
-from .kv import FULL_PRECISION, KVSpec, blocker, check_model
-from .kv import bytes_per_element as bytes_per_element_of
+from .footprint import (
+    ATTENTION_TILE,
+    KV_STEP,
+    PREFILL_STEP,
+    Layout,
+    attention_tile_bytes,
+    checkpoint_layout,
+    kv_cache_bytes,
+    prefill_bytes_per_token,
+)
+from .kv import FULL_PRECISION, KVSpec, check_model
 
 __all__ = [
+    "ATTENTION_TILE",
     "DEFAULT_HIT_RATES",
     "DEFAULT_MAX_CONTEXT",
     "KV_STEP",
+    "PREFILL_STEP",
     "Plan",
     "PlanError",
     "checkpoint_layout",
@@ -49,16 +55,7 @@ MiB = 1024**2
 RESERVE_FLOOR = 256 * MiB  # fixed runtime overhead: MLX/Metal, tokenizer, Python
 RESERVE_FRACTION = 0.05  # scales with the working set (activations, allocator slack)
 WHOLE_FROM = 0.5  # every layer holds this share of its experts before any layer is whole
-KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens
-PREFILL_STEP = 2048  # mlx-lm's stream_generate prefills in chunks of this many tokens
 DEFAULT_HIT_RATES = (0.5, 0.8, 0.9)
-
-# Where the stacked expert tensors of a layer live: mlx-lm's SwitchGLU/SwitchMLP are
-# named `switch_mlp` by every architecture but gpt_oss, whose container is `mlp.experts`.
-# The key is `<container>.<proj>.<weight|scales|biases|bias>`.
-# Decoder layers under a language model's `model.layers` (also inside a VLM wrapper).
-_LAYER_KEY = re.compile(r"^(?:language_model\.)?model\.layers\.(\d+)\.")
-
 
 
 class PlanError(ValueError):
@@ -70,224 +67,7 @@ def default_reserve(budget: int) -> int:
     return max(RESERVE_FLOOR, int(RESERVE_FRACTION * budget))
 
 
-# -- the checkpoint, from headers alone ------------------------------------------------
-
-
-@dataclass
-class Layout:
-    """What a plan needs to know about a checkpoint."""
-
-    path: Path
-    config: dict
-    model_type: str
-    num_experts: int  # 0: a dense model
-    top_k: int
-    dense_bytes: int
-    skipped_bytes: int  # tensors mlx-lm drops on load (multi-token-prediction heads)
-    layer_keys: list[str] = field(default_factory=list)  # one expert container per MoE layer
-    expert_bytes: list[int] = field(default_factory=list)  # bytes of one expert, per MoE layer
-    kv_blocker: str | None = None  # why a quantized KV cache cannot apply (engine/kv.py)
-
-    @property
-    def checkpoint_bytes(self) -> int:
-        return self.dense_bytes + self.num_experts * sum(self.expert_bytes)
-
-
-def _dropped_on_load(key: str, num_layers: int | None) -> bool:
-    """Tensors mlx-lm's sanitize() drops: multi-token-prediction heads (qwen3_next's
-    `mtp.*`, deepseek_v3's extra decoder layer `model.layers.<num_hidden_layers>`)."""
-    if key.startswith("mtp.") or ".mtp." in key:
-        return True
-    m = _LAYER_KEY.match(key)
-    return bool(m and num_layers is not None and int(m.group(1)) >= num_layers)
-
-
-def _layer_order(key: str) -> list[int]:
-    # The engine orders its expert containers the same way (loading.expert_containers).
-    return [int(n) for n in re.findall(r"\d+", key)]
-
-
-def checkpoint_layout(path: str | os.PathLike) -> Layout:
-    """Dense bytes and per-MoE-layer bytes per expert, from config.json and headers.
-
-    A stacked expert tensor is one under an expert container of the model mlx-lm builds
-    (`expert_container_paths`) whose first dimension is
-    number of experts of mlx-lm's model; it belongs to its container's MoE layer. Every
-    other tensor is dense.
-    """
-    path = Path(path).expanduser()
-    config = read_config(path)
-    index = CheckpointIndex(path)
-    try:
-        num_experts, top_k = moe_shape(config) or (0, 0)
-        containers = expert_container_paths(config)
-    except CheckpointError as e:
-        raise CheckpointError(f"{path / 'config.json'}: {e}") from None
-    num_layers = decoder_shape(config)[0] or None
-    dense = skipped = 0
-    groups: dict[str, int] = {}
-    for key, entry in index.tensors.items():
-        if _dropped_on_load(key, num_layers):
-            skipped += entry.nbytes
-            continue
-        container = next((c for c in containers if key.startswith(c + ".")), None)
-        if container and entry.shape and entry.shape[0] == num_experts:
-            groups[container] = groups.get(container, 0) + entry.nbytes
-        else:
-            dense += entry.nbytes
-    keys = sorted(groups, key=_layer_order)
-    if num_experts:
-        if not keys:
-            raise CheckpointError(
-                f"{path}: config.json says {num_experts} experts, but no stacked expert "
-                "tensors (switch_mlp / mlp.experts) are in the checkpoint; convert it with mlx_lm"
-            )
-    for key in keys:
-        if groups[key] % num_experts:
-            raise CheckpointError(f"{path}: expert tensors of {key!r} do not split into {num_experts} experts")
-    return Layout(
-        path=path,
-        config=config,
-        model_type=str(config_field(config, ("model_type",)) or "?"),
-        num_experts=num_experts,
-        top_k=top_k,
-        dense_bytes=dense,
-        skipped_bytes=skipped,
-        layer_keys=keys,
-        expert_bytes=[groups[k] // num_experts for k in keys],
-        kv_blocker=blocker(config, index.tensors),
-    )
-
-
-# -- the KV cache --------------------------------------------------------------------
-
-
-def _activation_bytes(config: dict) -> int:
-    """2 (float16/bfloat16), or 4 when the checkpoint says float32 (mlx-lm then computes
-    in float32, and its caches hold float32)."""
-    dtype = str(config_field(config, ("torch_dtype", "dtype")) or "bfloat16")
-    return 4 if dtype.replace("torch.", "") == "float32" else 2
-
-
-def _layer_kinds(config: dict, num_layers: int) -> list[str]:
-    """"full", "sliding" or "linear" per decoder layer, from the config.
-
-    `layer_types` (gpt_oss, newer Qwen3-Next configs) says it per layer. Otherwise a
-    linear-attention hybrid (a `full_attention_interval` next to `linear_*` fields, as
-    Qwen3-Next: layer i is full attention when (i + 1) % interval == 0, as mlx-lm builds
-    it) has only every interval-th layer holding a KV cache. Failing both, every layer
-    is counted as full attention (an over-estimate, never an under-estimate).
-    """
-    types = config_field(config, ("layer_types",))
-    if isinstance(types, list) and len(types) == num_layers:
-        kinds = []
-        for t in types:
-            t = str(t)
-            kinds.append("sliding" if "sliding" in t else "linear" if "linear" in t else "full")
-        return kinds
-    interval = config_field(config, ("full_attention_interval",))
-    if interval and config_field(config, ("linear_num_value_heads",)):
-        return ["full" if (i + 1) % int(interval) == 0 else "linear" for i in range(num_layers)]
-    return ["full"] * num_layers
-
-
-def kv_cache_bytes(
-    config: dict, max_context: int, bytes_per_element: int | None = None,
-    kv: KVSpec = FULL_PRECISION, kv_blocker: str | None = None,
-) -> tuple[int, str]:
-    """(bytes, description) of the caches mlx-lm keeps for `max_context` tokens.
-
-    With a quantized layout `kv` (and no `kv_blocker`, see engine/kv.py), full-attention
-    layers hold `kv.bits` per element plus a scale and a bias per group; sliding windows
-    and linear-attention state stay as they are, as in the engine.
-
-    An upper bound, checked against mlx-lm's caches in tests/test_planner.py:
-
-    - full attention: 2 x kv_heads x head_dim elements (K and V) per layer and token;
-      multi-head latent attention (deepseek_v3: `kv_lora_rank` in the config) caches
-      the latent instead, kv_lora_rank + qk_rope_head_dim elements. mlx-lm's KVCache
-      grows 256 tokens at a time, and a prompt that ends off a step boundary leaves up
-      to 255 positions unused, so a layer holds at most max_context + 255 positions.
-    - sliding window (`layer_types` says "sliding_attention"): mlx-lm's RotatingKVCache
-      holds `sliding_window` tokens, but right after a prefill chunk it holds
-      sliding_window - 1 + the chunk (up to 2048 tokens in stream_generate).
-    - linear attention (Qwen3-Next's gated delta net): a fixed state whatever the
-      context: a conv state of (kernel - 1) x conv_dim elements and a float32 recurrent
-      state of value_heads x value_dim x key_dim.
-    """
-    if max_context < 0:
-        raise ValueError(f"max_context must not be negative, got {max_context}")
-    width = bytes_per_element or _activation_bytes(config)
-    quantized = kv.quantized and not kv_blocker and kv.start < max_context
-    full_width = bytes_per_element_of(kv, width) if quantized else width
-    num_layers, hidden, heads = decoder_shape(config)
-    kv_lora = config_field(config, ("kv_lora_rank",))
-    if kv_lora:
-        per_token = int(kv_lora) + int(config_field(config, ("qk_rope_head_dim",)) or 0)
-    else:
-        kv_heads = int(config_field(config, ("num_key_value_heads",)) or heads)
-        head_dim = config_field(config, ("head_dim",)) or hidden // heads
-        per_token = 2 * kv_heads * int(head_dim)
-    tokens = max_context + KV_STEP - 1 if max_context else 0
-    window = config_field(config, ("sliding_window",))
-    kinds = _layer_kinds(config, num_layers)
-    total = 0
-    for kind in kinds:
-        if kind == "full":
-            total += math.ceil(tokens * per_token * full_width)
-        elif kind == "sliding":
-            held = int(window) - 1 + PREFILL_STEP if window else tokens
-            total += min(tokens, held) * per_token * width
-        else:
-            hk = int(config_field(config, ("linear_num_key_heads",)) or 0)
-            hv = int(config_field(config, ("linear_num_value_heads",)) or 0)
-            dk = int(config_field(config, ("linear_key_head_dim",)) or 0)
-            dv = int(config_field(config, ("linear_value_head_dim",)) or 0)
-            kernel = int(config_field(config, ("linear_conv_kernel_dim",)) or 4)
-            conv = (kernel - 1) * (2 * hk * dk + hv * dv) * width
-            total += conv + hv * dv * dk * 4
-    counts = {k: kinds.count(k) for k in ("full", "sliding", "linear") if k in kinds}
-    if set(counts) <= {"full"}:
-        layers = f"{num_layers} layers"
-    else:
-        names = {"full": "full-attention", "sliding": f"sliding-window ({window})",
-                 "linear": "linear-attention"}
-        layers = ", ".join(f"{n} {names[k]}" for k, n in counts.items()) + " layers"
-    text = f"{max_context} tokens, {layers}"
-    if quantized:
-        text += f", {kv.describe()}" + (" on the full-attention layers" if set(counts) - {"full"} else "")
-    elif kv.quantized:
-        why = kv_blocker or f"kv_start {kv.start} is past max_context"
-        text += f", full precision (kv_bits {kv.bits} not applied: {why})"
-    return total, text
-
-
 # -- the prefill chunk ---------------------------------------------------------------
-
-
-ATTENTION_TILE = 2048  # engine/prefill.py: attention takes a long chunk in tiles of this many tokens
-
-
-def prefill_bytes_per_token(config: dict, top_k: int, bytes_per_element: int | None = None) -> int:
-    """Activation bytes one prompt token of a prefill chunk holds at once (an estimate):
-    hidden states, queries, keys and values, about 8 x hidden + (heads + 2 x kv_heads)
-    x head_dim elements; and its expert routes, top_k x (2 x hidden + 3 x expert width)
-    elements (the gathered rows, gate, up, their product, the output rows)."""
-    width = bytes_per_element or _activation_bytes(config)
-    _, hidden, heads = decoder_shape(config)
-    kv_heads = int(config_field(config, ("num_key_value_heads",)) or heads)
-    head_dim = int(config_field(config, ("head_dim",)) or hidden // heads)
-    expert_width = int(config_field(config, ("moe_intermediate_size", "intermediate_size")) or hidden)
-    elements = 8 * hidden + (heads + 2 * kv_heads) * head_dim + top_k * (2 * hidden + 3 * expert_width)
-    return elements * width
-
-
-def attention_tile_bytes(config: dict, context: int) -> int:
-    """The scores of one attention tile against `context` keys: tile x heads x context
-    float32 values, what mlx materializes on the CPU and for a quantized cache (Metal's
-    fused kernel for a full-precision cache does not, so there this over-estimates)."""
-    heads = decoder_shape(config)[2]
-    return ATTENTION_TILE * heads * context * 4
 
 
 def prefill_step_for(

@@ -29,18 +29,26 @@ class LoadSpec:
     packed: Optional[bool] = None
 
 
+@dataclass(frozen=True)
+class Injected:
+    """What tests and benchmarks hand the engine in place of its own parts; requests
+    from the model, the CLI and the server leave it empty."""
+
+    drafter: Any = None  # a ready Drafter; wins over `Request.draft`
+    after_verify: Optional[Callable] = None  # called with (inputs, kept) after each verify pass
+
+
 @dataclass
 class Request:
     """One generation.
 
-    `prompt` is token ids, or a function of the loaded tokenizer that returns them (it
-    runs under the engine lock, so it sees the tokenizer the generation will use).
+    `prompt` is the token ids, rendered by the caller with the checkpoint's tokenizer.
     Sampling is built inside the engine from the fields below, so a seed applies to
     this generation alone; `sampler` replaces them when given. `max_tokens` below 1
     means "until the context is full".
     """
 
-    prompt: Union[Sequence[int], Callable[[Any], Sequence[int]]]
+    prompt: Sequence[int]
     max_tokens: Optional[int] = None
     temperature: float = 0.0
     top_p: float = 0.0
@@ -49,6 +57,9 @@ class Request:
     seed: Optional[int] = None
     sampler: Optional[Callable] = None
     logits_processors: list = field(default_factory=list)
+    # processors.Budgeted ones (also in logits_processors) told the reply's token budget
+    # before the first token: a schema constraint closes its document within it
+    budget_aware: Sequence = ()
     max_context: Optional[int] = None  # a user limit below the model's own context
     trace_path: Optional[Path] = None  # when set, this generation's routing is appended here
     # -- features --
@@ -57,9 +68,8 @@ class Request:
     # -- speculation --------------------------------------------------
     k: Union[int, str] = 0  # drafts per verify pass; 0: plain mlx-lm decoding; "auto": adaptive
     draft: str = "ngram"  # a drafter kind (speculation/drafter.py) or an added model's name
-    drafter: Any = None  # a ready Drafter (tests, benchmarks); wins over `draft`
     draft_path: Optional[Path] = None  # checkpoint of `draft` when it names an added model
-    spec_observer: Optional[Callable] = None  # called after each verify pass (benchmarks)
+    injected: Injected = Injected()  # tests' and benchmarks' stand-ins
     # -- long context (engine/kv.py) --
     kv: KVSpec = FULL_PRECISION  # how the attention cache is kept (quantized or not)
     prefill_step: Optional[int] = None  # prompt tokens per prefill chunk (None: mlx-lm's 2048)

@@ -271,12 +271,10 @@ class Service:
 
     # -- figures --------------------------------------------------------------
     def stats(self) -> dict:
+        from ..engine.figures import layer_figures
+
         engine = _engine()
         out = engine.metrics()
-        layers = []
-        for i, pool in enumerate(engine.loaded.pools if engine.loaded else []):
-            if pool is not None:  # None while a rebuild replaces it
-                layers.append({"layer": i, "slots": pool.slots, **pool.counters.as_dict()})
         out.update({
             "model": self.model_id,
             "rebuilding": self.rebuilds > 0,
@@ -284,7 +282,7 @@ class Service:
             "server": {"running": self.gate.busy, "queued": self.gate.waiting,
                        "max_queue": self.gate.max_waiting, "served": self.served,
                        "disconnects": self.disconnects},
-            "layers": layers,
+            "layers": layer_figures(engine.loaded),
         })
         return out
 

@@ -42,14 +42,14 @@ def make_run(request, loaded, cache, history, prompt, max_tokens, drafters: dict
 
     `prefill_step` and `kv_kwargs` (a quantized KV layout) are what the plain path
     would pass to stream_generate, so both paths fill the cache alike."""
-    drafter = request.drafter or _drafter(request, loaded, drafters)
+    drafter = request.injected.drafter or _drafter(request, loaded, drafters)
     return SpeculativeRun(
         model=loaded.model, cache=cache, history=list(history), prompt=list(prompt),
         drafter=drafter, depth=Depth(values.k(request.k)),
         target=TargetSampler(request.temperature, request.top_p, request.min_p, request.top_k),
         sampler=request.make_sampler(), processors=list(request.logits_processors),
         max_tokens=max_tokens, figures=figures,
-        observer=request.spec_observer, prefill_step=prefill_step, kv_kwargs=kv_kwargs,
+        observer=request.injected.after_verify, prefill_step=prefill_step, kv_kwargs=kv_kwargs,
     )
 
 
@@ -71,7 +71,7 @@ def _drafter(request, loaded, drafters: dict):
 
 
 def _draft_name(request) -> str:
-    return getattr(request.drafter, "name", None) or request.draft
+    return getattr(request.injected.drafter, "name", None) or request.draft
 
 
 __all__ = ["DraftError", "figures_for", "make_run", "off_reason"]

@@ -1,0 +1,143 @@
+"""The engine's figures, named and computed in one place.
+
+A response's figures (its `response_json`, which `llm mlxs stats` reads back from
+logs.db) and the engine's live ones (`/api/stats`, `llm mlxs stats --live`) are built
+here from the same counters, so one name always means one quantity.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from dataclasses import fields
+
+from ..experts.pool import PoolCounters
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size: ru_maxrss is bytes on macOS, KiB on Linux."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def store_in_use(loaded) -> str | None:
+    """Which copy of the experts reads come from: "packed", "safetensors" (None: no model)."""
+    if loaded is None:
+        return None
+    packed = getattr(loaded.store, "packed", None)
+    return "packed" if packed is not None and not getattr(packed, "disabled", None) else "safetensors"
+
+
+def slots_per_layer(loaded) -> int | list[int] | None:
+    """Slots per MoE layer: one number when every layer has the same."""
+    # (a pool being rebuilt is None for a moment; the server reads this meanwhile)
+    slots = [pool.slots for pool in (loaded.pools if loaded else []) if pool is not None]
+    if not slots:
+        return None
+    return slots[0] if len(set(slots)) == 1 else slots
+
+
+def pool_counters(loaded, retired: PoolCounters) -> PoolCounters:
+    """Counters summed over every pool (an MTP head's included) and the `retired` ones."""
+    total = PoolCounters()
+    total.add(retired)
+    for pool in loaded.all_pools if loaded else []:
+        if pool is not None:  # None while it is being rebuilt
+            total.add(pool.counters)
+    return total
+
+
+def read_figures(counts: dict) -> dict:
+    """Expert lookups and disk reads, from pool counters (`PoolCounters.as_dict()`, or
+    the difference of two)."""
+    lookups = counts["hits"] + counts["misses"]
+    return {
+        "hits": counts["hits"],
+        "misses": counts["misses"],
+        "hit_rate": round(counts["hits"] / lookups, 4) if lookups else None,
+        "evictions": counts["evictions"],
+        "mb_read": round(counts["bytes_read"] / 1e6, 3),
+        "read_seconds": round(counts["read_seconds"], 4),
+        "reads": counts["reads"],
+        "read_mb_per_s": round(counts["bytes_read"] / counts["read_seconds"] / 1e6, 1)
+        if counts["read_seconds"] else None,
+        "unplaced": counts["unplaced"],
+        "calls_no_load": counts["calls_no_load"],
+        "calls_loaded": counts["calls_loaded"],
+        "overlapped": counts["overlapped"],
+    }
+
+
+def response_figures(provider, before: PoolCounters, last, prompt: int, reused: int, prefilled: int,
+                     seconds: float) -> dict:
+    """One generation's figures; `last` is its final mlx-lm GenerationResponse."""
+    import mlx.core as mx
+
+    now = provider.counters()
+    delta = {f.name: getattr(now, f.name) - getattr(before, f.name) for f in fields(PoolCounters)}
+    return {
+        "prompt_tokens": prompt,
+        "reused_tokens": reused,
+        "prefilled_tokens": prefilled,
+        "generated_tokens": last.generation_tokens if last else 0,
+        "prefill_tps": round(last.prompt_tps, 2) if last else None,
+        "decode_tps": round(last.generation_tps, 2) if last else None,
+        "seconds": round(seconds, 3),
+        **read_figures(delta),
+        "peak_memory_bytes": int(mx.get_peak_memory()),
+        "expert_slots": provider.slots_per_layer(),
+        "policy": provider.policy,
+        "store": store_in_use(provider.loaded),
+        "threads": provider.threads,
+        "page_cache": provider.page_cache,
+        "checkpoint": str(provider.checkpoint),
+        "finish_reason": last.finish_reason if last else None,
+    }
+
+
+def kv_figures(cache, kv, kv_note, prefill_step: int, ttft: float | None) -> dict:
+    """The KV cache a generation left and how its prompt was prefilled."""
+    from .kv import bits_in_use, cache_bytes, kept_note
+
+    figures = {
+        "kv_bits": bits_in_use(cache),
+        "kv_bytes": cache_bytes(cache),
+        "prefill_step": prefill_step,
+        "ttft_seconds": round(ttft, 4) if ttft is not None else None,
+    }
+    if kv.quantized:
+        figures.update(kv_group_size=kv.group_size, kv_start=kv.start)
+        kv_note = kv_note or kept_note(cache)
+    if kv_note:
+        figures["kv_note"] = kv_note
+    return figures
+
+
+def engine_figures(manager) -> dict:
+    """The engine's state now: what is loaded, memory, and counters since the load."""
+    import mlx.core as mx
+
+    return {
+        "state": manager.state,
+        "error": manager.error,
+        "checkpoint": str(manager.checkpoint) if manager.checkpoint else None,
+        "expert_slots": manager.slots_per_layer(),
+        "policy": manager.policy,
+        "threads": manager.threads,
+        "page_cache": manager.page_cache,
+        "store": store_in_use(manager.loaded),
+        "max_tokens": manager.max_tokens,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "mlx_active_memory_bytes": int(mx.get_active_memory()),
+        "mlx_peak_memory_bytes": int(mx.get_peak_memory()),
+        "last_decode_tps": manager.last_decode_tps,
+        "requests_served": manager.served,
+        "requests_queued": manager.queued,
+        **manager.counters().as_dict(),
+    }
+
+
+def layer_figures(loaded) -> list[dict]:
+    """Each MoE layer's slots and counters (a layer whose pool is being rebuilt is left out)."""
+    return [{"layer": i, "slots": pool.slots, **pool.counters.as_dict()}
+            for i, pool in enumerate(loaded.pools if loaded else []) if pool is not None]

@@ -1,0 +1,210 @@
+"""The model provider: which checkpoint is loaded, and how its experts are pooled and read.
+
+Loading, rebuilding the pools with new sizes or a new policy, and swapping the expert
+reader are the provider's; it keeps the dense weights and the KV session across
+changes that do not need a reload. Every change runs under its lock, so no generation
+(and so no expert read) is in flight meanwhile.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from ..errors import CheckpointError, one_line
+from ..experts.policies import DEFAULT_POLICY, POLICIES
+from ..experts.pool import PoolCounters
+from . import figures
+from .request import LoadSpec
+
+
+class EngineError(Exception):
+    """A problem the user can fix; the message is one line."""
+
+
+class LoadError(EngineError):
+    """The requested checkpoint could not be loaded."""
+
+
+class ModelProvider:
+    """The loaded model, its pools, its reader and its KV session."""
+
+    def __init__(self) -> None:
+        self.state = "empty"  # empty | loading | loaded | error
+        self.error: str | None = None
+        self.loaded = None  # StreamingModel
+        self.session = None
+        self.expert_slots: int | list[int] | None = None
+        self.policy = DEFAULT_POLICY
+        self.threads: int | None = None  # expert reader threads
+        self.page_cache: str | None = None  # "keep" | "bypass"
+        self.packed: bool | None = None  # use the checkpoint's packed store when valid
+        self._retired = PoolCounters()  # counters of pools replaced by a rebuild
+        self._lock = threading.RLock()
+
+    @property
+    def checkpoint(self) -> Path | None:
+        return self.loaded.path if self.loaded else None
+
+    @property
+    def tokenizer(self):
+        return self.loaded.tokenizer if self.loaded else None
+
+    @property
+    def config(self) -> dict | None:
+        return self.loaded.config if self.loaded else None
+
+    @property
+    def context_length(self) -> int | None:
+        config = self.config or {}
+        text = config.get("text_config", {})
+        return config.get("max_position_embeddings") or text.get("max_position_embeddings")
+
+    def load(self, path, *, expert_slots: int | list[int] | None = None, policy: str = DEFAULT_POLICY,
+             threads: int | None = None, page_cache: str | None = None, packed: bool | None = None) -> None:
+        """Load `path` (a no-op if loaded); new pool settings rebuild only the pools.
+
+        `threads` (reader threads) and `page_cache` ("keep" or "bypass") apply to a loaded
+        model without reloading; `packed` (use the checkpoint's packed store when present
+        and valid) reloads it when it changes. None means the loader's default.
+        """
+        _check_params(expert_slots, policy)
+        io = _io_params(threads, page_cache, packed)
+        path = Path(path).expanduser().resolve()
+        with self._lock:
+            if self.state == "loaded" and self.checkpoint == path:
+                if io["packed"] == self.packed:
+                    self.configure(expert_slots=expert_slots, policy=policy,
+                                   threads=io["threads"], page_cache=io["page_cache"])
+                    return
+            self.unload()
+            self.state, self.error = "loading", None
+            from .loading import load_streaming
+
+            try:
+                self.loaded = load_streaming(path, expert_slots=expert_slots, policy=policy, **io)
+            except (CheckpointError, ValueError, OSError) as e:
+                self.state, self.error = "error", one_line(e)
+                raise EngineError(self.error) from None
+            except BaseException as e:
+                self.state, self.error = "error", one_line(e)
+                raise
+            from .session import Session
+
+            self.session = Session(self.loaded.model)
+            _limit_buffer_cache(self.loaded)
+            self.expert_slots, self.policy = expert_slots, policy
+            self.threads, self.page_cache = io["threads"], io["page_cache"]
+            self.packed = io["packed"]
+            self.state = "loaded"
+
+    def load_spec(self, spec: LoadSpec) -> None:
+        """`load` for a request's LoadSpec; a failure is a LoadError."""
+        try:
+            self.load(spec.path, expert_slots=spec.expert_slots, policy=spec.policy,
+                      threads=spec.threads, page_cache=spec.page_cache, packed=spec.packed)
+        except EngineError as e:
+            raise LoadError(str(e)) from None
+
+    def configure(self, *, expert_slots: int | list[int] | None = None, policy: str | None = None,
+                  threads: int | None = None, page_cache: str | None = None) -> None:
+        """Change pool size or policy at run time, keeping the dense weights; change the
+        reader threads or page-cache mode (None: unchanged) without touching the pools."""
+        policy = policy or self.policy
+        _check_params(expert_slots, policy)
+        threads = self.threads if threads is None else threads
+        page_cache = self.page_cache if page_cache is None else page_cache
+        _io_params(threads, page_cache, None)
+        with self._lock:
+            if (threads, page_cache) != (self.threads, self.page_cache):
+                self.require_loaded()
+                self._replace_store(threads, page_cache)
+            if (expert_slots, policy) == (self.expert_slots, self.policy):
+                return
+            self.require_loaded()
+            for pool in self.loaded.all_pools:
+                self._retired.add(pool.counters)
+            self.loaded.build_pools(expert_slots, policy)
+            self.expert_slots, self.policy = expert_slots, policy
+
+    def _replace_store(self, threads: int, page_cache: str) -> None:
+        """A new reader (threads, page-cache mode) for every pool; the slots stay as they are."""
+        from ..experts.store import ExpertStore
+
+        old = self.loaded.store
+        new = ExpertStore(threads, page_cache)
+        new.packed = getattr(old, "packed", None)
+        new.adopt(old)  # the files the model was loaded from, even if replaced since
+        self.loaded.store = new
+        for pool in self.loaded.all_pools:
+            pool.store = new
+        old.close()
+        self.threads, self.page_cache = threads, page_cache
+
+    def unload(self) -> None:
+        with self._lock:
+            if self.loaded is not None:
+                self.loaded.store.close()
+            self.loaded = self.session = None
+            self._retired = PoolCounters()
+            self.state, self.error = "empty", None
+
+    def require_loaded(self) -> None:
+        if self.state != "loaded":
+            raise EngineError(self.error or "no model is loaded")
+
+    # -- what the pools hold and did -------------------------------------------------
+    def slots_per_layer(self) -> int | list[int] | None:
+        """Slots per MoE layer: one number when every layer has the same."""
+        return figures.slots_per_layer(self.loaded)
+
+    def counters(self) -> PoolCounters:
+        """Counters summed over every layer (and an MTP head's pool), including pools
+        replaced by rebuilds."""
+        return figures.pool_counters(self.loaded, self._retired)
+
+    def bad_slots(self) -> int:
+        """Bad slots over every pool (0 when every resident expert matches the disk)."""
+        with self._lock:
+            self.require_loaded()
+            return sum(pool.bad_slots() for pool in self.loaded.all_pools)
+
+
+def _limit_buffer_cache(loaded) -> None:
+    """Cap MLX's cache of freed buffers so long sessions do not grow.
+
+    Prefill and expert-major calls free many activation-sized buffers; MLX keeps them
+    for reuse, by default without bound. A quarter of the resident weights (at least
+    256 MiB) is plenty for reuse. The Metal wired limit needs nothing here: mlx-lm's
+    `stream_generate` raises it to cover the model's arrays, pools included, and does
+    nothing where there is no Metal.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_reduce
+
+    resident = tree_reduce(lambda acc, x: acc + x.nbytes, loaded.model.parameters(), 0)
+    mx.set_cache_limit(max(256 * 2**20, resident // 4))
+
+
+def _check_params(expert_slots, policy) -> None:
+    counts = expert_slots if isinstance(expert_slots, (list, tuple)) else [expert_slots]
+    for n in counts:
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise EngineError(f"expert_slots must be an integer of at least 1, got {n!r}")
+    if policy not in POLICIES:
+        raise EngineError(f"unknown policy {policy!r}: choose one of {', '.join(sorted(POLICIES))}")
+
+
+def _io_params(threads, page_cache, packed) -> dict:
+    """The read settings with the loader's defaults filled in; a bad one is an EngineError."""
+    from ..experts.store import DEFAULT_THREADS, check_page_cache
+
+    threads = DEFAULT_THREADS if threads is None else threads
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise EngineError(f"threads must be an integer of at least 1, got {threads!r}")
+    page_cache = page_cache or "keep"
+    try:
+        check_page_cache(page_cache)
+    except ValueError as e:
+        raise EngineError(str(e)) from None
+    return {"threads": threads, "page_cache": page_cache, "packed": True if packed is None else bool(packed)}

@@ -1,0 +1,229 @@
+"""One generation for one request, on the engine thread, under the provider's lock.
+
+`respond` is the whole of it, in order: the token budget, the KV layout, the longest
+cached prefix (in memory, then on disk), plain decoding or speculation, stop
+sequences, the routing trace, and the figures. What it keeps for the next generation
+(the drafter, the disk cache in use, warnings already given) is in `Carried`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from ..errors import one_line
+from ..processors import with_history
+from ..stops import StopMatcher
+from . import figures as fig
+from .generation import Channel, Started
+from .provider import EngineError, ModelProvider
+from .request import Request
+
+
+@dataclass
+class Carried:
+    """What one generation leaves for the next."""
+
+    drafters: dict = field(default_factory=dict)  # speculation: the drafter kept between generations
+    disk: Any = None  # the conversation cache on disk in use
+    disk_key: Any = None  # (spec, checkpoint, KV layout) it was opened for
+    warned: set = field(default_factory=set)  # warnings already printed once
+
+
+def respond(provider: ModelProvider, request: Request, out: Channel, carried: Carried,
+            default_max_tokens: int) -> dict:
+    """Generate `request` on the loaded model, putting "started" then each response on
+    `out`; returns the figures (the caller puts "done")."""
+    import mlx.core as mx
+    from mlx_lm.generate import stream_generate
+
+    from ..speculation import start as spec
+    from .planner import PREFILL_STEP
+
+    loaded, session = provider.loaded, provider.session
+    prompt = [int(t) for t in request.prompt]
+    max_tokens = token_budget(prompt, request, default_max_tokens, provider.context_length)
+    for processor in request.budget_aware:  # constrained decoding closes within it
+        processor.limit_tokens(max_tokens)
+    kv, kv_note = _kv_layout(loaded, request.kv)
+    cache, new_tokens, reused = session.reuse_for(prompt, kv)
+    disk = _disk_cache(provider, request, kv, carried)
+    cache, new_tokens, reused, from_disk = _from_disk(disk, session, loaded, prompt, kv, cache, new_tokens, reused)
+    out.put("started", Started(loaded.tokenizer, provider.checkpoint, prompt, reused))
+
+    prefill_step = request.prefill_step or PREFILL_STEP
+    try:
+        figures = spec.figures_for(request)
+        run = None
+        if figures.k != 0:  # k > 0 runs the draft-and-verify loop
+            figures.speculation_off = spec.off_reason(request)
+            if figures.speculation_off is None:
+                run = spec.make_run(request, loaded, cache, prompt[:reused], new_tokens, max_tokens,
+                                    carried.drafters, figures, prefill_step=prefill_step,
+                                    kv_kwargs=kv.generate_kwargs())
+    except (ValueError, spec.DraftError) as e:
+        raise EngineError(one_line(e)) from None
+    before = provider.counters()
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    ttft = last = None
+    generated: list[int] = []
+    recorder = _recorder(loaded, request.trace_path)
+    stops = StopMatcher(request.stop)
+    if run is not None:
+        from ..speculation.decode import stream_speculative
+
+        responses = stream_speculative(run, loaded.tokenizer)
+    else:
+        responses = stream_generate(
+            loaded.model, loaded.tokenizer, new_tokens,
+            max_tokens=max_tokens, sampler=request.make_sampler(),
+            logits_processors=with_history(request.logits_processors, prompt[:reused]) or None,
+            prompt_cache=cache,
+            prefill_step_size=prefill_step, **kv.generate_kwargs(),
+        )
+    try:
+        for response in responses:
+            if ttft is None:
+                ttft = time.perf_counter() - start
+            out.check_cancelled()
+            generated.append(response.token)
+            last = _stopped(response, stops)
+            out.put("response", last)
+            if stops.hit is not None:
+                break
+    except BaseException:
+        session.reset()  # the cache may hold a half-fed step
+        raise
+    finally:
+        mx.synchronize()  # nothing may still read a slot when the pools change
+        if recorder is not None:
+            recorder.__exit__(None, None, None)
+    if run is not None:
+        session.fed(run.fed)  # the drafts it rejected were rolled back
+    else:
+        session.fed(new_tokens)
+        session.fed(generated)
+    stats = fig.response_figures(provider, before, last, len(prompt), reused, len(new_tokens),
+                                 time.perf_counter() - start)
+    stats.update(figures.as_dict())
+    stats.update(fig.kv_figures(session.cache, kv, kv_note, prefill_step, ttft))
+    if recorder is not None:
+        _write_trace(recorder, request.trace_path, provider.checkpoint.name, stats, carried.warned)
+    _save_to_disk(disk, session, from_disk, stats, carried.warned)
+    return stats
+
+
+def token_budget(prompt: list[int], request: Request, default_max_tokens: int, context: int | None) -> int:
+    """Tokens this request may generate; a prompt that cannot fit is an EngineError."""
+    max_tokens = default_max_tokens if request.max_tokens is None else request.max_tokens
+    limit = context
+    if request.max_context and (not limit or request.max_context < limit):
+        limit = request.max_context
+        what = f"the max_context of {limit} tokens (raise it with `llm mlxs config max_context N`)"
+    else:
+        what = f"the model's context of {limit} tokens"
+    if not prompt:
+        raise EngineError("the prompt is empty")
+    if limit and len(prompt) + 1 > limit:
+        raise EngineError(f"the prompt is {len(prompt)} tokens, longer than {what}")
+    if max_tokens < 1:  # unlimited: until the context is full
+        if not limit:
+            raise EngineError("max_tokens is unlimited, but the model declares no context length")
+        return limit - len(prompt)
+    return min(max_tokens, limit - len(prompt)) if limit else max_tokens
+
+
+def _stopped(response, stops: StopMatcher):
+    """`response` with its text cut at a stop sequence (finish "stop"), or the held-back
+    text flushed at the end."""
+    text = stops.feed(response.text)
+    if stops.hit is not None:
+        return replace(response, text=text, finish_reason="stop")
+    if response.finish_reason is not None:
+        return replace(response, text=text + stops.flush())
+    return replace(response, text=text) if text != response.text else response
+
+
+def _kv_layout(loaded, spec):
+    """(the KV layout the loaded model runs `spec` with, a note when it differs);
+    a layout the model cannot take is an EngineError."""
+    from mlx.utils import tree_flatten
+
+    from .kv import KVError, resolve
+
+    try:
+        return resolve(spec, loaded.config, (n for n, _ in tree_flatten(loaded.model.parameters())))
+    except KVError as e:
+        raise EngineError(str(e)) from None
+
+
+# -- the conversation cache on disk (engine/disk_cache.py) ------------------------------
+def _disk_cache(provider: ModelProvider, request: Request, kv, carried: Carried):
+    """The conversation cache for this request's checkpoint and KV layout, or None."""
+    spec = request.conversation_cache
+    if spec is None:  # this turn changes the session's cache unseen: a later one writes it whole
+        carried.disk = carried.disk_key = None
+        return None
+    from .disk_cache import DiskCache, namespace
+
+    key = (spec, str(provider.checkpoint), kv)
+    if carried.disk_key != key:  # the namespace reads the checkpoint's fingerprint
+        carried.disk, carried.disk_key = DiskCache(spec, namespace(provider.checkpoint, kv)), key
+    return carried.disk
+
+
+def _from_disk(disk, session, loaded, prompt, kv, cache, new_tokens, reused):
+    """A longer prefix than the session holds, from disk, when there is one; the last
+    item is how many tokens came from disk."""
+    if disk is None or reused >= len(prompt) - 1:
+        return cache, new_tokens, reused, 0
+    from .kv import make_cache
+
+    found = disk.lookup(prompt, reused, make_cache(loaded.model, kv))
+    if found is None:
+        return cache, new_tokens, reused, 0
+    session.adopt(found.cache, found.tokens, kv)
+    cache, new_tokens, reused = session.reuse_for(prompt, kv)
+    return cache, new_tokens, reused, reused
+
+
+def _save_to_disk(disk, session, from_disk: int, stats: dict, warned: set) -> None:
+    """Save the session's cache for a later process; a failed write is a warning and a
+    figure, never a lost reply."""
+    stats["disk_cache_tokens"] = from_disk
+    if disk is None or not session.tokens:
+        return
+    try:
+        stats["disk_cache_saved_bytes"] = disk.save(session.cache, session.tokens, stats["reused_tokens"])
+    except Exception as e:  # OSError, a cache class save_prompt_cache cannot write
+        stats["disk_cache_error"] = one_line(e)
+        _warn_once(warned, "disk_cache", f"conversation cache not saved: {one_line(e)}")
+
+
+# -- the routing trace (engine/trace.py) ----------------------------------------------
+def _recorder(loaded, trace_path):
+    if trace_path is None or not loaded.layers:
+        return None
+    from .trace import TraceRecorder
+
+    return TraceRecorder(loaded.layers, loaded.layers[0].layout.num_experts).__enter__()
+
+
+def _write_trace(recorder, path: Path, model: str, stats: dict, warned: set) -> None:
+    """Telemetry never fails a response: a trace that cannot be written is a warning
+    (once per path) and a `trace_error` figure."""
+    try:
+        recorder.write(path, model)
+    except OSError as e:
+        stats["trace_error"] = one_line(e)
+        _warn_once(warned, str(path), f"routing trace not written: {one_line(e)}")
+
+
+def _warn_once(warned: set, key: str, message: str) -> None:
+    if key not in warned:
+        warned.add(key)
+        print(f"mlx-stream: warning: {message}", file=sys.stderr)
