@@ -91,7 +91,8 @@ class MlxStreamModel(llm.Model):
         """The reply's stream events; `on_generation` is told the engine's handle
         (the async model cancels through it)."""
         from .engine.manager import get_manager
-        from .prompting import reply_metadata, stream_event
+        from .messages import reply_metadata
+        from .prompting import stream_event
         from .reply_split import ReplySplitter, opens_thinking
         from .tools import function_tools, template_tools
 
@@ -169,7 +170,7 @@ def _one_line_errors(r: RunConfig):
     (KeyboardInterrupt passes through: the generation is closed and the engine stays usable)."""
     from .constrained import SchemaError
     from .engine.manager import EngineError, LoadError
-    from .prompting import PromptError
+    from .messages import PromptError
     from .tools import ToolError
 
     try:
@@ -220,7 +221,8 @@ def _events(kind: str, chunk: str, tokenizer, tools: list[dict], response, gener
     read, or cut off by the end of the reply, is shown as the text the model wrote."""
     from llm.parts import StreamEvent
 
-    from .prompting import reply_metadata, stream_event
+    from .messages import reply_metadata
+    from .prompting import stream_event
     from .reply_split import TOOL, UNFINISHED_TOOL
     from .tools import parse_tool_calls
 

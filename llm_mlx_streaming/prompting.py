@@ -18,70 +18,10 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-METADATA_KEY = "mlx-stream"
+from .messages import METADATA_KEY, PromptError, template_messages
 
 
-class PromptError(ValueError):
-    pass
 
-
-def reply_metadata(tokens: list[int]) -> dict:
-    return {METADATA_KEY: {"tokens": [int(t) for t in tokens]}}
-
-
-def stored_tokens(message) -> Optional[list[int]]:
-    found = None
-    for part in message.parts:
-        meta = getattr(part, "provider_metadata", None) or {}
-        tokens = (meta.get(METADATA_KEY) or {}).get("tokens")
-        if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens):
-            found = tokens
-    return found
-
-
-def chat_messages(prompt, think_start=None, think_end=None) -> tuple[list[dict], dict[int, list[int]]]:
-    """Template dicts for the chain, and {message index: stored token ids}.
-
-    Earlier replies keep their reasoning inside the think tags, so the
-    rendered conversation is what the model generated.
-    """
-    from llm.parts import ReasoningPart, TextPart, ToolCallPart
-
-    from .tools import assistant_tool_calls, tool_result_messages
-
-    out, stored = [], {}
-    for message in prompt.messages:
-        if message.role == "tool":  # results of the tools the model called
-            out.extend(tool_result_messages(message))
-            continue
-        if message.role not in ("system", "user", "assistant"):
-            raise PromptError(f"mlx-stream cannot send '{message.role}' messages")
-        bits = []
-        for part in message.parts:
-            if isinstance(part, ReasoningPart):
-                if part.text and think_start and think_end:
-                    bits.append(f"{think_start}{part.text}{think_end}")
-            elif isinstance(part, TextPart):
-                bits.append(part.text)
-            elif not isinstance(part, ToolCallPart):
-                raise PromptError(f"mlx-stream supports text only, not {type(part).__name__}")
-        item = {"role": message.role, "content": "".join(bits)}
-        if message.role == "assistant":
-            tokens = stored_tokens(message)
-            if tokens is not None:
-                stored[len(out)] = tokens
-            if calls := assistant_tool_calls(message.parts):
-                item["tool_calls"] = calls
-        out.append(item)
-    return out, stored
-
-
-def raw_message(text: str):
-    """A prompt of plain text, encoded without the chat template (the server's
-    /v1/completions): one user message marked in its metadata."""
-    from llm.parts import Message, TextPart
-
-    return Message(role="user", parts=[TextPart(text=text)], provider_metadata={METADATA_KEY: {"raw": True}})
 
 
 def _raw_text(prompt) -> Optional[str]:
@@ -104,7 +44,7 @@ def render_prompt(tokenizer, prompt, *, thinking: Optional[bool] = None,
         return encode_text(tokenizer, raw), ""
     start = getattr(tokenizer, "think_start", None)
     end = getattr(tokenizer, "think_end", None)
-    messages, stored = chat_messages(prompt, start, end)
+    messages, stored = template_messages(prompt, start, end)
     uses_tools = bool(tools) or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
     if uses_tools:
         check_tool_support(tokenizer)

@@ -309,7 +309,7 @@ def test_reply_splitter_cuts_tool_markup_split_anywhere():
 
 
 def _reply_ids(response) -> list[int]:
-    from llm_mlx_streaming.prompting import METADATA_KEY
+    from llm_mlx_streaming.messages import METADATA_KEY
 
     found = None
     for message in response.messages():

@@ -18,6 +18,7 @@ import click
 
 from ..constrained import cut_short_notice
 from ..errors import MlxStreamError, one_line
+from ..messages import openai_messages
 from . import discovery
 
 def running_server(options, settings, prompt=None) -> Optional["ServerClient"]:
@@ -113,7 +114,8 @@ class ServerClient:
         """Stream `prompt` from the server as the plugin's own events; `on_generation`
         is told a handle whose `cancel()` hangs up, which the server takes as a
         disconnect and cancels the generation (the async model cancels through it)."""
-        from ..prompting import reply_metadata, stream_event
+        from ..messages import reply_metadata
+        from ..prompting import stream_event
 
         options = {k: v for k, v in prompt.options.model_dump(exclude_none=True).items() if k != "no_server"}
         body = {"model": model_id, "messages": openai_messages(prompt), "stream": True,
@@ -167,33 +169,6 @@ class _HangUp:
         except (AttributeError, OSError):
             pass
 
-
-def openai_messages(prompt) -> list[dict]:
-    """llm's message chain as OpenAI messages; replies carry the ids they were generated
-    as (the `tokens` extension), so the server reuses its KV cache exactly."""
-    from llm.parts import ReasoningPart, TextPart
-
-    from ..prompting import PromptError, stored_tokens
-
-    out = []
-    for message in prompt.messages:
-        if message.role not in ("system", "user", "assistant"):
-            raise PromptError(f"mlx-stream cannot send '{message.role}' messages (no tool support)")
-        text, reasoning = [], []
-        for part in message.parts:
-            if isinstance(part, ReasoningPart):
-                reasoning.append(part.text)
-            elif isinstance(part, TextPart):
-                text.append(part.text)
-            else:
-                raise PromptError(f"mlx-stream supports text only, not {type(part).__name__}")
-        item = {"role": message.role, "content": "".join(text)}
-        if reasoning and any(reasoning):
-            item["reasoning_content"] = "".join(reasoning)
-        if message.role == "assistant" and (tokens := stored_tokens(message)) is not None:
-            item["tokens"] = tokens
-        out.append(item)
-    return out
 
 
 def _sse(resp) -> Iterator[dict]:

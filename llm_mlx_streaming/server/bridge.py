@@ -78,7 +78,7 @@ class Run:
     async def _work(self) -> None:
         import llm
 
-        from ..prompting import METADATA_KEY
+        from ..messages import METADATA_KEY
 
         try:
             model = llm.get_async_model(self.model_id)

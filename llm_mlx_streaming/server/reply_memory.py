@@ -1,11 +1,9 @@
-"""OpenAI messages to llm messages, with the token ids of the server's own earlier
-replies, so a client that sends a reply back as text still extends the KV cache."""
+"""The token ids of the server's own earlier replies, by text, so a client that sends
+a reply back as text still extends the KV cache (messages.llm_messages asks here)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-
-from .schemas import ChatMessage
 
 
 class ReplyMemory:
@@ -24,23 +22,6 @@ class ReplyMemory:
             while len(self._by_text) > self.size:
                 self._by_text.popitem(last=False)
 
-    def llm_messages(self, messages: list[ChatMessage]) -> list:
-        from llm.parts import Message, ReasoningPart, TextPart
-
-        from ..prompting import reply_metadata
-
-        out = []
-        for m in messages:
-            text = m.text()
-            role = "system" if m.role == "developer" else m.role
-            if role != "assistant":
-                out.append(Message(role=role, parts=[TextPart(text=text)]))
-                continue
-            reasoning, tokens = m.reasoning_content or "", m.tokens
-            if tokens is None and text in self._by_text:
-                known_reasoning, tokens = self._by_text[text]
-                reasoning = reasoning or known_reasoning
-            parts = [ReasoningPart(text=reasoning)] if reasoning else []
-            parts.append(TextPart(text=text, provider_metadata=reply_metadata(tokens) if tokens else None))
-            out.append(Message(role="assistant", parts=parts))
-        return out
+    def known(self, text: str):
+        """(reasoning, token ids) of a reply this server gave with this text, or None."""
+        return self._by_text.get(text)

@@ -23,6 +23,7 @@ from ..errors import one_line
 from ..run_config import resolve
 from .bridge import Result, Run
 from .gate import Gate, QueueFull
+from ..messages import llm_messages
 from .guard import Guard
 from .http_layer import ApiError, BodyLimit, error_for
 from .reply_memory import ReplyMemory
@@ -367,13 +368,13 @@ def create_app(service: Service) -> FastAPI:
               "The reply, or with stream: true an SSE stream of chat.completion.chunk objects"}})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         model_id = service.model_for(body.model)
-        return await service.generate(request, body, model_id, service.replies.llm_messages(body.messages),
+        return await service.generate(request, body, model_id, llm_messages(body.messages, service.replies.known),
                                       chat=True)
 
     @api.post("/v1/completions", responses={200: {"model": Completion, "description":
               "The text, or with stream: true an SSE stream of text_completion objects"}})
     async def completions(body: CompletionRequest, request: Request):
-        from ..prompting import raw_message
+        from ..messages import raw_message
 
         model_id = service.model_for(body.model)
         return await service.generate(request, body, model_id, [raw_message(body.text())], chat=False)

@@ -1,0 +1,121 @@
+"""Messages in each direction: llm's chain to chat-template dicts (the engine's prompt)
+and to OpenAI messages (a prompt sent to `llm mlxs serve`), and OpenAI messages back to
+llm's (a server request). Each reply carries the token ids it was generated as, in its
+`provider_metadata` under METADATA_KEY, so every path can reuse the KV cache exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+METADATA_KEY = "mlx-stream"
+
+
+class PromptError(ValueError):
+    pass
+
+
+def reply_metadata(tokens: list[int]) -> dict:
+    return {METADATA_KEY: {"tokens": [int(t) for t in tokens]}}
+
+
+def stored_tokens(message) -> Optional[list[int]]:
+    found = None
+    for part in message.parts:
+        meta = getattr(part, "provider_metadata", None) or {}
+        tokens = (meta.get(METADATA_KEY) or {}).get("tokens")
+        if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens):
+            found = tokens
+    return found
+
+
+def template_messages(prompt, think_start=None, think_end=None) -> tuple[list[dict], dict[int, list[int]]]:
+    """Template dicts for the chain, and {message index: stored token ids}.
+
+    Earlier replies keep their reasoning inside the think tags, so the
+    rendered conversation is what the model generated.
+    """
+    from llm.parts import ReasoningPart, TextPart, ToolCallPart
+
+    from .tools import assistant_tool_calls, tool_result_messages
+
+    out, stored = [], {}
+    for message in prompt.messages:
+        if message.role == "tool":  # results of the tools the model called
+            out.extend(tool_result_messages(message))
+            continue
+        if message.role not in ("system", "user", "assistant"):
+            raise PromptError(f"mlx-stream cannot send '{message.role}' messages")
+        bits = []
+        for part in message.parts:
+            if isinstance(part, ReasoningPart):
+                if part.text and think_start and think_end:
+                    bits.append(f"{think_start}{part.text}{think_end}")
+            elif isinstance(part, TextPart):
+                bits.append(part.text)
+            elif not isinstance(part, ToolCallPart):
+                raise PromptError(f"mlx-stream supports text only, not {type(part).__name__}")
+        item = {"role": message.role, "content": "".join(bits)}
+        if message.role == "assistant":
+            tokens = stored_tokens(message)
+            if tokens is not None:
+                stored[len(out)] = tokens
+            if calls := assistant_tool_calls(message.parts):
+                item["tool_calls"] = calls
+        out.append(item)
+    return out, stored
+
+
+def openai_messages(prompt) -> list[dict]:
+    """llm's message chain as OpenAI messages; replies carry the ids they were generated
+    as (the `tokens` extension), so the server reuses its KV cache exactly."""
+    from llm.parts import ReasoningPart, TextPart
+
+    out = []
+    for message in prompt.messages:
+        if message.role not in ("system", "user", "assistant"):
+            raise PromptError(f"mlx-stream cannot send '{message.role}' messages (no tool support)")
+        text, reasoning = [], []
+        for part in message.parts:
+            if isinstance(part, ReasoningPart):
+                reasoning.append(part.text)
+            elif isinstance(part, TextPart):
+                text.append(part.text)
+            else:
+                raise PromptError(f"mlx-stream supports text only, not {type(part).__name__}")
+        item = {"role": message.role, "content": "".join(text)}
+        if reasoning and any(reasoning):
+            item["reasoning_content"] = "".join(reasoning)
+        if message.role == "assistant" and (tokens := stored_tokens(message)) is not None:
+            item["tokens"] = tokens
+        out.append(item)
+    return out
+
+
+def llm_messages(messages, known=lambda text: None) -> list:
+    """OpenAI chat messages (the server's bodies) as llm's; an assistant reply without
+    its `tokens` gets them from `known(text)` -> (reasoning, tokens) or None."""
+    from llm.parts import Message, ReasoningPart, TextPart
+
+    out = []
+    for m in messages:
+        text = m.text()
+        role = "system" if m.role == "developer" else m.role
+        if role != "assistant":
+            out.append(Message(role=role, parts=[TextPart(text=text)]))
+            continue
+        reasoning, tokens = m.reasoning_content or "", m.tokens
+        if tokens is None and (found := known(text)) is not None:
+            reasoning, tokens = reasoning or found[0], found[1]
+        parts = [ReasoningPart(text=reasoning)] if reasoning else []
+        parts.append(TextPart(text=text, provider_metadata=reply_metadata(tokens) if tokens else None))
+        out.append(Message(role="assistant", parts=parts))
+    return out
+
+
+def raw_message(text: str):
+    """A prompt of plain text, encoded without the chat template (the server's
+    /v1/completions): one user message marked in its metadata."""
+    from llm.parts import Message, TextPart
+
+    return Message(role="user", parts=[TextPart(text=text)], provider_metadata={METADATA_KEY: {"raw": True}})
