@@ -82,27 +82,36 @@ def test_interrupted_generation_leaves_the_engine_usable(qwen):
 
 
 def test_a_second_caller_waits_its_turn(qwen):
+    """a's first step holds the engine until b's request is queued behind it: b's steps
+    must all come after a's."""
     engine = EngineManager()
     engine.load(qwen, expert_slots=8)
     prompt = prompt_tokens(vocab_size(qwen), n=20)
-    steps = []  # (caller, time) of every sampling step, as the engine ran them
-    results = {}
+    steps = []  # the caller of every sampling step, as the engine ran them
+    results, a_running = {}, threading.Event()
 
-    def run(name, delay):
-        time.sleep(delay)
-
+    def note_for(name):
         def note(tokens, logits):
             steps.append(name)
-            time.sleep(0.01)  # long enough for the other caller to run if it could
+            if name == "a" and not a_running.is_set():
+                a_running.set()
+                deadline = time.monotonic() + 60
+                while engine.queued < 1:  # b is waiting for the engine
+                    assert time.monotonic() < deadline, "b was never queued"
+                    time.sleep(0.001)
             return logits
+        return note
 
-        results[name] = [r.token for r in generate(engine, prompt, max_tokens=6, logits_processors=[note])]
+    def run(name):
+        results[name] = [r.token for r in generate(engine, prompt, max_tokens=6, logits_processors=[note_for(name)])]
 
-    threads = [threading.Thread(target=run, args=("a", 0)), threading.Thread(target=run, args=("b", 0.02))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    a = threading.Thread(target=run, args=("a",))
+    a.start()
+    assert a_running.wait(60)
+    b = threading.Thread(target=run, args=("b",))
+    b.start()
+    for t in (a, b):
+        t.join(120)
     assert results["a"] == results["b"]
     n = steps.count("a")
     assert n >= 6 and steps == ["a"] * n + ["b"] * n  # b ran after a, not alongside
@@ -345,27 +354,38 @@ def test_a_generation_outlives_its_thread(qwen):
 
 
 def test_a_closed_or_dropped_generation_stops_at_the_next_token(qwen):
+    """Each generation's third step waits until its handle is closed (or dropped and
+    collected): the engine must stop at the step after."""
+    import gc
+
     engine = EngineManager()
     engine.load(qwen, expert_slots=5)
     prompt = prompt_tokens(vocab_size(qwen), n=20)
-    steps = []
+    steps, channels = [], []
 
     def count(tokens, logits):
         steps.append(1)
-        time.sleep(0.02)
+        if len(steps) == 3:  # mlx-lm samples one token ahead of the one it hands out
+            deadline = time.monotonic() + 60
+            while not (channels and channels[-1].cancel.is_set()):
+                assert time.monotonic() < deadline, "the handle was never let go"
+                time.sleep(0.001)
         return logits
 
-    gen = generate(engine, prompt, max_tokens=200, logits_processors=[count])
-    next(gen)
-    gen.close()
-    stopped_at = len(steps)
-    assert stopped_at < 20
-    gen = generate(engine, prompt, max_tokens=200, logits_processors=[count])
-    next(gen)
-    del gen  # garbage-collected: the engine notices at the next token
+    for drop in (False, True):
+        steps.clear()
+        gen = generate(engine, prompt, max_tokens=200, logits_processors=[count])
+        channels.append(gen.channel)
+        next(gen)
+        if drop:
+            del gen  # garbage-collected: the engine notices at the next token
+            gc.collect()
+        else:
+            gen.close()
+        assert channels[-1].finished.wait(60)
+        assert len(steps) <= 4, drop  # the step that waited, at most one more
     after = generate(engine, prompt, max_tokens=3)
     assert len(list(after)) == 3
-    assert len(steps) < stopped_at + 40
     assert engine.session.tokens == prompt + after.tokens[:len(engine.session.tokens) - len(prompt)]
     assert engine.bad_slots() == 0
     engine.unload()

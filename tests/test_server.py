@@ -604,12 +604,14 @@ def test_a_cancelled_async_prompt_hangs_up_on_the_server(served, monkeypatch):
     from llm_mlx_streaming.server import bridge
 
     real_put = bridge.Run._put
+    hung_up = threading.Event()
 
-    async def slow_put(self, kind, value):  # the reply reaches the client slowly
-        await asyncio.sleep(0.05)
+    async def held_put(self, kind, value):  # the rest of the reply waits until the client is gone
         await real_put(self, kind, value)
+        if kind == "text":
+            await asyncio.get_running_loop().run_in_executor(None, hung_up.wait, 60)
 
-    monkeypatch.setattr(bridge.Run, "_put", slow_put)
+    monkeypatch.setattr(bridge.Run, "_put", held_put)
     gone = call(served, "GET", "/api/stats")[2]["server"]["disconnects"]
 
     async def cancel_after_first_chunk():
@@ -624,8 +626,12 @@ def test_a_cancelled_async_prompt_hangs_up_on_the_server(served, monkeypatch):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        hung_up.set()
 
-    asyncio.run(cancel_after_first_chunk())
+    try:
+        asyncio.run(cancel_after_first_chunk())
+    finally:
+        hung_up.set()
     wait_for(lambda: call(served, "GET", "/api/stats")[2]["server"]["disconnects"] == gone + 1)
 
 

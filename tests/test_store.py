@@ -56,7 +56,6 @@ def test_touching_jobs_merge_into_one_read_up_to_a_bound(data_file, monkeypatch)
 
 def test_reads_are_issued_in_ascending_offset_with_bounded_concurrency(data_file, monkeypatch):
     import threading
-    import time
 
     path, _ = data_file
     store = ExpertStore(3)
@@ -64,13 +63,17 @@ def test_reads_are_issued_in_ascending_offset_with_bounded_concurrency(data_file
     lock = threading.Lock()
     real = os.preadv
 
+    first = threading.Barrier(3, timeout=60)  # the first three reads meet: they run at once
+
     def slow(fd, buffers, offset):
         with lock:
             readers.add(threading.current_thread())
             order.append(offset)
             live[0] += 1
             peak[0] = max(peak[0], live[0])
-        time.sleep(0.01)
+            meet = len(order) <= 3
+        if meet:
+            first.wait()
         n = real(fd, buffers, offset)
         with lock:
             live[0] -= 1
