@@ -39,3 +39,14 @@ class ByteProgress:
         if self.bar is not None:
             self.bar.__exit__(None, None, None)
             self.bar = None
+
+
+def report_problems(problems: list[str], failure: str) -> None:
+    """Print each problem found on its own line; then, if any, fail with `failure`."""
+    from ..errors import MlxStreamError
+
+    for problem in problems:
+        click.echo(problem)
+    if problems:
+        raise MlxStreamError(failure)
+

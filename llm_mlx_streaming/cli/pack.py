@@ -13,7 +13,7 @@ from ..settings import load_settings
 
 from .group import mlxs
 from ..sizes import format_size
-from .common import ByteProgress
+from .common import ByteProgress, report_problems
 from .resolve import has_packed, resolve_checkpoint
 
 
@@ -52,30 +52,15 @@ def pack(name, verify, remove):
         if not has_packed(path):
             command = f"llm mlxs pack {name}" if name else "llm mlxs pack"
             raise MlxStreamError(f"{label} has no packed store; write one with `{command}`")
-        bar = ByteProgress("verifying")
-        try:
-            problems = verify_packed(path, progress=bar)
-        except (ValueError, OSError, KeyError) as exc:
-            raise MlxStreamError(f"Cannot verify the packed store of {label}: {one_line(exc)}") from None
-        finally:
-            bar.close()
-        for problem in problems:
-            click.echo(problem)
-        if problems:
-            raise MlxStreamError(
-                f"the packed store of {label} has {len(problems)} problem"
-                f"{'s' if len(problems) != 1 else ''}; run `llm mlxs pack` again to rewrite it"
-            )
+        problems = _with_progress(ByteProgress("verifying"), verify_packed, path,
+                                  f"Cannot verify the packed store of {label}")
+        report_problems(problems, f"the packed store of {label} has {len(problems)} problem"
+                        f"{'s' if len(problems) != 1 else ''}; run `llm mlxs pack` again to rewrite it")
         click.echo("ok")
         return
     _check_space(path, folder)
     report = _Progress()
-    try:
-        out = pack_checkpoint(path, progress=report)
-    except (ValueError, OSError, KeyError) as exc:
-        raise MlxStreamError(f"Cannot pack {label}: {one_line(exc)}") from None
-    finally:
-        report.close()
+    out = _with_progress(report, pack_checkpoint, path, f"Cannot pack {label}")
     _forget_loaded(path)
     size = sum(p.stat().st_size for p in store_files(out))
     click.echo(f"Packed {label}: {report.layers} MoE layers, {format_size(size)} in {out}")
@@ -144,3 +129,15 @@ def _forget_loaded(path: Path) -> None:
     mgr = manager.get_manager()
     if mgr.checkpoint is not None and mgr.checkpoint == path.expanduser().resolve():
         mgr.unload()
+
+
+def _with_progress(bar, work, path, failure: str):
+    """`work(path, progress=bar)`, the bar closed after; a read or format error is one
+    line starting with `failure`."""
+    try:
+        return work(path, progress=bar)
+    except (ValueError, OSError, KeyError) as exc:
+        raise MlxStreamError(f"{failure}: {one_line(exc)}") from None
+    finally:
+        bar.close()
+

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import click
 
-from ..errors import MlxStreamError
 from ..settings import load_settings
 
 from .group import mlxs
-from .common import ByteProgress
+from .common import ByteProgress, report_problems
 from .resolve import resolve_checkpoint
 
 
@@ -45,10 +44,5 @@ def verify(name, quick, record):
         problems = integrity.verify_files(path, expected, quick=quick, progress=bar)
     finally:
         bar.close()
-    for problem in problems:
-        click.echo(problem)
-    if problems:
-        raise MlxStreamError(
-            f"{len(problems)} of the {len(expected)} files of {label} do not match {source}"
-        )
+    report_problems(problems, f"{len(problems)} of the {len(expected)} files of {label} do not match {source}")
     click.echo(f"ok: {len(expected)} files match {source}" + (" (quick)" if quick else ""))
