@@ -6,13 +6,14 @@ stays fast, and a broken settings file never breaks unrelated llm commands.
 """
 
 import llm
+from .errors import SettingsError
+from .logs_db import prepare_logs_db
 
 
 @llm.hookimpl
 def register_models(register):
     from .async_model import MlxStreamAsyncModel
     from .model import MlxStreamModel
-    from .errors import SettingsError
     from .settings import BUNDLED_NAME, load_settings
 
     # Each id has a sync and an async model; both share the one engine.
@@ -29,7 +30,6 @@ def register_models(register):
 @llm.hookimpl
 def register_commands(cli):
     from .cli import register
-    from .logs_db import prepare_logs_db
 
     register(cli)
     prepare_logs_db()  # before any command: llm's first prompts race in its migrations

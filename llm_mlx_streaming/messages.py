@@ -7,6 +7,7 @@ llm's (a server request). Each reply carries the token ids it was generated as, 
 from __future__ import annotations
 
 from typing import Optional
+from .tools import assistant_tool_calls, tool_result_messages
 
 METADATA_KEY = "mlx-stream"
 
@@ -36,8 +37,6 @@ def template_messages(prompt, think_start=None, think_end=None) -> tuple[list[di
     rendered conversation is what the model generated.
     """
     from llm.parts import ReasoningPart, TextPart, ToolCallPart
-
-    from .tools import assistant_tool_calls, tool_result_messages
 
     out, stored = [], {}
     for message in prompt.messages:

@@ -23,6 +23,12 @@ from .errors import MlxStreamError, one_line
 from .knobs import BUNDLED_REPETITION_PENALTY, REPETITION_CONTEXT, build_options
 from .run_config import RunConfig, drafter, resolve
 from .settings import load_settings
+from .client.client import running_server
+from .constrained import SchemaError, SchemaProcessor, cut_short_notice, schema_grammar
+from .messages import PromptError, reply_metadata
+from .prompting import encode_text, render_prompt, stream_event
+from .reply_split import ReplySplitter, TOOL, UNFINISHED_TOOL, opens_thinking
+from .tools import ToolError, function_tools, parse_tool_calls, template_tools
 
 __all__ = ["BUNDLED_REPETITION_PENALTY", "REPETITION_CONTEXT", "Options", "MlxStreamModel"]
 
@@ -57,13 +63,9 @@ class BuiltPrompt:
 def build_prompt(tokenizer, prompt, *, thinking, tools, grammar, processors: list) -> BuiltPrompt:
     """Token ids for llm's `prompt`, with `processors` and, for a `--schema` (`grammar`),
     the processor that constrains the reply to it."""
-    from .prompting import render_prompt
-
     tokens, generation_prompt = render_prompt(tokenizer, prompt, thinking=thinking, tools=tools)
     budget_aware: tuple = ()
     if grammar is not None:
-        from .constrained import SchemaProcessor
-
         budget_aware = (SchemaProcessor(grammar, tokenizer),)
     return BuiltPrompt(tokens, generation_prompt, [*processors, *budget_aware], budget_aware)
 
@@ -91,17 +93,11 @@ class MlxStreamModel(llm.Model):
         """The reply's stream events; `on_generation` is told the engine's handle
         (the async model cancels through it)."""
         from .engine.manager import get_manager
-        from .messages import reply_metadata
-        from .prompting import stream_event
-        from .reply_split import ReplySplitter, opens_thinking
-        from .tools import function_tools, template_tools
 
         settings = load_settings()
         options = prompt.options
         drafter(options, settings)  # an unknown drafter is refused before a server sees it
         # -- a running `llm mlxs serve` for this user dir answers instead ---
-        from .client.client import running_server
-
         server = running_server(options, settings, prompt)
         if server is not None:
             yield from server.answer(self.model_id, prompt, response, on_generation)
@@ -154,8 +150,6 @@ class MlxStreamModel(llm.Model):
 def _check_schema_closed(stats: dict, budget_aware: tuple, reply: list[int]) -> None:
     """Record whether a --schema reply is a complete document; warn in one line when
     max_tokens cut it short."""
-    from .constrained import cut_short_notice
-
     if not budget_aware:
         return
     (schema,) = budget_aware
@@ -168,10 +162,7 @@ def _check_schema_closed(stats: dict, budget_aware: tuple, reply: list[int]) -> 
 def _one_line_errors(r: RunConfig):
     """Whatever loading, rendering or generating raises reaches the user as one line
     (KeyboardInterrupt passes through: the generation is closed and the engine stays usable)."""
-    from .constrained import SchemaError
     from .engine.manager import EngineError, LoadError
-    from .messages import PromptError
-    from .tools import ToolError
 
     try:
         yield
@@ -187,8 +178,6 @@ def _one_line_errors(r: RunConfig):
 
 def _schema_grammar(schema) -> str:
     """The grammar of `--schema`, compiled before anything is loaded; one line if it cannot be."""
-    from .constrained import SchemaError, schema_grammar
-
     try:
         return schema_grammar(schema)
     except SchemaError as exc:
@@ -199,8 +188,6 @@ def _spelled(tokenizer, generated: list[int], text: str, scan: int = 32) -> list
     """Ids that spell the reply's `text`: the generated ids, or, when a stop sequence
     cut the text inside them, the longest run of them that spells a prefix of it (the
     part the KV cache holds) and the rest encoded."""
-    from .prompting import encode_text
-
     def spelled(ids):  # the streaming detokenizer drops a reply's leading space
         out = tokenizer.decode(ids)
         return out[1:] if out.startswith(" ") and not text.startswith(" ") else out
@@ -220,11 +207,6 @@ def _events(kind: str, chunk: str, tokenizer, tools: list[dict], response, gener
     llm tool calls (events and `response.add_tool_call`); markup its parser cannot
     read, or cut off by the end of the reply, is shown as the text the model wrote."""
     from llm.parts import StreamEvent
-
-    from .messages import reply_metadata
-    from .prompting import stream_event
-    from .reply_split import TOOL, UNFINISHED_TOOL
-    from .tools import parse_tool_calls
 
     if kind == TOOL:
         calls = parse_tool_calls(tokenizer, chunk, tools)

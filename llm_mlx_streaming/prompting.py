@@ -19,6 +19,7 @@ import re
 from typing import Optional
 
 from .messages import METADATA_KEY, PromptError, template_messages
+from .tools import check_tool_support
 
 
 
@@ -37,8 +38,6 @@ def render_prompt(tokenizer, prompt, *, thinking: Optional[bool] = None,
 
     `thinking` sets the template's thinking switch (None: the template's default);
     `tools` are function specs for the template (tools.py)."""
-    from .tools import check_tool_support
-
     raw = _raw_text(prompt)
     if raw is not None:
         return encode_text(tokenizer, raw), ""

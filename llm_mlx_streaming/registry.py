@@ -13,6 +13,7 @@ from typing import Optional
 
 from .errors import SettingsError
 from .settings import BUNDLED_NAME, NAME_RE, ModelEntry, Settings, load_settings, save_settings
+from .checkpoints.default import default_checkpoint
 
 MODEL_PREFIX = "mlx-stream"
 BUNDLED_EXPERT_SLOTS = 8
@@ -56,8 +57,6 @@ def checkpoint_for(name: str, settings: Optional[Settings] = None) -> tuple[Path
     """Checkpoint directory for a canonical name (copying the bundled one out of the package if needed)."""
     settings = settings or load_settings()
     if name == BUNDLED_NAME:
-        from .checkpoints.default import default_checkpoint
-
         return default_checkpoint(), None
     entry = settings.models.get(name)
     if entry is None:

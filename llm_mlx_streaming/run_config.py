@@ -22,6 +22,8 @@ from .experts.policies import DEFAULT_POLICY
 from .knobs import AUTO_BUDGET_SHARE, BUNDLED_NAME, BUNDLED_REPETITION_PENALTY
 from .settings import Settings, budget_bytes, trace_file
 from .sizes import parse_size
+from .engine.disk_cache import DiskCacheSpec
+from .engine.planner import PlanError, checkpoint_layout, plan_memory, prefill_step_for
 
 
 @dataclass(frozen=True)
@@ -170,8 +172,6 @@ def plan_slots(name: str, path, value: str, budget: int, max_context: int, kv=No
     """(Slots per MoE layer that fit `budget` bytes, None for a model without MoE layers;
     the checkpoint layout the plan read, for the prefill step), with the KV cache sized
     for layout `kv`. A budget too small for the model is the planner's one-line error."""
-    from .engine.planner import PlanError, checkpoint_layout, plan_memory
-
     try:
         layout = checkpoint_layout(path)
         plan = plan_memory(path, budget, max_context=max_context, kv=kv, layout=layout)
@@ -189,8 +189,6 @@ def plan_slots(name: str, path, value: str, budget: int, max_context: int, kv=No
 def prefill_step(options, settings: Settings, path, budget: Optional[int], kv, layout=None) -> Optional[int]:
     """Prompt tokens per prefill chunk: a number given, or for auto the planner's choice
     for the memory budget (None, i.e. mlx-lm's default, when it cannot tell)."""
-    from .engine.planner import prefill_step_for
-
     step = options.prefill_step or settings.prefill_step
     if step != "auto":
         return int(step)
@@ -204,8 +202,6 @@ def prefill_step(options, settings: Settings, path, budget: Optional[int], kv, l
 
 def conversation_cache_spec(settings: Settings):
     """Where and how large the conversation cache on disk is (None: it is off)."""
-    from .engine.disk_cache import DiskCacheSpec
-
     if not settings.conversation_cache:
         return None
     return DiskCacheSpec(llm.user_dir() / "mlx-streaming" / "kv-cache", parse_size(settings.conversation_cache_size))

@@ -101,7 +101,7 @@ def blocked(monkeypatch):
 
 class Blocked:
     def __init__(self, monkeypatch):
-        from llm_mlx_streaming import prompting
+        from llm_mlx_streaming import model as prompting  # where the model calls render_prompt
 
         self.entered, self.go = threading.Event(), threading.Event()
         real = prompting.render_prompt

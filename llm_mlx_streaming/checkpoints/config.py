@@ -14,6 +14,7 @@ from pathlib import Path
 from ..errors import CheckpointError
 from ..experts.index import read_header, weight_files
 from .support import unsupported_reason
+from ..errors import one_line
 
 QUANT_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
 
@@ -152,7 +153,6 @@ def _moe_model(config_json: str) -> tuple[tuple[int, int] | None, tuple[str, ...
     from mlx_lm.utils import _get_classes
 
     from ..experts.switch import expert_containers
-    from ..errors import one_line
 
     config = json.loads(config_json)
     try:

@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 
 import llm
+from .config import check_checkpoint
+from ..errors import CheckpointError
 
 # Bump the directory name when the shipped files change, so an old copy is not reused.
 BUNDLED_DIR = "tiny-moe-pydocs-v2"
@@ -78,9 +80,6 @@ def _copy(path: Path) -> None:
 def damage(path: Path) -> str | None:
     """What is wrong with the copied demo checkpoint, from its file sizes, headers and
     small files alone (None: nothing found)."""
-    from ..errors import CheckpointError
-    from .config import check_checkpoint
-
     for name, size in shipped_files().items():
         try:
             found = (path / name).stat().st_size

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from ..errors import CheckpointError
+from ..experts.index import read_header
 
 MANIFEST_VERSION = 1
 QUICK_LIMIT = 16 * 1000**2  # --quick hashes only files smaller than this
@@ -135,8 +136,6 @@ def verify_files(checkpoint: Path, expected: Iterable[Expected], *, quick: bool 
 
     `quick` hashes only files under QUICK_LIMIT bytes; larger ones are checked for
     their size and, for safetensors, that the file holds what its header promises."""
-    from ..experts.index import read_header
-
     checkpoint = Path(checkpoint)
     expected = list(expected)
     sizes = {}

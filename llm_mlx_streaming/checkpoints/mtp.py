@@ -33,6 +33,7 @@ import sys
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
+from ..experts.index import CheckpointIndex
 
 __all__ = ["DEPTH_FIELDS", "HEAD_ARCHITECTURES", "MTPHead", "build_head", "declared_layers",
            "has_head", "head_prefix", "output_head", "quantize_head"]
@@ -65,8 +66,6 @@ def declared_layers(config: dict) -> int:
 def has_head(path, config: dict) -> bool:
     """Whether the checkpoint at `path` declares an MTP head and holds its tensors
     (read from the safetensors headers only)."""
-    from ..experts.index import CheckpointIndex
-
     if not declared_layers(config):
         return False
     prefix = head_prefix(config)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 import click
+from ..errors import MlxStreamError
 
 
 def table(headers, rows, indent: str = "") -> None:
@@ -43,8 +44,6 @@ class ByteProgress:
 
 def report_problems(problems: list[str], failure: str) -> None:
     """Print each problem found on its own line; then, if any, fail with `failure`."""
-    from ..errors import MlxStreamError
-
     for problem in problems:
         click.echo(problem)
     if problems:

@@ -24,6 +24,7 @@ from ..settings import (
 from .group import mlxs
 from ..sizes import format_size
 from .common import table
+from ..client.client import running_server
 
 
 def _fmt(value) -> str:
@@ -103,7 +104,6 @@ def config(key, value, unset_key, json_):
 def _push_to_server(key: str, value) -> None:
     """Apply a setting to a running `llm mlxs serve` at once (one of its runtime
     options); every other setting it reads from the file at its next request."""
-    from ..client.client import running_server
     from ..server.schemas import engine_option_names
 
     server = running_server(None, load_settings())

@@ -18,6 +18,9 @@ from .group import mlxs
 from ..sizes import format_size
 from .common import table
 from .resolve import has_packed
+from ..checkpoints.default import bundled_path, is_built
+from ..checkpoints.integrity import hf_blobs, record_manifest
+from .common import ByteProgress
 
 
 HF_REPO_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -27,8 +30,6 @@ HF_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.tx
 
 
 def _model_rows(settings: Settings) -> list[dict]:
-    from ..checkpoints.default import bundled_path, is_built
-
     default = registry.default_name(settings)
     entries = [(BUNDLED_NAME, bundled_path(), [], "bundled demo (copied on first use)", None)]
     entries += [(n, Path(e.path), e.aliases, e.source, e) for n, e in settings.models.items()]
@@ -139,9 +140,6 @@ def add(source, aliases, name, expert_slots, hash_):
 
 
 def _record_hashes(path: Path) -> None:
-    from ..checkpoints.integrity import hf_blobs, record_manifest
-    from .common import ByteProgress
-
     if hf_blobs(path):
         click.echo("Note: the Hugging Face cache already keeps every file's hash; --hash is not needed", err=True)
         return

@@ -13,6 +13,7 @@ from ..settings import load_settings
 from .group import mlxs
 from .models import HF_REPO_RE
 from .resolve import resolve_checkpoint
+from ..checkpoints.config import read_config
 
 
 @mlxs.command("import-mtp", short_help="Add the original checkpoint's MTP head to a model (for -o draft mtp).")
@@ -49,7 +50,6 @@ def import_mtp(name, source, out):
 
 def _fetch_head(repo_id: str, model: Path) -> Path:
     """Download the config, the index and the shards holding the head (cache first)."""
-    from ..checkpoints.config import read_config
     from ..checkpoints.mtp import head_prefix
     from ..checkpoints.mtp_import import INDEX
 

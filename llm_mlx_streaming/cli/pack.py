@@ -15,6 +15,8 @@ from .group import mlxs
 from ..sizes import format_size
 from .common import ByteProgress, report_problems
 from .resolve import has_packed, resolve_checkpoint
+from ..engine.planner import checkpoint_layout
+from ..errors import CheckpointError
 
 
 @mlxs.command(short_help="Pack a model's experts: one read per expert; --verify, --remove.")
@@ -101,8 +103,6 @@ class _Progress:
 
 def _check_space(path: Path, folder: Path) -> None:
     """Refuse to start a pack the disk cannot hold (the store is about the experts' size)."""
-    from ..engine.planner import checkpoint_layout
-    from ..errors import CheckpointError
     from ..experts.packed import record_size, store_files
 
     try:

@@ -17,6 +17,8 @@ from ..sizes import format_size
 
 from .group import mlxs
 from .resolve import resolve_checkpoint
+from ..engine.planner import PlanError, plan_memory
+from ..errors import CheckpointError
 
 
 @mlxs.command(short_help="How a memory budget is spent; slots per layer (loads nothing).")
@@ -38,9 +40,6 @@ def plan(name, budget, max_context, kv_bits, hit_rate, json_):
     llm mlxs plan ~/models/Qwen3-30B-A3B-4bit --budget 16GB --max-context 8192 --json
     llm mlxs plan q30 --budget 12GB --max-context 65536 --kv-bits 4
     """
-    from ..engine.planner import PlanError, plan_memory
-    from ..errors import CheckpointError
-
     settings = load_settings()
     label, path, entry = resolve_checkpoint(name, settings)
     options = _options(memory_budget=budget, kv_bits=kv_bits)

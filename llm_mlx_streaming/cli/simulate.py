@@ -15,6 +15,7 @@ from ..settings import POLICIES, load_settings, trace_file, traces_dir
 from .group import mlxs
 from ..sizes import format_size
 from .common import table
+from ..experts.simulate import format_table, simulate as run_simulation
 
 
 def _trace_path(trace: str) -> tuple[Path, str]:
@@ -102,9 +103,6 @@ def simulate(trace, slots, policies, phase, json_):
     llm mlxs simulate ../shared/traces/mixtral.jsonl --slots 2,4,6 --json
     llm mlxs simulate tests/data/demo-trace.jsonl --slots 4,8   (the bundled demo's routing)
     """
-    from ..experts.simulate import format_table
-    from ..experts.simulate import simulate as run_simulation
-
     path, label = _trace_path(trace)
     if slots:
         counts = _int_list(slots, "--slots")

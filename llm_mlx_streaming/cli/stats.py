@@ -18,6 +18,7 @@ from .. import registry
 from .group import mlxs
 from ..sizes import format_size
 from .common import table
+from ..client.client import running_server
 
 
 def _logged(db_path: Path, limit: int) -> list[dict]:
@@ -246,7 +247,6 @@ def stats(count, json_, database, live):
 
 # -- the running server's figures ---------------------------------------------
 def _live(json_: bool) -> None:
-    from ..client.client import running_server
     from ..settings import load_settings
 
     server = running_server(None, load_settings())

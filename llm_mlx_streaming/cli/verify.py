@@ -9,6 +9,7 @@ from ..settings import load_settings
 from .group import mlxs
 from .common import ByteProgress, report_problems
 from .resolve import resolve_checkpoint
+from ..checkpoints import integrity
 
 
 @mlxs.command(short_help="Check a model's files against their known hashes.")
@@ -28,8 +29,6 @@ def verify(name, quick, record):
     llm mlxs verify q30 --quick
     llm mlxs verify ~/models/my-moe --record
     """
-    from ..checkpoints import integrity
-
     if quick and record:
         raise click.UsageError("--quick and --record do not go together")
     label, path, _ = resolve_checkpoint(name, load_settings())

@@ -20,6 +20,8 @@ from ..constrained import cut_short_notice
 from ..errors import MlxStreamError, one_line
 from ..messages import openai_messages
 from . import discovery
+from ..messages import reply_metadata
+from ..prompting import stream_event
 
 def running_server(options, settings, prompt=None) -> Optional["ServerClient"]:
     """The server a prompt with these options should go to, or None for in-process
@@ -114,9 +116,6 @@ class ServerClient:
         """Stream `prompt` from the server as the plugin's own events; `on_generation`
         is told a handle whose `cancel()` hangs up, which the server takes as a
         disconnect and cancels the generation (the async model cancels through it)."""
-        from ..messages import reply_metadata
-        from ..prompting import stream_event
-
         options = {k: v for k, v in prompt.options.model_dump(exclude_none=True).items() if k != "no_server"}
         body = {"model": model_id, "messages": openai_messages(prompt), "stream": True,
                 "stream_options": {"include_usage": True}, **options}

@@ -46,6 +46,8 @@ from typing import Optional
 
 from .cache_files import SUFFIX, Header, evict, name_entry, prefix_hash, remove, saved_header
 from .kv_segments import assembled, checksum, cut, layer_kind, segment_from
+from ..errors import one_line
+from .kv import after_loading, for_saving, same_layout
 
 FORMAT = "mlx-stream-kv-3"  # 3: segments, each with a checksum of its tensors
 
@@ -217,8 +219,6 @@ class DiskCache:
         that fails is removed with those after it, and they go into `dead`."""
         from mlx_lm.models.cache import load_prompt_cache
 
-        from .kv import after_loading, same_layout
-
         parts, links, end = [], [], 0
         for i, name in enumerate(names):
             path = self.folder / name
@@ -266,8 +266,6 @@ class DiskCache:
         import mlx.core as mx
         from mlx.utils import tree_flatten
         from mlx_lm.models.cache import save_prompt_cache
-
-        from .kv import for_saving
 
         layers = for_saving(cache)  # only classes load_prompt_cache knows
         n = len(tokens)
@@ -355,7 +353,5 @@ def _shared(headers: list[Header], prompt: list[int]) -> int:
 
 
 def _short(exc: BaseException) -> str:
-    from ..errors import one_line
-
     text = one_line(exc)
     return text if len(text) <= 120 else text[:117] + "..."

@@ -12,6 +12,7 @@ import sys
 from dataclasses import fields
 
 from ..experts.pool import PoolCounters
+from .kv import bits_in_use, cache_bytes, kept_note
 
 
 def peak_rss_bytes() -> int:
@@ -97,8 +98,6 @@ def response_figures(provider, before: PoolCounters, last, prompt: int, reused: 
 
 def kv_figures(cache, kv, kv_note, prefill_step: int, ttft: float | None) -> dict:
     """The KV cache a generation left and how its prompt was prefilled."""
-    from .kv import bits_in_use, cache_bytes, kept_note
-
     figures = {
         "kv_bits": bits_in_use(cache),
         "kv_bytes": cache_bytes(cache),

@@ -21,6 +21,10 @@ from . import figures as fig
 from .generation import Channel, Started
 from .provider import EngineError, ModelProvider
 from .request import Request
+from .disk_cache import DiskCache, namespace
+from .kv import KVError, make_cache, resolve
+from .planner import PREFILL_STEP
+from .trace import TraceRecorder
 
 
 @dataclass
@@ -41,7 +45,6 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
     from mlx_lm.generate import stream_generate
 
     from ..speculation import start as spec
-    from .planner import PREFILL_STEP
 
     loaded, session = provider.loaded, provider.session
     prompt = [int(t) for t in request.prompt]
@@ -153,8 +156,6 @@ def _kv_layout(loaded, spec):
     a layout the model cannot take is an EngineError."""
     from mlx.utils import tree_flatten
 
-    from .kv import KVError, resolve
-
     try:
         return resolve(spec, loaded.config, (n for n, _ in tree_flatten(loaded.model.parameters())))
     except KVError as e:
@@ -168,8 +169,6 @@ def _disk_cache(provider: ModelProvider, request: Request, kv, carried: Carried)
     if spec is None:  # this turn changes the session's cache unseen: a later one writes it whole
         carried.disk = carried.disk_key = None
         return None
-    from .disk_cache import DiskCache, namespace
-
     key = (spec, str(provider.checkpoint), kv)
     if carried.disk_key != key:  # the namespace reads the checkpoint's fingerprint
         carried.disk, carried.disk_key = DiskCache(spec, namespace(provider.checkpoint, kv)), key
@@ -181,8 +180,6 @@ def _from_disk(disk, session, loaded, prompt, kv, cache, new_tokens, reused):
     item is how many tokens came from disk."""
     if disk is None or reused >= len(prompt) - 1:
         return cache, new_tokens, reused, 0
-    from .kv import make_cache
-
     found = disk.lookup(prompt, reused, make_cache(loaded.model, kv))
     if found is None:
         return cache, new_tokens, reused, 0
@@ -208,8 +205,6 @@ def _save_to_disk(disk, session, from_disk: int, stats: dict, warned: set) -> No
 def _recorder(loaded, trace_path):
     if trace_path is None or not loaded.layers:
         return None
-    from .trace import TraceRecorder
-
     return TraceRecorder(loaded.layers, loaded.layers[0].layout.num_experts).__enter__()
 
 

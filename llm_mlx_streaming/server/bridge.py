@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
+from ..messages import METADATA_KEY
 
 
 @dataclass
@@ -77,8 +78,6 @@ class Run:
 
     async def _work(self) -> None:
         import llm
-
-        from ..messages import METADATA_KEY
 
         try:
             model = llm.get_async_model(self.model_id)

@@ -38,6 +38,7 @@ from .schemas import (
     engine_option_names,
 )
 from .shapes import ChatShape, TextShape
+from ..messages import raw_message
 
 RETRY_AFTER_SECONDS = 2
 
@@ -374,8 +375,6 @@ def create_app(service: Service) -> FastAPI:
     @api.post("/v1/completions", responses={200: {"model": Completion, "description":
               "The text, or with stream: true an SSE stream of text_completion objects"}})
     async def completions(body: CompletionRequest, request: Request):
-        from ..messages import raw_message
-
         model_id = service.model_for(body.model)
         return await service.generate(request, body, model_id, [raw_message(body.text())], chat=False)
 
