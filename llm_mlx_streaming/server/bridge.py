@@ -39,6 +39,33 @@ class Result:
         return self.stats.get("finish_reason")
 
 
+class Reply:
+    """What a run said, gathered as it streams: the text, the reasoning, the result."""
+
+    def __init__(self) -> None:
+        self._text: list[str] = []
+        self._reasoning: list[str] = []
+        self.result = Result()
+
+    def add(self, kind: str, value) -> None:
+        if kind == "done":
+            self.result = value
+        else:
+            (self._reasoning if kind == "reasoning" else self._text).append(value)
+
+    @property
+    def text(self) -> str:
+        return "".join(self._text)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self._reasoning)
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return self.result.finish_reason
+
+
 class Run:
     """A prompt running as a task; `events()` yields ("text"|"reasoning", chunk) and
     ends with ("done", Result) (also when cancelled); `cancel()` stops it."""

@@ -1,4 +1,4 @@
-"""The OpenAI layouts of a reply: chat or text, streamed chunks or one body.
+"""The OpenAI layouts of a reply: chat or text, one body or server-sent events.
 
 Both carry the `mlx_stream` extension (the engine's figures, the reply's token ids, the
 checkpoint) so `llm` can log exactly what an in-process run logs.
@@ -6,15 +6,25 @@ checkpoint) so `llm` can log exactly what an in-process run logs.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Optional
 
-from .bridge import Result
+from .bridge import Reply, Result
+
+
+def sse(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+DONE = "data: [DONE]\n\n"
 
 
 class Shape:
-    """How one route's chunks and bodies look."""
+    """How one OpenAI route's chunks and bodies look."""
+
+    media_type = "text/event-stream"
 
     def __init__(self, model_id: str, body) -> None:
         self.model = model_id
@@ -35,47 +45,48 @@ class Shape:
     def extension(result: Result) -> dict:
         return {"stats": result.stats, "tokens": result.tokens, "resolved_model": result.resolved_model}
 
-    def usage_chunk(self, result: Result) -> dict:
-        return {**self._base([]), "usage": self.usage(result)}
+    def closing(self, reply: Reply) -> list[str]:
+        frames = [sse({**self._base([{"index": 0, **self.last_choice, "finish_reason": reply.finish_reason}]),
+                       "mlx_stream": self.extension(reply.result)})]
+        if self.include_usage:
+            frames.append(sse({**self._base([]), "usage": self.usage(reply.result)}))
+        return frames + [DONE]
+
+    def failure(self, error) -> list[str]:
+        return [sse(error.response_body()), DONE]
 
 
 class ChatShape(Shape):
     prefix, chunk_object = "chatcmpl", "chat.completion.chunk"
+    last_choice = {"delta": {}}
 
-    def opening(self) -> dict:
-        return self._base([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+    def opening(self) -> list[str]:
+        return [sse(self._base([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]))]
 
-    def delta(self, text: str = "", reasoning: str = "") -> dict:
-        delta = {"reasoning_content": reasoning} if reasoning else {"content": text}
-        return self._base([{"index": 0, "delta": delta, "finish_reason": None}])
+    def delta(self, kind: str, value: str) -> list[str]:
+        delta = {"reasoning_content": value} if kind == "reasoning" else {"content": value}
+        return [sse(self._base([{"index": 0, "delta": delta, "finish_reason": None}]))]
 
-    def closing(self, finish: Optional[str], result: Result) -> dict:
-        return {**self._base([{"index": 0, "delta": {}, "finish_reason": finish}]),
-                "mlx_stream": self.extension(result)}
-
-    def whole(self, text: str, reasoning: str, finish, result: Result) -> dict:
-        message = {"role": "assistant", "content": text}
-        if reasoning:
-            message["reasoning_content"] = reasoning
+    def whole(self, reply: Reply) -> dict:
+        message = {"role": "assistant", "content": reply.text}
+        if reply.reasoning:
+            message["reasoning_content"] = reply.reasoning
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-                "usage": self.usage(result), "mlx_stream": self.extension(result)}
+                "choices": [{"index": 0, "message": message, "finish_reason": reply.finish_reason}],
+                "usage": self.usage(reply.result), "mlx_stream": self.extension(reply.result)}
 
 
 class TextShape(Shape):
     prefix, chunk_object = "cmpl", "text_completion"
+    last_choice = {"text": ""}
 
-    def opening(self) -> dict:
-        return self._base([{"index": 0, "text": "", "finish_reason": None}])
+    def opening(self) -> list[str]:
+        return [sse(self._base([{"index": 0, "text": "", "finish_reason": None}]))]
 
-    def delta(self, text: str = "", reasoning: str = "") -> dict:
-        return self._base([{"index": 0, "text": text, "finish_reason": None}])
+    def delta(self, kind: str, value: str) -> list[str]:
+        return [sse(self._base([{"index": 0, "text": value if kind == "text" else "", "finish_reason": None}]))]
 
-    def closing(self, finish: Optional[str], result: Result) -> dict:
-        return {**self._base([{"index": 0, "text": "", "finish_reason": finish}]),
-                "mlx_stream": self.extension(result)}
-
-    def whole(self, text: str, reasoning: str, finish, result: Result) -> dict:
+    def whole(self, reply: Reply) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": text, "finish_reason": finish}],
-                "usage": self.usage(result), "mlx_stream": self.extension(result)}
+                "choices": [{"index": 0, "text": reply.text, "finish_reason": reply.finish_reason}],
+                "usage": self.usage(reply.result), "mlx_stream": self.extension(reply.result)}
