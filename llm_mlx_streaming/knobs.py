@@ -206,14 +206,14 @@ def build_settings(name: str, base, extra_fields: dict):
     )
 
 
-def build_options(base):
-    """llm's `Options` for the model: every option, None when not given."""
-    knobs = [k for k in KNOBS if k.option]
+def build_options(base, names: Optional[tuple[str, ...]] = None, model_name: str = "Options"):
+    """llm's `Options` for the model: every option (or those in `names`), None when not given."""
+    knobs = [k for k in KNOBS if k.option and (names is None or k.name in names)]
     fields = {}
     for k in knobs:
         text = k.description + (f" (default: `llm mlxs config {k.name}`)" if k.setting else "")
         fields[k.name] = (Optional[k.type], Field(None, description=text, **k.bounds))
-    return create_model("Options", __base__=base, __validators__=_validators(knobs), **fields)
+    return create_model(model_name, __base__=base, __validators__=_validators(knobs), **fields)
 
 
 SETTINGS_CONFIG = ConfigDict(extra="forbid", validate_assignment=True)

@@ -13,12 +13,12 @@ import socket
 import stat
 import threading
 import time
-import urllib.error
 import urllib.request
 
 import pytest
 
 from plugin_support import LlmEnv, assert_ok, assert_one_line_error
+from server_support import call, in_process, serving
 
 PROMPTS = ["hello there", "tell me a story", "what is a disk", "name three colours"]
 
@@ -26,48 +26,14 @@ PROMPTS = ["hello there", "tell me a story", "what is a disk", "name three colou
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, plugin_checkpoint):
     """An llm user dir serving the tiny checkpoint as 'small', and a server for it."""
-    from llm_mlx_streaming.server.run import Server
-
-    user_dir = tmp_path_factory.mktemp("served") / "llm"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LLM_USER_PATH", str(user_dir))
-        env = LlmEnv(user_dir, plugin_checkpoint)
-        # max_context 96: every reply is capped by the context, so fuzzed bodies stay short
-        env.write_settings(default_model="small", max_context=96,
-                           models={"small": {"path": str(plugin_checkpoint), "aliases": ["sm"], "expert_slots": 4}})
-        server = Server(port=0, max_queue=8).start()
-        env.server = server
-        try:
-            yield env
-        finally:
-            server.stop()
+    with serving(tmp_path_factory.mktemp("served") / "llm", plugin_checkpoint) as env:
+        yield env
 
 
 def client(served):
     import openai
 
     return openai.OpenAI(base_url=served.server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def in_process(messages, **options) -> str:
-    """The plugin's own greedy output for `messages`, never routed to the server."""
-    import llm
-    from llm.parts import Message, TextPart
-
-    chain = [Message(role=m["role"], parts=[TextPart(text=m["content"])]) for m in messages]
-    return llm.get_model("mlx-stream").prompt(messages=chain, no_server=True, **options).text()
-
-
-def call(served, method, path, body=None, headers=None, raw=None):
-    """(status, headers, parsed JSON body) of one request."""
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    request = urllib.request.Request(served.server.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as resp:
-            return resp.status, resp.headers, json.loads(resp.read() or b"null")
-    except urllib.error.HTTPError as e:
-        return e.code, e.headers, json.loads(e.read() or b"null")
 
 
 def raw_status(served, rest: bytes) -> int:

@@ -112,6 +112,8 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
         session.fed(generated)
     stats = fig.response_figures(provider, before, last, len(prompt), reused, len(new_tokens),
                                  time.perf_counter() - start)
+    if stops.hit is not None:
+        stats["stop_sequence"] = stops.hit
     stats.update(figures.as_dict())
     stats.update(fig.kv_figures(session.cache, kv, kv_note, prefill_step, ttft))
     if recorder is not None:

@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
+from ..knobs import build_options
 from ..model import Options
 
 # Options fields that mean nothing inside the server (it always runs in-process).
@@ -32,6 +33,22 @@ class TextContent(BaseModel):
 
 
 STRICT = ConfigDict(extra="forbid")
+
+
+class StrictModel(BaseModel):
+    model_config = STRICT
+
+
+def engine_values(body, names) -> dict:
+    """The engine options `body` sets among `names` (None: not set)."""
+    return {k: getattr(body, k) for k in body.model_fields_set if k in names and getattr(body, k) is not None}
+
+
+def engine_fields(model_name: str, exclude: tuple[str, ...] = ()):
+    """The engine options as body fields of another API's request (a base model), less
+    those that API has under its own name."""
+    names = tuple(n for n in engine_option_names() if n not in exclude)
+    return build_options(StrictModel, names=names, model_name=model_name)
 
 # OpenAI fields accepted only at the value that changes nothing, {field: allowed values}.
 NO_OP_FIELDS = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),

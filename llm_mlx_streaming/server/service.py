@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from ..client.discovery import public_id
 from ..errors import one_line
 from ..run_config import resolve
+from . import anthropic
 from .gate import Gate
 from ..messages import llm_messages
 from .guard import Guard
@@ -33,6 +34,7 @@ from .schemas import (
     ErrorResponse,
     ModelList,
     engine_option_names,
+    engine_values,
 )
 from .shapes import ChatShape, TextShape
 from .turns import answer
@@ -87,11 +89,10 @@ class Service:
     def request_options(self, body) -> dict:
         """The engine options an OpenAI body sets (the runtime parameters are added when
         its turn comes)."""
-        names = engine_option_names()
-        fields = {k: getattr(body, k) for k in body.model_fields_set if k in names}
+        fields = engine_values(body, engine_option_names())
         if body.max_completion_tokens is not None and "max_tokens" not in fields:
             fields["max_tokens"] = body.max_completion_tokens
-        return {k: v for k, v in fields.items() if v is not None}
+        return fields
 
     async def generate(self, request: Request, body, model_id: str, messages: list, chat: bool):
         shape = (ChatShape if chat else TextShape)(model_id, body)
@@ -268,4 +269,5 @@ def create_app(service: Service) -> FastAPI:
             raise ApiError(422, str(e), code="invalid_config") from None
 
     app.include_router(api)
+    app.include_router(anthropic.router(service))
     return app

@@ -1,0 +1,78 @@
+"""The Anthropic Messages API: `POST /v1/messages` and `POST /v1/messages/count_tokens`.
+
+A request becomes the same llm messages and engine options an OpenAI request would, and
+runs the same gated path (turns.py); only the layout of the answer is Anthropic's
+(anthropic_shapes.py). Errors are Anthropic's error objects (http_layer.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Depends, Request
+
+from ..messages import llm_messages
+from .anthropic_schemas import AnthropicEngineOptions, CountTokensRequest, MessagesRequest
+from .anthropic_shapes import MessageShape
+from .counting import prompt_tokens
+from .http_layer import ApiError, error_for
+from .schemas import ChatMessage, engine_values
+from .turns import answer
+
+
+def chat_messages(body) -> list[ChatMessage]:
+    """The system prompt and the messages as the server's chat messages; a block this
+    server cannot take is a 400 naming it."""
+    if body.tools or (body.tool_choice and body.tool_choice.type != "none"):
+        raise ApiError(400, "tools: not served on this route yet", param="tools")
+    out = []
+    if system := body.system_text():
+        out.append(ChatMessage(role="system", content=system))
+    for i, message in enumerate(body.messages):
+        text, reasoning = [], []
+        for j, block in enumerate(message.blocks()):
+            if block.type == "text":
+                text.append(block.text)
+            elif block.type == "thinking" and message.role == "assistant":
+                reasoning.append(block.thinking)
+            else:
+                where = f"messages.{i}.content.{j}"
+                raise ApiError(400, f"{where}: a {block.type} block is not taken in a {message.role} message here",
+                               param=where)
+        out.append(ChatMessage(role=message.role, content="".join(text), reasoning_content="".join(reasoning) or None))
+    if body.messages[-1].role != "user":
+        raise ApiError(400, "messages: the last message must be the user's (an assistant prefill is not "
+                       "continued by this server)", param="messages")
+    return out
+
+
+def engine_options(body) -> dict:
+    fields = engine_values(body, AnthropicEngineOptions.model_fields)
+    if getattr(body, "stop_sequences", None):
+        fields["stop"] = body.stop_sequences
+    if (thinking := body.thinking_switch()) is not None:
+        fields["thinking"] = thinking
+    return fields
+
+
+def router(service) -> APIRouter:
+    api = APIRouter(dependencies=[Depends(service.check_api_key)], tags=["Anthropic"])
+
+    @api.post("/v1/messages", description="Anthropic's Messages API; with stream: true its event stream")
+    async def messages(body: MessagesRequest, request: Request):
+        model_id = service.model_for(body.model)
+        chain = llm_messages(chat_messages(body), service.replies.known)
+        return await answer(service, request, MessageShape(model_id), model_id, chain, engine_options(body),
+                            body.schema_dict(), body.stream)
+
+    @api.post("/v1/messages/count_tokens", description="The prompt's tokens, rendered as /v1/messages would")
+    async def count_tokens(body: CountTokensRequest) -> dict:
+        model_id = service.model_for(body.model)
+        chain = llm_messages(chat_messages(body), service.replies.known)
+        try:
+            count = await asyncio.to_thread(prompt_tokens, model_id, chain, engine_options(body))
+        except Exception as e:
+            raise error_for(e) from None
+        return {"input_tokens": count}
+
+    return api

@@ -1,0 +1,53 @@
+"""A server on a free loopback port for the server tests, the plugin's own greedy reply
+to compare with, and one request without any client library."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+
+import pytest
+
+from plugin_support import LlmEnv
+
+
+@contextmanager
+def serving(user_dir, checkpoint, api_key=None, **settings):
+    """An llm user dir serving the tiny checkpoint as 'small' (alias 'sm', the default
+    model, 4 slots; max_context 96 keeps fuzzed replies short), and a server for it,
+    stopped at the end."""
+    from llm_mlx_streaming.server.run import Server
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LLM_USER_PATH", str(user_dir))
+        env = LlmEnv(user_dir, checkpoint)
+        models = {"small": {"path": str(checkpoint), "aliases": ["sm"], "expert_slots": 4}}
+        env.write_settings(**{"default_model": "small", "max_context": 96, "models": models, **settings})
+        env.server = Server(port=0, max_queue=8, api_key=api_key).start()
+        try:
+            yield env
+        finally:
+            env.server.stop()
+
+
+def in_process(messages, **options) -> str:
+    """The plugin's own output for `messages`, never routed to the server."""
+    import llm
+    from llm.parts import Message, TextPart
+
+    chain = [Message(role=m["role"], parts=[TextPart(text=m["content"])]) for m in messages]
+    return llm.get_model("mlx-stream").prompt(messages=chain, no_server=True, **options).text()
+
+
+def call(served, method, path, body=None, headers=None, raw=None):
+    """(status, headers, parsed JSON body) of one request."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    request = urllib.request.Request(served.server.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            return resp.status, resp.headers, json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, json.loads(e.read() or b"null")

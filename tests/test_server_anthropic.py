@@ -1,0 +1,123 @@
+"""The Anthropic Messages API of `llm mlxs serve`, driven by the official `anthropic`
+client against a server on a free loopback port (stopped at the end)."""
+
+from __future__ import annotations
+
+import pytest
+
+from server_support import call, in_process, serving
+
+HELLO = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, plugin_checkpoint):
+    with serving(tmp_path_factory.mktemp("anthropic") / "llm", plugin_checkpoint) as env:
+        yield env
+
+
+def client(served, **kwargs):
+    import anthropic
+
+    return anthropic.Anthropic(base_url=served.server.url, api_key="unused", max_retries=0, timeout=60, **kwargs)
+
+
+def test_a_reply_equals_the_in_process_greedy_reply_whole_and_streamed(served):
+    expected = in_process([{"role": "system", "content": "be brief"}, *HELLO], max_tokens=10)
+    c = client(served)
+    reply = c.messages.create(model="sm", system="be brief", messages=HELLO, max_tokens=10)
+    assert [b.type for b in reply.content] == ["text"] and reply.content[0].text == expected
+    assert reply.model == "mlx-stream/small" and reply.role == "assistant" and reply.id.startswith("msg_")
+    assert reply.stop_reason == "max_tokens" and reply.stop_sequence is None
+    assert reply.usage.output_tokens == 10 and reply.usage.input_tokens + reply.usage.cache_read_input_tokens > 0
+
+    with c.messages.stream(model="mlx-stream", system=[{"type": "text", "text": "be brief"}], messages=HELLO,
+                           max_tokens=10) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert final.content[0].text == expected and final.stop_reason == "max_tokens"
+    assert final.usage.output_tokens == 10
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert kinds.count("content_block_start") == kinds.count("content_block_stop") == 1
+    assert "message_delta" in kinds
+
+
+def test_stop_sequences_seed_and_kv_reuse(served):
+    c = client(served)
+    full = c.messages.create(model="mlx-stream", messages=HELLO, max_tokens=12).content[0].text
+    stop = full[4:7]
+    cut = c.messages.create(model="mlx-stream", messages=HELLO, max_tokens=12, stop_sequences=[stop, "zzz"])
+    assert cut.content[0].text == full[: full.index(stop)]
+    assert (cut.stop_reason, cut.stop_sequence) == ("stop_sequence", stop)
+
+    sampled = [c.messages.create(model="mlx-stream", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                 extra_body={"temperature": 1.0, "seed": 3}).content[0].text for _ in range(2)]
+    call(served, "POST", "/v1/messages", {"messages": HELLO, "max_tokens": 3})  # something else in between
+    sampled.append(c.messages.create(model="mlx-stream", messages=[{"role": "user", "content": "hi"}],
+                                     max_tokens=8, extra_body={"temperature": 1.0, "seed": 3}).content[0].text)
+    assert sampled == [sampled[0]] * 3
+
+    first = c.messages.create(model="mlx-stream", messages=[{"role": "user", "content": "one"}], max_tokens=6)
+    follow = c.messages.create(model="mlx-stream", max_tokens=6, messages=[
+        {"role": "user", "content": "one"}, {"role": "assistant", "content": first.content},
+        {"role": "user", "content": "two"}])
+    stats = follow.model_extra["mlx_stream"]["stats"]
+    first_prompt = first.model_extra["mlx_stream"]["stats"]["prompt_tokens"]
+    assert stats["reused_tokens"] >= first_prompt + 5  # the first turn and its reply
+    assert follow.usage.cache_read_input_tokens == stats["reused_tokens"]
+
+
+def test_count_tokens_is_the_prompt_a_reply_prefills(served):
+    c = client(served)
+    counted = c.messages.count_tokens(model="mlx-stream", system="be brief", messages=HELLO).input_tokens
+    reply = c.messages.create(model="mlx-stream", system="be brief", messages=HELLO, max_tokens=2)
+    assert counted == reply.model_extra["mlx_stream"]["stats"]["prompt_tokens"] > 0
+
+
+def test_engine_options_and_json_output_are_honoured(served):
+    import json
+
+    c = client(served)
+    reply = c.messages.create(model="mlx-stream", messages=HELLO, max_tokens=4, extra_body={"expert_slots": 2})
+    assert reply.model_extra["mlx_stream"]["stats"]["expert_slots"] == 2
+    schema = {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}
+    reply = c.messages.create(model="mlx-stream", messages=HELLO, max_tokens=40,
+                              extra_body={"output_config": {"format": {"type": "json_schema", "schema": schema}}})
+    assert set(json.loads(reply.content[0].text)) == {"word"}
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"messages": HELLO, "max_tokens": 4, "foo": 1}, "foo"),
+    ({"messages": HELLO}, "max_tokens"),
+    ({"messages": HELLO, "max_tokens": 4, "stop": ["x"]}, "stop"),
+    ({"messages": HELLO, "max_tokens": 4, "expert_slots": 0}, "expert_slots"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 4}, "messages.0"),
+    ({"messages": [*HELLO, {"role": "assistant", "content": "The answer is"}], "max_tokens": 4}, "messages"),
+    ({"messages": HELLO, "max_tokens": 4, "thinking": {"type": "enabled", "budget_tokens": 2}}, "budget_tokens"),
+    ({"messages": HELLO, "max_tokens": 4, "service_tier": "auto"}, "service_tier"),
+    ({"messages": HELLO, "max_tokens": 4, "model": "claude-x"}, "claude-x"),
+])
+def test_errors_are_anthropic_error_objects_naming_the_field(served, body, needle):
+    status, _, reply = call(served, "POST", "/v1/messages", body)
+    assert status in (400, 404), reply
+    assert reply["type"] == "error" and reply["error"]["type"] in ("invalid_request_error", "not_found_error")
+    assert needle in reply["error"]["message"] and "\n" not in reply["error"]["message"]
+
+
+def test_the_client_raises_the_matching_error_class(served):
+    import anthropic
+
+    with pytest.raises(anthropic.BadRequestError, match="foo"):
+        client(served).messages.create(model="mlx-stream", messages=HELLO, max_tokens=4, extra_body={"foo": 1})
+    with pytest.raises(anthropic.NotFoundError):
+        client(served).messages.create(model="claude-x", messages=HELLO, max_tokens=4)
+
+
+def test_the_api_key_may_come_as_x_api_key(tmp_path, plugin_checkpoint):
+    import anthropic
+
+    with serving(tmp_path / "llm", plugin_checkpoint, api_key="sesame") as env:
+        with pytest.raises(anthropic.AuthenticationError):
+            client(env).messages.create(model="mlx-stream", messages=HELLO, max_tokens=2)
+        keyed = anthropic.Anthropic(base_url=env.server.url, api_key="sesame", max_retries=0, timeout=60)
+        assert keyed.messages.create(model="mlx-stream", messages=HELLO, max_tokens=2).usage.output_tokens == 2
