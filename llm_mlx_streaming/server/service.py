@@ -25,6 +25,7 @@ from .bridge import Result, Run
 from .gate import Gate, QueueFull
 from ..messages import llm_messages
 from .guard import Guard
+from .openai_tools import llm_tools
 from .http_layer import ApiError, BodyLimit, error_for
 from .reply_memory import ReplyMemory
 from .runtime import POOL_KEYS, ConfigError, RuntimeConfig, touches_pools
@@ -128,13 +129,11 @@ class Service:
         return model.model_id
 
     def request_options(self, body) -> dict:
-        names = engine_option_names()
-        fields = {k: getattr(body, k) for k in body.model_fields_set if k in names}
-        if body.max_completion_tokens is not None and "max_tokens" not in fields:
-            fields["max_tokens"] = body.max_completion_tokens
-        return self.runtime.for_request({k: v for k, v in fields.items() if v is not None})
+        return self.runtime.for_request(body.engine_fields(engine_option_names()))
 
-    async def generate(self, request: Request, body, model_id: str, messages: list, chat: bool):
+    async def generate(self, request: Request, body, model_id: str, messages: list, chat: bool, tools=()):
+        """Answer `body` (its `engine_fields(names)` give the plugin's options, among them
+        tool_choice and parallel_tool_calls) with `messages` (llm's) and `tools` (llm `Tool`s)."""
         try:
             await self.gate.acquire()
         except QueueFull:
@@ -144,7 +143,7 @@ class Service:
         try:
             options = self.request_options(body)  # now: a config change made while it waited applies
             schema = body.response_format.schema_dict() if body.response_format else None
-            run = Run(model_id, messages, options, schema).start()
+            run = Run(model_id, messages, options, schema, tools).start()
         except BaseException:
             self.gate.release()
             raise
@@ -176,11 +175,11 @@ class Service:
             async for kind, value in _chain(first, events):
                 if kind == "done":
                     result = value
-                else:
+                elif kind != "tool_call":  # the result holds the calls
                     (reasoning if kind == "reasoning" else text).append(value)
         finally:
             turn.finish(served=not turn.run.cancelled)
-        self.replies.remember("".join(text), "".join(reasoning), result.tokens)
+        self.replies.remember("".join(text), "".join(reasoning), result.tokens, result.tool_calls)
         return shape.whole("".join(text), "".join(reasoning), result.finish_reason, result)
 
     async def _stream(self, turn: Turn, events, first, shape):
@@ -191,9 +190,10 @@ class Service:
                 if kind == "done":
                     result = value
                     break
-                (reasoning if kind == "reasoning" else text).append(value)
+                if kind != "tool_call":
+                    (reasoning if kind == "reasoning" else text).append(value)
                 yield _sse(shape.delta(**{kind: value}))
-            self.replies.remember("".join(text), "".join(reasoning), result.tokens)
+            self.replies.remember("".join(text), "".join(reasoning), result.tokens, result.tool_calls)
             turn.finish(served=True)
             yield _sse(shape.closing(result.finish_reason, result))
             if shape.include_usage:
@@ -370,7 +370,7 @@ def create_app(service: Service) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         model_id = service.model_for(body.model)
         return await service.generate(request, body, model_id, llm_messages(body.messages, service.replies.known),
-                                      chat=True)
+                                      chat=True, tools=llm_tools(body.tools))
 
     @api.post("/v1/completions", responses={200: {"model": Completion, "description":
               "The text, or with stream: true an SSE stream of text_completion objects"}})

@@ -11,6 +11,7 @@ import uuid
 from typing import Optional
 
 from .bridge import Result
+from .openai_tools import reply_calls
 
 
 class Shape:
@@ -45,21 +46,37 @@ class ChatShape(Shape):
     def opening(self) -> dict:
         return self._base([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
 
-    def delta(self, text: str = "", reasoning: str = "") -> dict:
-        delta = {"reasoning_content": reasoning} if reasoning else {"content": text}
+    def __init__(self, model_id: str, body) -> None:
+        super().__init__(model_id, body)
+        self.calls = 0  # tool calls streamed so far
+
+    def delta(self, text: str = "", reasoning: str = "", tool_call: Optional[dict] = None) -> dict:
+        if tool_call is not None:  # one chunk per call, its arguments whole
+            [call] = reply_calls([tool_call])
+            delta = {"tool_calls": [{"index": self.calls, **call}]}
+            self.calls += 1
+        else:
+            delta = {"reasoning_content": reasoning} if reasoning else {"content": text}
         return self._base([{"index": 0, "delta": delta, "finish_reason": None}])
 
     def closing(self, finish: Optional[str], result: Result) -> dict:
-        return {**self._base([{"index": 0, "delta": {}, "finish_reason": finish}]),
+        return {**self._base([{"index": 0, "delta": {}, "finish_reason": _finish(finish, result)}]),
                 "mlx_stream": self.extension(result)}
 
     def whole(self, text: str, reasoning: str, finish, result: Result) -> dict:
-        message = {"role": "assistant", "content": text}
+        message = {"role": "assistant", "content": text or (None if result.tool_calls else "")}
         if reasoning:
             message["reasoning_content"] = reasoning
+        if result.tool_calls:
+            message["tool_calls"] = reply_calls(result.tool_calls)
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                "choices": [{"index": 0, "message": message, "finish_reason": _finish(finish, result)}],
                 "usage": self.usage(result), "mlx_stream": self.extension(result)}
+
+
+def _finish(finish: Optional[str], result: Result) -> Optional[str]:
+    """OpenAI's finish_reason: a reply that ends in tool calls ends for them."""
+    return "tool_calls" if result.tool_calls and finish == "stop" else finish
 
 
 class TextShape(Shape):
