@@ -39,13 +39,20 @@ def schema_grammar(schema) -> str:
             raise SchemaError(f"the schema is not valid JSON: {exc}") from None
     if not isinstance(schema, dict):
         raise SchemaError("the schema must be a JSON object")
+    return checked_grammar(lambda: llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=COMPILE_OPTIONS))
+
+
+def checked_grammar(make, what: str = "the schema") -> str:
+    """The grammar `make()` builds, validated; SchemaError in one line if it is not valid."""
+    import llguidance
+
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=COMPILE_OPTIONS)
+        grammar = make()
     except ValueError as exc:
-        raise SchemaError(f"the schema cannot be compiled: {_short(exc)}") from None
+        raise SchemaError(f"{what} cannot be compiled: {_short(exc)}") from None
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
-        raise SchemaError(f"the schema cannot be compiled: {_short(messages[0])}")
+        raise SchemaError(f"{what} cannot be compiled: {_short(messages[0])}")
     return grammar
 
 

@@ -77,6 +77,16 @@ KNOBS: tuple[Knob, ...] = (
         name="thinking", type=bool, check=values.parse_switch,
         description="on/off: the chat template's thinking switch (enable_thinking), where the template has one",
     ),
+    _option_only(
+        name="tool_choice", type=str, check=values.tool_choice,
+        description="With tools (-T): auto (default: the model decides), none (the tools are not shown "
+        "to the model), required (it must call one), or a tool's name (it must call that one); required "
+        "and a name are enforced by constrained decoding",
+    ),
+    _option_only(
+        name="parallel_tool_calls", type=bool, check=values.parse_switch,
+        description="With tools: on (default): a reply may hold several calls; off: at most one",
+    ),
     # -- the expert pools ------------------------------------------------------------
     Knob(
         name="expert_slots", type=Optional[int], default=None, bounds={"ge": 1},

@@ -27,8 +27,8 @@ from .client.client import running_server
 from .constrained import SchemaError, SchemaProcessor, cut_short_notice, schema_grammar
 from .messages import PromptError, reply_metadata
 from .prompting import encode_text, render_prompt, stream_event
-from .reply_split import ReplySplitter, TOOL, UNFINISHED_TOOL, opens_thinking
-from .tools import ToolError, function_tools, parse_tool_calls, template_tools
+from .reply_split import TOOL, UNFINISHED_TOOL, ReplySplitter, opens_thinking
+from .tools import ToolError, forced_call_grammar, function_tools, parse_tool_calls, shown_tools, template_tools
 
 __all__ = ["BUNDLED_REPETITION_PENALTY", "REPETITION_CONTEXT", "Options", "MlxStreamModel"]
 
@@ -110,9 +110,17 @@ class MlxStreamModel(llm.Model):
             ready = engine.tokenizer_for(r.load)
             if on_generation is not None:
                 on_generation(ready)
+            forced = forced_call_grammar(ready.tokenizer, tools, options.tool_choice, options.parallel_tool_calls)
+            if forced and grammar:
+                raise ToolError("a schema and a forced tool call (tool_choice) cannot be combined")
+            tools = shown_tools(tools, options.tool_choice)
             built = build_prompt(ready.tokenizer, prompt, thinking=options.thinking, tools=tools,
-                                 grammar=grammar, processors=repetition_processors(r.repetition_penalty))
-        generation = engine.run(r.load, r.request(built.tokens, built.processors, built.budget_aware))
+                                 grammar=grammar or forced, processors=repetition_processors(r.repetition_penalty))
+        request = r.request(built.tokens, built.processors, built.budget_aware)
+        one_call = bool(tools) and options.parallel_tool_calls is False
+        if one_call:  # the reply ends with its first call
+            request.stop = (*request.stop, ready.tokenizer.tool_call_end)
+        generation = engine.run(r.load, request)
         if on_generation is not None:
             on_generation(generation)
         generated: list[int] = []
@@ -128,20 +136,24 @@ class MlxStreamModel(llm.Model):
             )
             eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
             raw: list[str] = []  # the reply's text as generated (tags and markup included)
+            finish = None
             for result in generation:
                 if result.token not in eos or result.finish_reason != "stop":
                     generated.append(int(result.token))
                 raw.append(result.text)
+                finish = result.finish_reason
                 for kind, chunk in splitter.feed(result.text):
                     yield from _events(kind, chunk, tokenizer, tools, response, generated)
         for kind, chunk in splitter.flush():
+            if kind == UNFINISHED_TOOL and one_call and finish == "stop":  # stopped at the call's end tag
+                kind = TOOL
             yield from _events(kind, chunk, tokenizer, tools, response, generated)
         # The reply's own token ids, logged with it, so a later turn can
         # reuse the KV cache exactly (see prompting.py).
         yield stream_event("text", "", reply_metadata(_spelled(tokenizer, generated, "".join(raw))))
 
         stats = _jsonable({**r.plan_figures, **generation.stats})
-        _check_schema_closed(stats, built.budget_aware, generated)
+        _check_schema_closed(stats, built.budget_aware if grammar else (), generated)
         response.set_usage(input=len(generation.started.prompt_tokens), output=stats.get("generated_tokens"))
         response.response_json = stats
         response.set_resolved_model(r.resolved_model)

@@ -6,6 +6,11 @@ messages, which is what Hugging Face chat templates with tool support read. The
 model's tool-call markup (`tokenizer.tool_call_start` ... `tool_call_end`, found by
 mlx-lm from the template) is cut out of the reply by `replies.ReplySplitter` and
 parsed by the tokenizer's `tool_parser`, the same parser `mlx_lm.server` uses.
+
+`tool_choice` (auto, none, required or a tool's name) decides what the model may do:
+none shows it no tools; required and a name are enforced by constrained decoding
+(constrained.py) of the call markup, for the formats whose call is a JSON object
+between the markup tags.
 """
 
 from __future__ import annotations
@@ -13,6 +18,12 @@ from __future__ import annotations
 import json
 import uuid
 from typing import Any, Optional
+
+from .constrained import COMPILE_OPTIONS, checked_grammar
+
+AUTO, NONE, REQUIRED = "auto", "none", "required"
+# mlx-lm tool parsers whose call is {"name": ..., "arguments": {...}} between the tags
+JSON_CALL_PARSERS = ("mlx_lm.tool_parsers.json_tools",)
 
 
 class ToolError(ValueError):
@@ -48,6 +59,63 @@ def check_tool_support(tokenizer, model_name: str = "this model") -> None:
             f"{model_name}'s chat template has no tool support (mlx-lm finds no tool-call "
             "format in it), so it cannot be given tools (-T)"
         )
+
+
+def shown_tools(tools: list[dict], choice: Optional[str]) -> list[dict]:
+    """The function specs the template renders: none for tool_choice none."""
+    return [] if choice == NONE else tools
+
+
+def check_tool_choice(choice: Optional[str], tools: list[dict]) -> None:
+    """A ToolError unless `choice` can be honoured with `tools`."""
+    if choice in (None, AUTO, NONE):
+        return
+    names = [t["function"]["name"] for t in tools]
+    if not names:
+        raise ToolError(f"tool_choice {choice}: no tools were given")
+    if choice != REQUIRED and choice not in names:
+        raise ToolError(f"tool_choice {choice!r}: no tool has that name (the tools: {', '.join(names)})")
+
+
+def forced_call_grammar(tokenizer, tools: list[dict], choice: Optional[str],
+                        parallel: Optional[bool] = None) -> Optional[str]:
+    """The llguidance grammar that makes the reply tool calls (one, or one or more when
+    `parallel` is not off): for required any of `tools`, for a name that tool; None
+    when the model decides (auto, none). ToolError for a format it cannot force."""
+    check_tool_choice(choice, tools)
+    if choice in (None, AUTO, NONE):
+        return None
+    import llguidance
+
+    check_tool_support(tokenizer)
+    parser = getattr(getattr(tokenizer, "tool_parser", None), "__module__", None)
+    if parser not in JSON_CALL_PARSERS:
+        raise ToolError(f"tool_choice {choice}: this model's tool-call format ({parser}) cannot be "
+                        "enforced; use tool_choice auto")
+    picked = [t["function"] for t in tools if choice == REQUIRED or t["function"]["name"] == choice]
+    schema = {
+        "x-guidance": COMPILE_OPTIONS,
+        "anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                   "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]}}
+                  for f in picked],
+    }
+    start, end = (_markup(tokenizer, tag, ids) for tag, ids in (
+        (tokenizer.tool_call_start, tokenizer.tool_call_start_tokens),
+        (tokenizer.tool_call_end, tokenizer.tool_call_end_tokens)))
+    several = parallel is not False and choice == REQUIRED
+    lark = "\n".join([
+        'start: call ("\\n"? call)*' if several else "start: call",
+        f'call: {start} "\\n" arguments "\\n" {end}',
+        f"arguments: %json {json.dumps(schema, ensure_ascii=False)}",
+    ])
+    return checked_grammar(lambda: llguidance.grammar_from("lark", lark), "the tools' parameters")
+
+
+def _markup(tokenizer, tag: str, ids) -> str:
+    """A markup tag in the grammar: a special token by its id, other text as a string."""
+    if ids and len(ids) == 1 and ids[0] in set(getattr(tokenizer, "all_special_ids", ()) or ()):
+        return f"<[{ids[0]}]>"
+    return json.dumps(tag, ensure_ascii=False)
 
 
 def assistant_tool_calls(parts) -> list[dict]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional, Sequence
 from ..messages import METADATA_KEY
 
 
@@ -24,6 +24,7 @@ class Result:
     tokens: list[int] = field(default_factory=list)
     resolved_model: Optional[str] = None
     text_events: int = 0  # events seen, a token count for a reply cut short
+    tool_calls: list[dict] = field(default_factory=list)  # {"id", "name", "arguments" (JSON text)}
 
     @property
     def prompt_tokens(self) -> int:
@@ -50,7 +51,7 @@ class Reply:
     def add(self, kind: str, value) -> None:
         if kind == "done":
             self.result = value
-        else:
+        elif kind in ("text", "reasoning"):  # the result holds the tool calls
             (self._reasoning if kind == "reasoning" else self._text).append(value)
 
     @property
@@ -68,10 +69,17 @@ class Reply:
 
 class Run:
     """A prompt running as a task; `events()` yields ("text"|"reasoning", chunk) and
-    ends with ("done", Result) (also when cancelled); `cancel()` stops it."""
+    ("tool_call", {"id", "name", "arguments"}) (arguments as JSON text) as the reply
+    comes, and ends with ("done", Result) (also when cancelled); `cancel()` stops it.
 
-    def __init__(self, model_id: str, messages: list, options: dict, schema: Optional[dict] = None) -> None:
+    `tools` are llm `Tool`s the model may call (not executed here: the calls are the
+    reply); `options` may hold `tool_choice` ("auto", "none", "required" or a tool's
+    name) and `parallel_tool_calls`, the plugin's options of those names."""
+
+    def __init__(self, model_id: str, messages: list, options: dict, schema: Optional[dict] = None,
+                 tools: Sequence = ()) -> None:
         self.model_id, self.messages, self.options, self.schema = model_id, messages, options, schema
+        self.tools = list(tools)
         self.result = Result()
         self.cancelled = False
         self._task: Optional[asyncio.Task] = None
@@ -108,7 +116,9 @@ class Run:
 
         try:
             model = llm.get_async_model(self.model_id)
-            response = model.prompt(messages=self.messages, schema=self.schema, no_server=True, **self.options)
+            response = model.prompt(messages=self.messages, schema=self.schema, tools=self.tools or None,
+                                    no_server=True, **self.options)
+            names: dict = {}  # tool call id -> name, until its arguments come
             async for event in response.astream_events():
                 tokens = ((event.provider_metadata or {}).get(METADATA_KEY) or {}).get("tokens")
                 if tokens is not None:
@@ -116,6 +126,13 @@ class Run:
                 if event.chunk and event.type in ("text", "reasoning"):
                     self.result.text_events += 1
                     await self._put(event.type, event.chunk)
+                elif event.type == "tool_call_name":
+                    names[event.tool_call_id] = event.chunk
+                elif event.type == "tool_call_args":
+                    call = {"id": event.tool_call_id, "name": names.pop(event.tool_call_id, ""),
+                            "arguments": event.chunk}
+                    self.result.tool_calls.append(call)
+                    await self._put("tool_call", call)
             self.result.stats = dict(response.response_json or {})
             self.result.resolved_model = response.resolved_model
             await self._put("done", self.result)

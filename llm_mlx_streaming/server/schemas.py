@@ -17,6 +17,7 @@ from pydantic.json_schema import SkipJsonSchema
 
 from ..knobs import build_options
 from ..model import Options
+from .openai_tools import ToolCall, ToolChoice, ToolSpec, choice_option
 
 # Options fields that mean nothing inside the server (it always runs in-process).
 SERVER_ONLY = ("no_server",)
@@ -52,26 +53,38 @@ def engine_fields(model_name: str, exclude: tuple[str, ...] = ()):
 
 # OpenAI fields accepted only at the value that changes nothing, {field: allowed values}.
 NO_OP_FIELDS = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
-                "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
-                "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False)}
+                "logprobs": (None, False), "top_logprobs": (None, 0)}
 
 
 class ChatMessage(BaseModel):
     model_config = STRICT
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextContent], None] = None
     reasoning_content: Optional[str] = Field(None, description="An assistant message's reasoning")
+    tool_calls: Optional[list[ToolCall]] = Field(None, description="An assistant message's tool calls")
+    tool_call_id: Optional[str] = Field(None, description="A tool message's call: the result is its answer")
     tokens: Optional[list[int]] = Field(
         None,
         description="Extension: the token ids an assistant message was generated as "
         "(a response's mlx_stream.tokens); with them the KV cache is reused exactly",
     )
 
+    @model_validator(mode="after")
+    def _fields_of_its_role(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message makes tool calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("tool_call_id: a tool message, and only a tool message, answers a call")
+        return self
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def calls(self) -> list[dict]:
+        return [call.call() for call in self.tool_calls or []]
 
 
 class StreamOptions(BaseModel):
@@ -125,9 +138,6 @@ class _GenerationRequest(Options):
     logit_bias: Optional[dict[str, float]] = Field(None, description="Only {}")
     logprobs: Optional[Union[bool, int]] = Field(None, description="Not implemented: only false")
     top_logprobs: Optional[int] = Field(None, description="Not implemented: only 0")
-    tools: Optional[list[dict[str, Any]]] = Field(None, description="Not implemented: only []")
-    tool_choice: Optional[Union[str, dict[str, Any]]] = Field(None, description='Not implemented: only "none"')
-    parallel_tool_calls: Optional[bool] = None
 
     @model_validator(mode="after")
     def _refuse_what_is_not_implemented(self):
@@ -139,8 +149,29 @@ class _GenerationRequest(Options):
         return self
 
 
+    def engine_fields(self, names) -> dict:
+        """The set fields among the plugin's option `names`, as the options take them."""
+        fields = engine_values(self, names)
+        if self.max_completion_tokens is not None and "max_tokens" not in fields:
+            fields["max_tokens"] = self.max_completion_tokens
+        return fields
+
+
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: Optional[list[ToolSpec]] = Field(None, description="Functions the model may call; the calls "
+                                            "are the reply (message.tool_calls), the client runs them")
+    tool_choice: Optional[ToolChoice] = Field(
+        None, description="auto (default), none (the tools are not shown to the model), required (a call "
+        "to one of them) or {type: function, function: {name}} (a call to that one); required and a name "
+        "are enforced by constrained decoding")
+    parallel_tool_calls: Optional[bool] = Field(None, description="false: at most one call per reply")
+
+    def engine_fields(self, names) -> dict:
+        fields = super().engine_fields(names)
+        if "tool_choice" in fields:
+            fields["tool_choice"] = choice_option(fields["tool_choice"])
+        return fields
 
 
 class CompletionRequest(_GenerationRequest):
@@ -159,8 +190,9 @@ class Usage(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str]
     reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
 
 
 class ChatChoice(BaseModel):

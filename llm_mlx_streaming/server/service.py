@@ -23,6 +23,7 @@ from . import anthropic
 from .gate import Gate
 from ..messages import llm_messages
 from .guard import Guard
+from .openai_tools import llm_tools
 from .http_layer import ApiError, BodyLimit, error_for
 from .reply_memory import ReplyMemory
 from .runtime import POOL_KEYS, ConfigError, RuntimeConfig, touches_pools
@@ -34,7 +35,6 @@ from .schemas import (
     ErrorResponse,
     ModelList,
     engine_option_names,
-    engine_values,
 )
 from .shapes import ChatShape, TextShape
 from .turns import answer
@@ -86,19 +86,13 @@ class Service:
                            code="model_not_found", param="model")
         return model.model_id
 
-    def request_options(self, body) -> dict:
-        """The engine options an OpenAI body sets (the runtime parameters are added when
-        its turn comes)."""
-        fields = engine_values(body, engine_option_names())
-        if body.max_completion_tokens is not None and "max_tokens" not in fields:
-            fields["max_tokens"] = body.max_completion_tokens
-        return fields
-
-    async def generate(self, request: Request, body, model_id: str, messages: list, chat: bool):
+    async def generate(self, request: Request, body, model_id: str, messages: list, chat: bool, tools=()):
+        """Answer `body` (its `engine_fields(names)` give the plugin's options, among them
+        tool_choice and parallel_tool_calls) with `messages` (llm's) and `tools` (llm `Tool`s)."""
         shape = (ChatShape if chat else TextShape)(model_id, body)
         schema = body.response_format.schema_dict() if body.response_format else None
-        return await answer(self, request, shape, model_id, messages, self.request_options(body), schema,
-                            body.stream)
+        return await answer(self, request, shape, model_id, messages, body.engine_fields(engine_option_names()),
+                            schema, body.stream, tools)
 
     # -- runtime config -------------------------------------------------------
     def config(self) -> dict:
@@ -244,7 +238,7 @@ def create_app(service: Service) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         model_id = service.model_for(body.model)
         return await service.generate(request, body, model_id, llm_messages(body.messages, service.replies.known),
-                                      chat=True)
+                                      chat=True, tools=llm_tools(body.tools))
 
     @api.post("/v1/completions", responses={200: {"model": Completion, "description":
               "The text, or with stream: true an SSE stream of text_completion objects"}})

@@ -12,6 +12,7 @@ import uuid
 from typing import Optional
 
 from .bridge import Reply, Result
+from .openai_tools import reply_calls
 
 
 def sse(data: dict) -> str:
@@ -46,7 +47,7 @@ class Shape:
         return {"stats": result.stats, "tokens": result.tokens, "resolved_model": result.resolved_model}
 
     def closing(self, reply: Reply) -> list[str]:
-        frames = [sse({**self._base([{"index": 0, **self.last_choice, "finish_reason": reply.finish_reason}]),
+        frames = [sse({**self._base([{"index": 0, **self.last_choice, "finish_reason": self.finish(reply)}]),
                        "mlx_stream": self.extension(reply.result)})]
         if self.include_usage:
             frames.append(sse({**self._base([]), "usage": self.usage(reply.result)}))
@@ -55,24 +56,46 @@ class Shape:
     def failure(self, error) -> list[str]:
         return [sse(error.response_body()), DONE]
 
+    @staticmethod
+    def finish(reply: Reply) -> Optional[str]:
+        return reply.finish_reason
+
 
 class ChatShape(Shape):
     prefix, chunk_object = "chatcmpl", "chat.completion.chunk"
     last_choice = {"delta": {}}
 
+    def __init__(self, model_id: str, body) -> None:
+        super().__init__(model_id, body)
+        self.calls = 0  # tool calls streamed so far
+
     def opening(self) -> list[str]:
         return [sse(self._base([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]))]
 
-    def delta(self, kind: str, value: str) -> list[str]:
-        delta = {"reasoning_content": value} if kind == "reasoning" else {"content": value}
+    def delta(self, kind: str, value) -> list[str]:
+        if kind == "tool_call":  # one chunk per call, its arguments whole
+            [call] = reply_calls([value])
+            delta = {"tool_calls": [{"index": self.calls, **call}]}
+            self.calls += 1
+        else:
+            delta = {"reasoning_content": value} if kind == "reasoning" else {"content": value}
         return [sse(self._base([{"index": 0, "delta": delta, "finish_reason": None}]))]
 
+    @staticmethod
+    def finish(reply: Reply) -> Optional[str]:
+        """OpenAI's finish_reason: a reply that ends in tool calls ends for them."""
+        calls = reply.result.tool_calls
+        return "tool_calls" if calls and reply.finish_reason == "stop" else reply.finish_reason
+
     def whole(self, reply: Reply) -> dict:
-        message = {"role": "assistant", "content": reply.text}
+        calls = reply.result.tool_calls
+        message = {"role": "assistant", "content": reply.text or (None if calls else "")}
         if reply.reasoning:
             message["reasoning_content"] = reply.reasoning
+        if calls:
+            message["tool_calls"] = reply_calls(calls)
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": message, "finish_reason": reply.finish_reason}],
+                "choices": [{"index": 0, "message": message, "finish_reason": self.finish(reply)}],
                 "usage": self.usage(reply.result), "mlx_stream": self.extension(reply.result)}
 
 

@@ -10,7 +10,7 @@ the run said: `whole(reply)` is the body, `opening()`, `delta(kind, value)`,
 from __future__ import annotations
 
 import asyncio
-from typing import Optional
+from typing import Optional, Sequence
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -71,12 +71,13 @@ async def take_turn(service) -> None:
 
 
 async def answer(service, request: Request, shape, model_id: str, messages: list, fields: dict,
-                 schema: Optional[dict], stream: bool):
-    """Run `messages` on `model_id` with the request's engine `fields` and answer in `shape`."""
+                 schema: Optional[dict], stream: bool, tools: Sequence = ()):
+    """Run `messages` (llm's) on `model_id` with the request's engine `fields` (the plugin's
+    options) and `tools` (llm `Tool`s), and answer in `shape`."""
     await take_turn(service)
     try:
         options = service.runtime.for_request(fields)  # now: a config change made while it waited applies
-        run = Run(model_id, messages, options, schema).start()
+        run = Run(model_id, messages, options, schema, tools).start()
     except BaseException:
         service.gate.release()
         raise
@@ -109,7 +110,7 @@ async def _whole(service, turn: Turn, events, first, shape) -> dict:
             reply.add(kind, value)
     finally:
         turn.finish(served=not turn.run.cancelled)
-    service.replies.remember(reply.text, reply.reasoning, reply.result.tokens)
+    service.replies.remember(reply.text, reply.reasoning, reply.result.tokens, reply.result.tool_calls)
     return shape.whole(reply)
 
 
@@ -124,7 +125,7 @@ async def _stream(service, turn: Turn, events, first, shape):
                 break
             for frame in shape.delta(kind, value):
                 yield frame
-        service.replies.remember(reply.text, reply.reasoning, reply.result.tokens)
+        service.replies.remember(reply.text, reply.reasoning, reply.result.tokens, reply.result.tool_calls)
         turn.finish(served=True)
         for frame in shape.closing(reply):
             yield frame
