@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from server_support import call, in_process, serving
+from test_server_tools import tooled  # noqa: F401 (a fixture)
 
 HELLO = [{"role": "user", "content": "hello there"}]
 
@@ -121,3 +122,73 @@ def test_the_api_key_may_come_as_x_api_key(tmp_path, plugin_checkpoint):
             client(env).messages.create(model="mlx-stream", messages=HELLO, max_tokens=2)
         keyed = anthropic.Anthropic(base_url=env.server.url, api_key="sesame", max_retries=0, timeout=60)
         assert keyed.messages.create(model="mlx-stream", messages=HELLO, max_tokens=2).usage.output_tokens == 2
+
+
+# -- tools ------------------------------------------------------------------------------
+
+ADD = {"name": "add", "description": "Add two numbers", "input_schema": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"], "additionalProperties": False}}
+ASK = [{"role": "user", "content": "What is 2 + 3?"}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_agent_loop_calls_a_tool_and_answers_with_its_result(tooled, stream):
+    from test_server_tools import CALL
+
+    c = client(tooled)
+    tooled.script = [CALL, "It is 5."]
+    if stream:
+        with c.messages.stream(model="mlx-stream", messages=ASK, tools=[ADD], max_tokens=100) as events:
+            kinds = [e.type for e in events]
+            reply = events.get_final_message()
+        assert kinds.count("content_block_start") == kinds.count("content_block_stop") == 1
+    else:
+        reply = c.messages.create(model="mlx-stream", messages=ASK, tools=[ADD], max_tokens=100)
+    assert reply.stop_reason == "tool_use"
+    [call] = reply.content
+    assert (call.type, call.name, call.input) == ("tool_use", "add", {"a": 2, "b": 3})
+
+    turn = [{"role": "assistant", "content": reply.content},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "5"}]}]
+    answer = c.messages.create(model="mlx-stream", messages=ASK + turn, tools=[ADD], max_tokens=100)
+    assert answer.content[0].text == "It is 5." and answer.stop_reason == "end_turn"
+    prompt = tooled.tokenizer.decode(tooled.prompts[-1].started.prompt_tokens)
+    assert CALL in prompt and "<tool_response>\n5\n</tool_response>" in prompt
+    stats = answer.model_extra["mlx_stream"]["stats"]
+    assert stats["prefilled_tokens"] < stats["prompt_tokens"] // 2  # the call turn's KV is reused
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "any", "disable_parallel_tool_use": True},
+                                    {"type": "tool", "name": "add"}])
+def test_a_forced_tool_choice_always_gives_a_valid_call(tooled, choice):
+    """Random weights, sampled: constrained decoding alone makes the calls valid (with
+    parallel calls allowed, the model may go on calling until max_tokens)."""
+    c = client(tooled)
+    other = {"name": "shout", "input_schema": {"type": "object", "properties": {
+        "word": {"type": "string", "maxLength": 12}}, "required": ["word"], "additionalProperties": False}}
+    for seed in range(20):
+        reply = c.messages.create(model="mlx-stream", messages=ASK, tools=[other, ADD], tool_choice=choice,
+                                  max_tokens=100, extra_body={"temperature": 1.0, "seed": seed})
+        calls = [b for b in reply.content if b.type == "tool_use"]
+        assert calls, (seed, reply)
+        one = choice["type"] == "tool" or choice.get("disable_parallel_tool_use")
+        assert not one or (len(calls) == 1 and reply.stop_reason == "tool_use"), (seed, reply)
+        for call in calls:
+            if choice["type"] == "tool" or call.name == "add":
+                assert call.name == "add" and set(call.input) == {"a", "b"}, (seed, call)
+                assert all(isinstance(v, int) for v in call.input.values()), (seed, call)
+
+
+def test_tools_for_a_template_without_tool_support_are_a_400(tooled):
+    import anthropic
+
+    with pytest.raises(anthropic.BadRequestError, match="no tool support"):
+        client(tooled).messages.create(model="mlx-stream/plain", messages=ASK, tools=[ADD], max_tokens=4)
+
+
+def test_count_tokens_counts_the_tools(tooled):
+    c = client(tooled)
+    bare = c.messages.count_tokens(model="mlx-stream", messages=ASK).input_tokens
+    with_tools = c.messages.count_tokens(model="mlx-stream", messages=ASK, tools=[ADD]).input_tokens
+    assert with_tools > bare

@@ -8,6 +8,7 @@ runs the same gated path (turns.py); only the layout of the answer is Anthropic'
 from __future__ import annotations
 
 import asyncio
+import json
 
 from fastapi import APIRouter, Depends, Request
 
@@ -16,34 +17,48 @@ from .anthropic_schemas import AnthropicEngineOptions, CountTokensRequest, Messa
 from .anthropic_shapes import MessageShape
 from .counting import prompt_tokens
 from .http_layer import ApiError, error_for
+from .openai_tools import CalledFunction, ToolCall
 from .schemas import ChatMessage, engine_values
 from .turns import answer
 
 
 def chat_messages(body) -> list[ChatMessage]:
-    """The system prompt and the messages as the server's chat messages; a block this
-    server cannot take is a 400 naming it."""
-    if body.tools or (body.tool_choice and body.tool_choice.type != "none"):
-        raise ApiError(400, "tools: not served on this route yet", param="tools")
+    """The system prompt and the messages as the server's chat messages (a user message's
+    tool results become tool messages); a block this server cannot take is a 400 naming it."""
     out = []
     if system := body.system_text():
         out.append(ChatMessage(role="system", content=system))
     for i, message in enumerate(body.messages):
-        text, reasoning = [], []
+        text, reasoning, calls, results = [], [], [], []
         for j, block in enumerate(message.blocks()):
             if block.type == "text":
                 text.append(block.text)
             elif block.type == "thinking" and message.role == "assistant":
                 reasoning.append(block.thinking)
+            elif block.type == "tool_use" and message.role == "assistant":
+                calls.append(ToolCall(id=block.id, function=CalledFunction(name=block.name,
+                                                                          arguments=json.dumps(block.input))))
+            elif block.type == "tool_result" and message.role == "user":
+                results.append(ChatMessage(role="tool", tool_call_id=block.tool_use_id, content=block.text()))
             else:
                 where = f"messages.{i}.content.{j}"
-                raise ApiError(400, f"{where}: a {block.type} block is not taken in a {message.role} message here",
+                raise ApiError(400, f"{where}: a {block.type} block is not taken in a {message.role} message",
                                param=where)
-        out.append(ChatMessage(role=message.role, content="".join(text), reasoning_content="".join(reasoning) or None))
+        out.extend(results)
+        if message.role == "assistant" or text or not results:
+            out.append(ChatMessage(role=message.role, content="".join(text),
+                                   reasoning_content="".join(reasoning) or None, tool_calls=calls or None))
     if body.messages[-1].role != "user":
         raise ApiError(400, "messages: the last message must be the user's (an assistant prefill is not "
                        "continued by this server)", param="messages")
     return out
+
+
+def llm_tools(body) -> list:
+    """The request's tools as llm `Tool`s (the server never runs them)."""
+    import llm
+
+    return [llm.Tool(name=t.name, description=t.description, input_schema=t.input_schema) for t in body.tools or []]
 
 
 def engine_options(body) -> dict:
@@ -52,6 +67,10 @@ def engine_options(body) -> dict:
         fields["stop"] = body.stop_sequences
     if (thinking := body.thinking_switch()) is not None:
         fields["thinking"] = thinking
+    if body.tool_choice is not None:
+        fields["tool_choice"] = body.tool_choice.option()
+        if body.tool_choice.disable_parallel_tool_use:
+            fields["parallel_tool_calls"] = False
     return fields
 
 
@@ -63,14 +82,14 @@ def router(service) -> APIRouter:
         model_id = service.model_for(body.model)
         chain = llm_messages(chat_messages(body), service.replies.known)
         return await answer(service, request, MessageShape(model_id), model_id, chain, engine_options(body),
-                            body.schema_dict(), body.stream)
+                            body.schema_dict(), body.stream, llm_tools(body))
 
     @api.post("/v1/messages/count_tokens", description="The prompt's tokens, rendered as /v1/messages would")
     async def count_tokens(body: CountTokensRequest) -> dict:
         model_id = service.model_for(body.model)
         chain = llm_messages(chat_messages(body), service.replies.known)
         try:
-            count = await asyncio.to_thread(prompt_tokens, model_id, chain, engine_options(body))
+            count = await asyncio.to_thread(prompt_tokens, model_id, chain, engine_options(body), llm_tools(body))
         except Exception as e:
             raise error_for(e) from None
         return {"input_tokens": count}

@@ -2,8 +2,9 @@
 
 Every field Anthropic documents that this engine can honour is declared; any other is a
 400 naming it. The engine options are extension fields (from knobs.py, as on the OpenAI
-routes), less `stop` and `thinking`, which this API spells `stop_sequences` and
-`thinking: {"type": ...}`.
+routes), less those this API has under its own name: `stop` (`stop_sequences`),
+`thinking` (`thinking: {"type": ...}`), `tool_choice` (`tool_choice: {"type": ...}`) and
+`parallel_tool_calls` (`tool_choice.disable_parallel_tool_use`).
 """
 
 from __future__ import annotations
@@ -91,9 +92,14 @@ class Tool(StrictModel):
 
 
 class ToolChoice(StrictModel):
-    type: Literal["auto", "any", "tool", "none"]
+    type: Literal["auto", "any", "tool", "none"] = Field(
+        description="any and tool are enforced by constrained decoding; none shows the model no tools")
     name: Optional[str] = Field(None, description="The tool to call, with type tool")
-    disable_parallel_tool_use: Optional[bool] = None
+    disable_parallel_tool_use: Optional[bool] = Field(None, description="true: at most one call per reply")
+
+    def option(self) -> str:
+        """The plugin's tool_choice option."""
+        return {"any": "required", "tool": self.name}.get(self.type, self.type)
 
     @model_validator(mode="after")
     def _named_when_tool(self):
@@ -137,7 +143,8 @@ class _Conversation(StrictModel):
         return None if self.thinking is None else self.thinking.type != "disabled"
 
 
-AnthropicEngineOptions = engine_fields("AnthropicEngineOptions", exclude=("stop", "thinking"))
+AnthropicEngineOptions = engine_fields("AnthropicEngineOptions",
+                                       exclude=("stop", "thinking", "tool_choice", "parallel_tool_calls"))
 
 
 class MessagesRequest(_Conversation, AnthropicEngineOptions):

@@ -25,6 +25,8 @@ def event(kind: str, data: dict) -> str:
 def stop_reason(result: Result) -> tuple[str, Optional[str]]:
     """(stop_reason, stop_sequence) of a finished run."""
     stop = result.stats.get("stop_sequence")
+    if result.tool_calls and result.finish_reason == "stop":
+        return "tool_use", None
     if stop is not None:
         return "stop_sequence", stop
     return ("max_tokens" if result.finish_reason == "length" else "end_turn"), None
@@ -34,6 +36,10 @@ def usage(result: Result) -> dict:
     reused = int(result.stats.get("reused_tokens") or 0)
     return {"input_tokens": result.prompt_tokens - reused, "output_tokens": result.completion_tokens,
             "cache_read_input_tokens": reused, "cache_creation_input_tokens": 0}
+
+
+def tool_use(call: dict) -> dict:
+    return {"type": "tool_use", "id": call["id"], "name": call["name"], "input": json.loads(call["arguments"])}
 
 
 def extension(result: Result) -> dict:
@@ -57,7 +63,9 @@ class MessageShape:
         content = []
         if reply.reasoning:
             content.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
-        content.append({"type": "text", "text": reply.text})
+        if reply.text or not reply.result.tool_calls:
+            content.append({"type": "text", "text": reply.text})
+        content.extend(tool_use(call) for call in reply.result.tool_calls)
         reason, stop = stop_reason(reply.result)
         return {**self._message(content, reason, stop, usage(reply.result)), "mlx_stream": extension(reply.result)}
 
@@ -66,26 +74,30 @@ class MessageShape:
         start = self._message([], None, None, {"input_tokens": 0, "output_tokens": 0})
         return [event("message_start", {"message": start})]
 
-    def delta(self, kind: str, value: str) -> list[str]:
+    def delta(self, kind: str, value) -> list[str]:
+        if kind == "tool_call":  # a block of its own, its input whole
+            frames = self._start("tool_call", {**tool_use(value), "input": {}})
+            frames.append(self._delta({"type": "input_json_delta", "partial_json": value["arguments"]}))
+            return frames + self._close_block()
         block, delta_type, key = BLOCK_OF[kind]
-        frames = []
-        if kind != self._open:
-            frames += self._close_block()
-            self._index += 1
-            self._open = kind
-            frames.append(event("content_block_start", {"index": self._index,
-                                                        "content_block": {"type": block, key: "",
-                                                                          **self._signature(kind)}}))
-        frames.append(event("content_block_delta", {"index": self._index, "delta": {"type": delta_type, key: value}}))
-        return frames
+        frames = [] if kind == self._open else self._start(kind, {"type": block, key: "", **self._signature(kind)})
+        return frames + [self._delta({"type": delta_type, key: value})]
+
+    def _start(self, kind: str, block: dict) -> list[str]:
+        frames = self._close_block()
+        self._index += 1
+        self._open = kind
+        return frames + [event("content_block_start", {"index": self._index, "content_block": block})]
+
+    def _delta(self, delta: dict) -> str:
+        return event("content_block_delta", {"index": self._index, "delta": delta})
 
     def _close_block(self) -> list[str]:
         if self._open is None:
             return []
         frames = []
         if self._open == "reasoning":
-            frames.append(event("content_block_delta", {"index": self._index,
-                                                        "delta": {"type": "signature_delta", "signature": ""}}))
+            frames.append(self._delta({"type": "signature_delta", "signature": ""}))
         frames.append(event("content_block_stop", {"index": self._index}))
         self._open = None
         return frames
@@ -95,7 +107,8 @@ class MessageShape:
         return {"signature": ""} if kind == "reasoning" else {}
 
     def closing(self, reply: Reply) -> list[str]:
-        frames = [] if self._open == "text" else self.delta("text", "")  # every reply has its text block
+        text_block = self._open == "text" or self._index >= 0 and reply.result.tool_calls
+        frames = [] if text_block else self.delta("text", "")  # a text block, unless it is all calls
         frames += self._close_block()
         reason, stop = stop_reason(reply.result)
         frames.append(event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": stop},
