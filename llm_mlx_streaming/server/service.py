@@ -19,7 +19,8 @@ from fastapi.exceptions import RequestValidationError
 from ..client.discovery import public_id
 from ..errors import one_line
 from ..run_config import resolve
-from . import anthropic
+from . import anthropic, ollama
+from .catalog import model_ids
 from .gate import Gate
 from ..messages import llm_messages
 from .guard import Guard
@@ -37,7 +38,7 @@ from .schemas import (
     engine_option_names,
 )
 from .shapes import ChatShape, TextShape
-from .turns import answer
+from .turns import answer, take_turn
 from ..messages import raw_message
 
 class Service:
@@ -93,6 +94,26 @@ class Service:
         schema = body.response_format.schema_dict() if body.response_format else None
         return await answer(self, request, shape, model_id, messages, body.engine_fields(engine_option_names()),
                             schema, body.stream, tools)
+
+    async def load(self, model_id: str) -> None:
+        """Load `model_id` in its turn, and return once it is loaded."""
+        await take_turn(self)
+        try:
+            self.model_id = model_id
+            await asyncio.to_thread(self._load_blocking, model_id)
+        finally:
+            self.gate.release()
+
+    async def unload(self, first: bool = False) -> None:
+        """Unload the model in its turn (`first`: right after the run now going)."""
+        await take_turn(self, first=first)
+        try:
+            await asyncio.to_thread(_engine().unload)
+        finally:
+            self.gate.release()
+
+    def schedule_unload(self) -> None:
+        self._spawn(self.unload(first=True))
 
     # -- runtime config -------------------------------------------------------
     def config(self) -> dict:
@@ -224,14 +245,9 @@ def create_app(service: Service) -> FastAPI:
 
     @api.get("/v1/models", response_model=ModelList)
     async def models() -> dict:
-        import llm
-
-        from ..model import MlxStreamModel
-
-        ids = [m.model.model_id for m in llm.get_models_with_aliases() if isinstance(m.model, MlxStreamModel)]
         created = int(time.time())
         return {"object": "list", "data": [{"id": i, "object": "model", "created": created, "owned_by": "mlx-stream"}
-                                           for i in ids]}
+                                           for i in model_ids()]}
 
     @api.post("/v1/chat/completions", responses={200: {"model": ChatCompletion, "description":
               "The reply, or with stream: true an SSE stream of chat.completion.chunk objects"}})
@@ -264,4 +280,5 @@ def create_app(service: Service) -> FastAPI:
 
     app.include_router(api)
     app.include_router(anthropic.router(service))
+    app.include_router(ollama.router(service))
     return app

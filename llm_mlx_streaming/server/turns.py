@@ -60,10 +60,10 @@ class GatedStream(StreamingResponse):
             self.turn.finish()
 
 
-async def take_turn(service) -> None:
-    """Wait for the gate; a full queue is a 503 with Retry-After."""
+async def take_turn(service, first: bool = False) -> None:
+    """Wait for the gate (`first`: ahead of those waiting); a full queue is a 503 with Retry-After."""
     try:
-        await service.gate.acquire()
+        await service.gate.acquire(first=first)
     except QueueFull:
         raise ApiError(503, f"the server is busy: {service.gate.waiting} requests already wait; retry later",
                        kind="server_error", code="queue_full",
