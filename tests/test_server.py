@@ -473,9 +473,11 @@ def test_schemathesis_finds_no_server_error(served):
     url = served.server.url
     schema = schemathesis.openapi.from_url(url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert {op.path for op in operations} >= {"/v1/chat/completions", "/api/engine/config", "/api/stats"}
+    assert {op.path for op in operations} >= {"/v1/chat/completions", "/api/engine/config", "/api/stats",
+                                              "/v1/messages", "/v1/messages/count_tokens", "/api/chat",
+                                              "/api/generate", "/api/tags", "/api/show", "/api/ps"}
 
-    @settings(max_examples=40, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=120, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(case=st.one_of([op.as_strategy() for op in operations]))
     def no_server_error(case):
