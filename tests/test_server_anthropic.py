@@ -192,3 +192,22 @@ def test_count_tokens_counts_the_tools(tooled):
     bare = c.messages.count_tokens(model="mlx-stream", messages=ASK).input_tokens
     with_tools = c.messages.count_tokens(model="mlx-stream", messages=ASK, tools=[ADD]).input_tokens
     assert with_tools > bare
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_comes_as_a_thinking_block(tooled, stream):
+    c = client(tooled)
+    tooled.script = ["<think>\nadd them\n</think>\n\nIt is 5."]
+    kwargs = dict(model="mlx-stream", messages=ASK, max_tokens=100, thinking={"type": "adaptive"})
+    if stream:
+        with c.messages.stream(**kwargs) as events:
+            reply = events.get_final_message()
+    else:
+        reply = c.messages.create(**kwargs)
+    assert [b.type for b in reply.content] == ["thinking", "text"]
+    assert reply.content[0].thinking.strip() == "add them" and reply.content[1].text.strip() == "It is 5."
+
+    tooled.script = ["It is 5."]
+    off = c.messages.create(model="mlx-stream", messages=ASK, max_tokens=100, thinking={"type": "disabled"})
+    prompt = tooled.tokenizer.decode(tooled.prompts[-1].started.prompt_tokens)
+    assert prompt.endswith("<think>\n\n</think>\n\n") and off.content[0].text == "It is 5."

@@ -188,3 +188,15 @@ def test_tools_for_a_template_without_tool_support_are_a_400(tooled):
     with pytest.raises(ollama.ResponseError, match="no tool support") as e:
         client(tooled).chat(model="mlx-stream/plain", messages=ASK, tools=[ADD])
     assert e.value.status_code == 400
+
+
+def test_reasoning_comes_as_thinking(tooled):
+    c = client(tooled)
+    tooled.script = ["<think>\nadd them\n</think>\n\nIt is 5."]
+    reply = c.chat(model="mlx-stream", messages=ASK, think=True, options={"num_predict": 100})
+    assert reply.message.thinking.strip() == "add them" and reply.message.content.strip() == "It is 5."
+    tooled.script = ["<think>\nadd them\n</think>\n\nIt is 5."]
+    parts = list(c.generate(model="mlx-stream", prompt="What is 2 + 3?", think=True, stream=True,
+                            options={"num_predict": 100}))
+    assert "".join(p.thinking or "" for p in parts).strip() == "add them"
+    assert "".join(p.response for p in parts).strip() == "It is 5."
