@@ -175,7 +175,7 @@ class Service:
             async for kind, value in _chain(first, events):
                 if kind == "done":
                     result = value
-                elif kind != "tool_call":  # the result holds the calls
+                elif kind in ("text", "reasoning"):  # the result holds the calls
                     (reasoning if kind == "reasoning" else text).append(value)
         finally:
             turn.finish(served=not turn.run.cancelled)
@@ -190,7 +190,7 @@ class Service:
                 if kind == "done":
                     result = value
                     break
-                if kind != "tool_call":
+                if kind in ("text", "reasoning"):
                     (reasoning if kind == "reasoning" else text).append(value)
                 yield _sse(shape.delta(**{kind: value}))
             self.replies.remember("".join(text), "".join(reasoning), result.tokens, result.tool_calls)

@@ -48,13 +48,17 @@ class ChatShape(Shape):
 
     def __init__(self, model_id: str, body) -> None:
         super().__init__(model_id, body)
-        self.calls = 0  # tool calls streamed so far
+        self.calls: dict[str, int] = {}  # tool call id -> its index in the reply
 
-    def delta(self, text: str = "", reasoning: str = "", tool_call: Optional[dict] = None) -> dict:
-        if tool_call is not None:  # one chunk per call, its arguments whole
-            [call] = reply_calls([tool_call])
-            delta = {"tool_calls": [{"index": self.calls, **call}]}
-            self.calls += 1
+    def delta(self, text: str = "", reasoning: str = "", tool_call: Optional[dict] = None,
+              tool_arguments: Optional[dict] = None) -> dict:
+        if tool_call is not None:  # a call begins: its id and name
+            index = self.calls.setdefault(tool_call["id"], len(self.calls))
+            [call] = reply_calls([{**tool_call, "arguments": ""}])
+            delta = {"tool_calls": [{"index": index, **call}]}
+        elif tool_arguments is not None:  # a piece of its arguments
+            delta = {"tool_calls": [{"index": self.calls[tool_arguments["id"]],
+                                     "function": {"arguments": tool_arguments["text"]}}]}
         else:
             delta = {"reasoning_content": reasoning} if reasoning else {"content": text}
         return self._base([{"index": 0, "delta": delta, "finish_reason": None}])
