@@ -27,8 +27,8 @@ from .client.client import running_server
 from .constrained import SchemaError, SchemaProcessor, cut_short_notice, schema_grammar
 from .messages import PromptError, reply_metadata
 from .prompting import encode_text, render_prompt, stream_event
-from .reply_split import TOOL, UNFINISHED_TOOL, ReplySplitter, opens_thinking
-from .tools import ToolError, forced_call_grammar, function_tools, parse_tool_calls, shown_tools, template_tools
+from .reply_split import TOOL, TOOL_TEXT, UNFINISHED_TOOL, ReplySplitter, opens_thinking
+from .tools import CallReader, ToolError, forced_call_grammar, function_tools, shown_tools, template_tools
 
 __all__ = ["BUNDLED_REPETITION_PENALTY", "REPETITION_CONTEXT", "Options", "MlxStreamModel"]
 
@@ -134,6 +134,7 @@ class MlxStreamModel(llm.Model):
                 start, end, opens_thinking(built.generation_prompt, start, end),
                 *((tokenizer.tool_call_start, tokenizer.tool_call_end) if tools else ()),
             )
+            reader = CallReader(tokenizer, tools)
             eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
             raw: list[str] = []  # the reply's text as generated (tags and markup included)
             finish = None
@@ -143,11 +144,11 @@ class MlxStreamModel(llm.Model):
                 raw.append(result.text)
                 finish = result.finish_reason
                 for kind, chunk in splitter.feed(result.text):
-                    yield from _events(kind, chunk, tokenizer, tools, response, generated)
+                    yield from _events(kind, chunk, tokenizer, reader, response, generated)
         for kind, chunk in splitter.flush():
             if kind == UNFINISHED_TOOL and one_call and finish == "stop":  # stopped at the call's end tag
                 kind = TOOL
-            yield from _events(kind, chunk, tokenizer, tools, response, generated)
+            yield from _events(kind, chunk, tokenizer, reader, response, generated)
         # The reply's own token ids, logged with it, so a later turn can
         # reuse the KV cache exactly (see prompting.py).
         yield stream_event("text", "", reply_metadata(_spelled(tokenizer, generated, "".join(raw))))
@@ -214,30 +215,37 @@ def _spelled(tokenizer, generated: list[int], text: str, scan: int = 32) -> list
     return generated
 
 
-def _events(kind: str, chunk: str, tokenizer, tools: list[dict], response, generated: list[int]):
-    """Stream events for one piece of the split reply. A tool-call block becomes
-    llm tool calls (events and `response.add_tool_call`); markup its parser cannot
-    read, or cut off by the end of the reply, is shown as the text the model wrote."""
-    from llm.parts import StreamEvent
-
-    if kind == TOOL:
-        calls = parse_tool_calls(tokenizer, chunk, tools)
-        if calls is None:
-            yield stream_event("text", f"{tokenizer.tool_call_start}{chunk}{tokenizer.tool_call_end}")
+def _events(kind: str, chunk: str, tokenizer, reader: CallReader, response, generated: list[int]):
+    """Stream events for one piece of the split reply. A tool call is streamed as the
+    reader reads it and becomes an llm tool call (`response.add_tool_call`) when its
+    block ends; a block that is no call is shown as the text the model wrote."""
+    if kind == TOOL_TEXT:
+        for event in reader.piece(chunk):
+            yield _call_event(*event)
+    elif kind in (TOOL, UNFINISHED_TOOL):
+        closed = reader.close(chunk, finished=kind == TOOL)
+        if closed is None:
+            end = tokenizer.tool_call_end if kind == TOOL else ""
+            yield stream_event("text", f"{tokenizer.tool_call_start}{chunk}{end}")
             return
+        events, calls = closed
         for call in calls:
-            response.add_tool_call(llm.ToolCall(
-                name=call["name"], arguments=call["arguments"], tool_call_id=call["id"]
-            ))
-            yield StreamEvent(type="tool_call_name", chunk=call["name"], tool_call_id=call["id"])
-            # the ids so far ride on the call: a reply that ends in tool calls has no
-            # text part to carry them (prompting.py splices them into the next turn)
-            yield StreamEvent(type="tool_call_args", chunk=json.dumps(call["arguments"]), tool_call_id=call["id"],
-                              provider_metadata=reply_metadata(generated))
-    elif kind == UNFINISHED_TOOL:
-        yield stream_event("text", f"{tokenizer.tool_call_start}{chunk}")
+            response.add_tool_call(llm.ToolCall(name=call["name"], arguments=call["arguments"],
+                                                tool_call_id=call["id"]))
+        for event in events[:-1]:
+            yield _call_event(*event)
+        # the ids so far ride on the call: a reply that ends in tool calls has no text
+        # part to carry them (prompting.py splices them into the next turn)
+        yield _call_event(*events[-1], metadata=reply_metadata(generated))
     elif chunk:
         yield stream_event(kind, chunk)
+
+
+def _call_event(kind: str, call_id: str, chunk: str, metadata: Optional[dict] = None):
+    from llm.parts import StreamEvent
+
+    return StreamEvent(type=f"tool_call_{'name' if kind == 'name' else 'args'}", chunk=chunk, tool_call_id=call_id,
+                       provider_metadata=metadata)
 
 
 def _jsonable(stats: dict) -> dict:

@@ -16,6 +16,7 @@ between the markup tags.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any, Optional
 
@@ -24,6 +25,9 @@ from .constrained import COMPILE_OPTIONS, checked_grammar
 AUTO, NONE, REQUIRED = "auto", "none", "required"
 # mlx-lm tool parsers whose call is {"name": ..., "arguments": {...}} between the tags
 JSON_CALL_PARSERS = ("mlx_lm.tool_parsers.json_tools",)
+CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\S)')
+HELD_BACK = re.compile(r"\}?\s*$")  # what may still turn out to close the call, not its arguments
+CALL_END = re.compile(r"\}\s*$")
 
 
 class ToolError(ValueError):
@@ -88,7 +92,7 @@ def forced_call_grammar(tokenizer, tools: list[dict], choice: Optional[str],
     import llguidance
 
     check_tool_support(tokenizer)
-    parser = getattr(getattr(tokenizer, "tool_parser", None), "__module__", None)
+    parser = _parser(tokenizer)
     if parser not in JSON_CALL_PARSERS:
         raise ToolError(f"tool_choice {choice}: this model's tool-call format ({parser}) cannot be "
                         "enforced; use tool_choice auto")
@@ -109,6 +113,11 @@ def forced_call_grammar(tokenizer, tools: list[dict], choice: Optional[str],
         f"arguments: %json {json.dumps(schema, ensure_ascii=False)}",
     ])
     return checked_grammar(lambda: llguidance.grammar_from("lark", lark), "the tools' parameters")
+
+
+def _parser(tokenizer) -> Optional[str]:
+    """The module of the tokenizer's mlx-lm tool parser."""
+    return getattr(getattr(tokenizer, "tool_parser", None), "__module__", None)
 
 
 def _markup(tokenizer, tag: str, ids) -> str:
@@ -168,5 +177,65 @@ def parse_tool_calls(tokenizer, markup: str, tools: list[dict]) -> Optional[list
                 return None
         if not isinstance(arguments, dict):
             return None
-        out.append({"id": f"call_{uuid.uuid4().hex[:24]}", "name": call["name"], "arguments": arguments})
+        out.append({"id": new_call_id(), "name": call["name"], "arguments": arguments})
     return out
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class CallReader:
+    """A reply's tool-call blocks, read as they arrive. Where the call is
+    {"name": ..., "arguments": ...} (JSON_CALL_PARSERS) the name is given as soon as it
+    is written and the arguments' text as it is generated (what may be the call's own
+    closing brace held back); other formats give each call when its block is closed.
+    Events: ("name", id, name) and ("arguments", id, JSON text)."""
+
+    def __init__(self, tokenizer, tools: list[dict]):
+        self.tokenizer, self.tools = tokenizer, tools
+        self.streams = _parser(tokenizer) in JSON_CALL_PARSERS
+        self._begin()
+
+    def _begin(self) -> None:
+        self.text, self.id, self.name, self.start, self.sent = "", None, "", 0, 0
+
+    def piece(self, chunk: str) -> list[tuple]:
+        """Events for a piece of the open block."""
+        if not self.streams:
+            return []
+        self.text += chunk
+        out = []
+        if self.id is None:
+            head = CALL_HEAD.match(self.text)
+            if head is None:
+                return []
+            self.id, self.name, self.start = new_call_id(), json.loads(head.group(1)), head.end()
+            out.append(("name", self.id, self.name))
+        body = self.text[self.start:]
+        certain = HELD_BACK.search(body).start()
+        if certain > self.sent:
+            out.append(("arguments", self.id, body[self.sent:certain]))
+            self.sent = certain
+        return out
+
+    def close(self, inner: str, finished: bool = True) -> Optional[tuple[list[tuple], list[dict]]]:
+        """At the end of a block (`finished`: by its end tag, else cut off by the end of
+        the reply): the events still due and its calls [{"id", "name", "arguments"}], or
+        None when nothing of it was given as a call and it does not parse (it is text)."""
+        try:
+            if self.id is not None:
+                body = inner[self.start:]
+                text = CALL_END.sub("", body, count=1) if finished else body
+                parsed = parse_tool_calls(self.tokenizer, inner, self.tools) if finished else None
+                arguments = parsed[0]["arguments"] if parsed and len(parsed) == 1 else {"_raw": text}
+                return ([("arguments", self.id, text[self.sent:])],
+                        [{"id": self.id, "name": self.name, "arguments": arguments}])
+            calls = parse_tool_calls(self.tokenizer, inner, self.tools) if finished else None
+            if calls is None:
+                return None
+            events = [e for c in calls for e in (("name", c["id"], c["name"]),
+                                                  ("arguments", c["id"], json.dumps(c["arguments"])))]
+            return events, calls
+        finally:
+            self._begin()

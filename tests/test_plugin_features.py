@@ -306,6 +306,7 @@ def test_reply_splitter_cuts_tool_markup_split_anywhere():
         assert "".join(kinds["text"]) == "abc", cut
         assert "".join(kinds["reasoning"]) == "r"
         assert kinds["tool_call"] == ["{x}"] and kinds["tool_call_unfinished"] == ["{y"]
+        assert "".join(kinds["tool_call_text"]) == "{x}{y"  # the markup as it arrives
 
 
 # -- the next turn reuses a reply cut by a stop sequence or ending in a tool call -------

@@ -70,16 +70,17 @@ def client(env):
 
 
 def streamed(chunks):
-    """(text, [{"id", "name", "arguments"}], finish_reason) of a chat stream."""
+    """(text, [{"id", "name", "arguments", "pieces"}], finish_reason) of a chat stream."""
     text, calls, finish = [], {}, None
     for chunk in chunks:
         for choice in chunk.choices:
             text.append(choice.delta.content or "")
             for delta in choice.delta.tool_calls or []:
-                call = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+                call = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": "", "pieces": 0})
                 call["id"] = delta.id or call["id"]
-                call["name"] += (delta.function.name or "") if delta.function else ""
-                call["arguments"] += (delta.function.arguments or "") if delta.function else ""
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+                call["pieces"] += bool(delta.function.arguments)
             finish = choice.finish_reason or finish
     return "".join(text), [calls[i] for i in sorted(calls)], finish
 
@@ -107,7 +108,9 @@ def test_an_agent_loop_calls_a_tool_and_answers_with_its_result(tooled, stream):
         calls = [{"id": t.id, "name": t.function.name, "arguments": t.function.arguments} for t in message.tool_calls]
         sent_back = message
     assert finish == "tool_calls" and text == ""
-    assert [(x["name"], json.loads(x["arguments"])) for x in calls] == [("add", {"a": 2, "b": 3})]
+    assert [(x["name"], x["arguments"]) for x in calls] == [("add", '{"a": 2, "b": 3}')]  # as the model wrote it
+    if stream:
+        assert calls[0]["pieces"] > 1  # the arguments are streamed as they are generated
 
     answer = c.chat.completions.create(model="mlx-stream", messages=ASK + result_turn(sent_back, calls),
                                        tools=[ADD], max_tokens=100)
@@ -117,3 +120,104 @@ def test_an_agent_loop_calls_a_tool_and_answers_with_its_result(tooled, stream):
     assert CALL in prompt and "<tool_response>\n5\n</tool_response>" in prompt
     assert stats["prefilled_tokens"] < stats["prompt_tokens"] // 2  # the call turn's KV is reused
 
+
+
+NAMED = {"type": "function", "function": {"name": "shout"}}
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED])
+def test_a_forced_call_is_a_valid_call_on_random_weights_whatever_the_seed(tooled, choice):
+    import jsonschema_rs
+
+    c = client(tooled)
+    valid = {t["function"]["name"]: jsonschema_rs.validator_for(t["function"]["parameters"]) for t in (ADD, SHOUT)}
+    for seed in range(20):
+        body = dict(model="mlx-stream", messages=ASK, tools=[ADD, SHOUT], tool_choice=choice, temperature=1.0,
+                    seed=seed, max_tokens=120)
+        if seed % 2:
+            text, calls, finish = streamed(c.chat.completions.create(**body, stream=True))
+        else:
+            reply = c.chat.completions.create(**body)
+            text, finish = reply.choices[0].message.content or "", reply.choices[0].finish_reason
+            calls = [{"name": t.function.name, "arguments": t.function.arguments}
+                     for t in reply.choices[0].message.tool_calls or []]
+        assert finish == "tool_calls" and text == "" and calls, (seed, text)
+        for call in calls:
+            assert call["name"] == "shout" or choice == "required", (seed, call)
+            assert valid[call["name"]].is_valid(json.loads(call["arguments"])), (seed, call)
+
+
+def test_parallel_tool_calls_off_gives_one_call(tooled):
+    c = client(tooled)
+    tooled.script = [CALL + CALL]
+    reply = c.chat.completions.create(model="mlx-stream", messages=ASK, tools=[ADD], parallel_tool_calls=False,
+                                      max_tokens=200)
+    assert len(reply.choices[0].message.tool_calls) == 1 and reply.choices[0].finish_reason == "tool_calls"
+    for seed in range(4):
+        reply = c.chat.completions.create(model="mlx-stream", messages=ASK, tools=[ADD, SHOUT], seed=seed,
+                                          tool_choice="required", parallel_tool_calls=False, temperature=1.0,
+                                          max_tokens=120)
+        assert len(reply.choices[0].message.tool_calls) == 1
+
+
+def in_process_calls(messages, tools, **options):
+    """The plugin's own (text, [(name, arguments)]) for `messages`, never routed to a server."""
+    import llm
+    from llm.parts import Message, TextPart
+
+    chain = [Message(role=m["role"], parts=[TextPart(text=m["content"])]) for m in messages]
+    specs = [llm.Tool(name=t["function"]["name"], description=t["function"].get("description"),
+                      input_schema=t["function"]["parameters"]) for t in tools]
+    response = llm.get_model("mlx-stream").prompt(messages=chain, tools=specs, no_server=True, **options)
+    return response.text(), [(call.name, call.arguments) for call in response.tool_calls()]
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", "shout"])
+def test_replies_equal_the_in_process_greedy_reply(tooled, choice):
+    expected = in_process_calls(ASK, [ADD, SHOUT], tool_choice=choice, max_tokens=120)
+    tool_choice = {"type": "function", "function": {"name": choice}} if choice == "shout" else choice
+    reply = client(tooled).chat.completions.create(model="mlx-stream", messages=ASK, tools=[ADD, SHOUT],
+                                                   tool_choice=tool_choice, max_tokens=120)
+    message = reply.choices[0].message
+    calls = [(t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls or []]
+    assert (message.content or "", calls) == expected
+    assert bool(calls) == (choice != "auto")
+
+
+def call(env, body):
+    """(status, JSON body) of one chat request."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(env.server.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+CALLED = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]}
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"model": "mlx-stream/plain", "tools": [ADD]}, "no tool support"),
+    ({"model": "mlx-stream/plain", "messages": ASK + [CALLED, {"role": "tool", "tool_call_id": "call_1",
+                                                               "content": "5"}]}, "no tool support"),
+    ({"tools": [ADD], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice 'nope'"),
+    ({"tool_choice": "required"}, "tool_choice required: no tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}, "extra": 1}}]},
+     "tools.0.function.extra"),
+    ({"tools": [{"type": "function", "function": {"name": "two words"}}]}, "tools.0.function.name"),
+    ({"messages": ASK + [{"role": "tool", "tool_call_id": "call_9", "content": "5"}]}, "messages.1.tool_call_id"),
+    ({"messages": ASK + [{**CALLED, "tool_calls": [{**CALLED["tool_calls"][0], "function": {
+        "name": "add", "arguments": "[1]"}}]}]}, "messages.1.tool_calls.0.function.arguments"),
+    ({"messages": ASK + [{"role": "user", "content": "x", "tool_call_id": "call_1"}]}, "tool_call_id"),
+    ({"messages": ASK + [{"role": "tool", "content": "5"}]}, "tool_call_id"),
+])
+def test_what_cannot_be_honoured_is_a_400_naming_it(tooled, body, needle):
+    status, reply = call(tooled, {"model": "mlx-stream", "messages": ASK, "max_tokens": 4, **body})
+    assert status == 400 and needle in reply["error"]["message"], reply
+    assert "\n" not in reply["error"]["message"]

@@ -25,7 +25,7 @@ def event(kind: str, data: dict) -> str:
 def stop_reason(result: Result) -> tuple[str, Optional[str]]:
     """(stop_reason, stop_sequence) of a finished run."""
     stop = result.stats.get("stop_sequence")
-    if result.tool_calls and result.finish_reason == "stop":
+    if result.complete_calls() and result.finish_reason == "stop":
         return "tool_use", None
     if stop is not None:
         return "stop_sequence", stop
@@ -39,7 +39,7 @@ def usage(result: Result) -> dict:
 
 
 def tool_use(call: dict) -> dict:
-    return {"type": "tool_use", "id": call["id"], "name": call["name"], "input": json.loads(call["arguments"])}
+    return {"type": "tool_use", "id": call["id"], "name": call["name"], "input": call["input"]}
 
 
 def extension(result: Result) -> dict:
@@ -63,9 +63,10 @@ class MessageShape:
         content = []
         if reply.reasoning:
             content.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
-        if reply.text or not reply.result.tool_calls:
+        calls = reply.result.complete_calls()
+        if reply.text or not calls:
             content.append({"type": "text", "text": reply.text})
-        content.extend(tool_use(call) for call in reply.result.tool_calls)
+        content.extend(tool_use(call) for call in calls)
         reason, stop = stop_reason(reply.result)
         return {**self._message(content, reason, stop, usage(reply.result)), "mlx_stream": extension(reply.result)}
 
@@ -75,10 +76,10 @@ class MessageShape:
         return [event("message_start", {"message": start})]
 
     def delta(self, kind: str, value) -> list[str]:
-        if kind == "tool_call":  # a block of its own, its input whole
-            frames = self._start("tool_call", {**tool_use(value), "input": {}})
-            frames.append(self._delta({"type": "input_json_delta", "partial_json": value["arguments"]}))
-            return frames + self._close_block()
+        if kind == "tool_call":  # a block of its own; its input follows in pieces
+            return self._start(kind, {"type": "tool_use", "id": value["id"], "name": value["name"], "input": {}})
+        if kind == "tool_arguments":
+            return [self._delta({"type": "input_json_delta", "partial_json": value["text"]})]
         block, delta_type, key = BLOCK_OF[kind]
         frames = [] if kind == self._open else self._start(kind, {"type": block, key: "", **self._signature(kind)})
         return frames + [self._delta({"type": delta_type, key: value})]

@@ -11,6 +11,7 @@ generation at its next token.
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Sequence
 from ..messages import METADATA_KEY
@@ -38,6 +39,19 @@ class Result:
     @property
     def finish_reason(self) -> Optional[str]:
         return self.stats.get("finish_reason")
+
+    def complete_calls(self) -> list[dict]:
+        """The calls whose arguments came whole, as {"id", "name", "input": dict} (a call
+        cut short is in the reply's text as the markup the model wrote)."""
+        out = []
+        for call in self.tool_calls:
+            try:
+                arguments = json.loads(call["arguments"] or "{}")
+            except json.JSONDecodeError:
+                continue
+            if isinstance(arguments, dict):
+                out.append({"id": call["id"], "name": call["name"], "input": arguments})
+        return out
 
 
 class Reply:
@@ -68,8 +82,9 @@ class Reply:
 
 
 class Run:
-    """A prompt running as a task; `events()` yields ("text"|"reasoning", chunk) and
-    ("tool_call", {"id", "name", "arguments"}) (arguments as JSON text) as the reply
+    """A prompt running as a task; `events()` yields ("text"|"reasoning", chunk),
+    ("tool_call", {"id", "name"}) when a call begins and ("tool_arguments", {"id",
+    "text"}) for each piece of its arguments (JSON text, as generated) as the reply
     comes, and ends with ("done", Result) (also when cancelled); `cancel()` stops it.
 
     `tools` are llm `Tool`s the model may call (not executed here: the calls are the
@@ -118,7 +133,7 @@ class Run:
             model = llm.get_async_model(self.model_id)
             response = model.prompt(messages=self.messages, schema=self.schema, tools=self.tools or None,
                                     no_server=True, **self.options)
-            names: dict = {}  # tool call id -> name, until its arguments come
+            calls: dict = {}  # tool call id -> the call in the result
             async for event in response.astream_events():
                 tokens = ((event.provider_metadata or {}).get(METADATA_KEY) or {}).get("tokens")
                 if tokens is not None:
@@ -127,12 +142,12 @@ class Run:
                     self.result.text_events += 1
                     await self._put(event.type, event.chunk)
                 elif event.type == "tool_call_name":
-                    names[event.tool_call_id] = event.chunk
-                elif event.type == "tool_call_args":
-                    call = {"id": event.tool_call_id, "name": names.pop(event.tool_call_id, ""),
-                            "arguments": event.chunk}
-                    self.result.tool_calls.append(call)
-                    await self._put("tool_call", call)
+                    calls[event.tool_call_id] = {"id": event.tool_call_id, "name": event.chunk, "arguments": ""}
+                    self.result.tool_calls.append(calls[event.tool_call_id])
+                    await self._put("tool_call", {"id": event.tool_call_id, "name": event.chunk})
+                elif event.type == "tool_call_args" and event.chunk:
+                    calls[event.tool_call_id]["arguments"] += event.chunk
+                    await self._put("tool_arguments", {"id": event.tool_call_id, "text": event.chunk})
             self.result.stats = dict(response.response_json or {})
             self.result.resolved_model = response.resolved_model
             await self._put("done", self.result)

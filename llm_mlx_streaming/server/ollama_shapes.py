@@ -39,8 +39,8 @@ def done_reason(result: Result) -> Optional[str]:
 
 
 def tool_calls(calls: list[dict], first: int = 0) -> list[dict]:
-    return [{"function": {"index": i, "name": c["name"], "arguments": json.loads(c["arguments"])}}
-            for i, c in enumerate(calls, first)]
+    """Complete calls ({"name", "input"}) in Ollama's layout."""
+    return [{"function": {"index": i, "name": c["name"], "arguments": c["input"]}} for i, c in enumerate(calls, first)]
 
 
 class _Shape:
@@ -68,29 +68,48 @@ class _Shape:
 
 
 class ChatShape(_Shape):
+    """Ollama streams a call whole: it is held until its arguments have come."""
+
     def __init__(self, model: str) -> None:
         super().__init__(model)
         self.calls = 0  # tool calls streamed so far
+        self._call: Optional[dict] = None  # the call whose arguments are coming
 
     def empty(self) -> dict:
         return {"message": {"role": "assistant", "content": ""}}
 
     def delta(self, kind: str, value) -> list[str]:
+        if kind == "tool_arguments":
+            self._call["arguments"] += value["text"]
+            return []
+        frames = self._flush_call()
         if kind == "tool_call":
-            message = {"role": "assistant", "content": "", "tool_calls": tool_calls([value], self.calls)}
-            self.calls += 1
-        elif kind == "reasoning":
+            self._call = {**value, "arguments": ""}
+            return frames
+        if kind == "reasoning":
             message = {"role": "assistant", "content": "", "thinking": value}
         else:
             message = {"role": "assistant", "content": value}
+        return frames + [line(self._base(message=message, done=False))]
+
+    def _flush_call(self) -> list[str]:
+        call, self._call = self._call, None
+        complete = Result(tool_calls=[call]).complete_calls() if call else []
+        if not complete:  # none, or cut short (its markup comes as text)
+            return []
+        message = {"role": "assistant", "content": "", "tool_calls": tool_calls(complete, self.calls)}
+        self.calls += 1
         return [line(self._base(message=message, done=False))]
+
+    def closing(self, reply: Reply) -> list[str]:
+        return self._flush_call() + super().closing(reply)
 
     def whole(self, reply: Reply) -> dict:
         message = {"role": "assistant", "content": reply.text}
         if reply.reasoning:
             message["thinking"] = reply.reasoning
-        if reply.result.tool_calls:
-            message["tool_calls"] = tool_calls(reply.result.tool_calls)
+        if calls := reply.result.complete_calls():
+            message["tool_calls"] = tool_calls(calls)
         return self._base(message=message, done=True, done_reason=done_reason(reply.result), **figures(reply.result))
 
 

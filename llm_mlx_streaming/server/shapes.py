@@ -67,16 +67,18 @@ class ChatShape(Shape):
 
     def __init__(self, model_id: str, body) -> None:
         super().__init__(model_id, body)
-        self.calls = 0  # tool calls streamed so far
+        self.calls: dict[str, int] = {}  # tool call id -> its index in the reply
 
     def opening(self) -> list[str]:
         return [sse(self._base([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]))]
 
     def delta(self, kind: str, value) -> list[str]:
-        if kind == "tool_call":  # one chunk per call, its arguments whole
-            [call] = reply_calls([value])
-            delta = {"tool_calls": [{"index": self.calls, **call}]}
-            self.calls += 1
+        if kind == "tool_call":  # a call begins: its id and name
+            index = self.calls.setdefault(value["id"], len(self.calls))
+            [call] = reply_calls([{**value, "arguments": ""}])
+            delta = {"tool_calls": [{"index": index, **call}]}
+        elif kind == "tool_arguments":  # a piece of its arguments
+            delta = {"tool_calls": [{"index": self.calls[value["id"]], "function": {"arguments": value["text"]}}]}
         else:
             delta = {"reasoning_content": value} if kind == "reasoning" else {"content": value}
         return [sse(self._base([{"index": 0, "delta": delta, "finish_reason": None}]))]
