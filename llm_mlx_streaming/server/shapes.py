@@ -64,8 +64,8 @@ class ChatShape(Shape):
         return self._base([{"index": 0, "delta": delta, "finish_reason": None}])
 
     def closing(self, finish: Optional[str], result: Result) -> dict:
-        return {**self._base([{"index": 0, "delta": {}, "finish_reason": _finish(finish, result)}]),
-                "mlx_stream": self.extension(result)}
+        choice = {"index": 0, "delta": {}, "finish_reason": _finish(finish, result)}
+        return {**self._base([{**choice, **_chat_logprobs(result)}]), "mlx_stream": self.extension(result)}
 
     def whole(self, text: str, reasoning: str, finish, result: Result) -> dict:
         message = {"role": "assistant", "content": text or (None if result.tool_calls else "")}
@@ -74,8 +74,36 @@ class ChatShape(Shape):
         if result.tool_calls:
             message["tool_calls"] = reply_calls(result.tool_calls)
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": message, "finish_reason": _finish(finish, result)}],
+                "choices": [{"index": 0, "message": message, "finish_reason": _finish(finish, result),
+                             **_chat_logprobs(result)}],
                 "usage": self.usage(result), "mlx_stream": self.extension(result)}
+
+
+def _chat_logprobs(result: Result) -> dict:
+    """A chat choice's `logprobs`, when they were asked for."""
+    entries = result.stats.get("logprobs")
+    if entries is None:
+        return {}
+    return {"logprobs": {"content": [{**_with_bytes(e), "top_logprobs": [_with_bytes(t) for t in e["top_logprobs"]]}
+                                     for e in entries]}}
+
+
+def _with_bytes(entry: dict) -> dict:
+    return {"token": entry["token"], "logprob": entry["logprob"], "bytes": list(entry["token"].encode())}
+
+
+def _text_logprobs(result: Result) -> dict:
+    """A completion choice's `logprobs` (the legacy layout), when they were asked for."""
+    entries = result.stats.get("logprobs")
+    if entries is None:
+        return {}
+    offsets, at = [], 0
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {"logprobs": {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                         "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+                         "text_offset": offsets}}
 
 
 def _finish(finish: Optional[str], result: Result) -> Optional[str]:
@@ -93,10 +121,10 @@ class TextShape(Shape):
         return self._base([{"index": 0, "text": text, "finish_reason": None}])
 
     def closing(self, finish: Optional[str], result: Result) -> dict:
-        return {**self._base([{"index": 0, "text": "", "finish_reason": finish}]),
+        return {**self._base([{"index": 0, "text": "", "finish_reason": finish, **_text_logprobs(result)}]),
                 "mlx_stream": self.extension(result)}
 
     def whole(self, text: str, reasoning: str, finish, result: Result) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": text, "finish_reason": finish}],
+                "choices": [{"index": 0, "text": text, "finish_reason": finish, **_text_logprobs(result)}],
                 "usage": self.usage(result), "mlx_stream": self.extension(result)}
