@@ -64,6 +64,11 @@ KNOBS: tuple[Knob, ...] = (
                  description="Sample only from the k most likely tokens (0: no limit)"),
     _option_only(name="seed", type=int, description="Random seed, for repeatable sampling"),
     _option_only(
+        name="top_logprobs", type=int, bounds={"ge": 0, "le": 20},
+        description="Record each generated token's log-probability and this many most likely "
+        "alternatives (0: none) in the response's JSON (logprobs)",
+    ),
+    _option_only(
         name="repetition_penalty", type=float, bounds={"ge": 1, "le": 5},
         description=f"Make tokens among the last {REPETITION_CONTEXT} this many times less likely "
         f"(mlx-lm's repetition penalty); 1: off (default {BUNDLED_REPETITION_PENALTY} for the bundled "

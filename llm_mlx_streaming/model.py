@@ -137,10 +137,13 @@ class MlxStreamModel(llm.Model):
             reader = CallReader(tokenizer, tools)
             eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
             raw: list[str] = []  # the reply's text as generated (tags and markup included)
+            logprobs: Optional[list] = [] if options.top_logprobs is not None else None
             finish = None
             for result in generation:
                 if result.token not in eos or result.finish_reason != "stop":
                     generated.append(int(result.token))
+                    if logprobs is not None:
+                        logprobs.append(_logprob_entry(tokenizer, result))
                 raw.append(result.text)
                 finish = result.finish_reason
                 for kind, chunk in splitter.feed(result.text):
@@ -154,6 +157,8 @@ class MlxStreamModel(llm.Model):
         yield stream_event("text", "", reply_metadata(_spelled(tokenizer, generated, "".join(raw))))
 
         stats = _jsonable({**r.plan_figures, **generation.stats})
+        if logprobs is not None:
+            stats["logprobs"] = logprobs
         _check_schema_closed(stats, built.budget_aware if grammar else (), generated)
         response.set_usage(input=len(generation.started.prompt_tokens), output=stats.get("generated_tokens"))
         response.response_json = stats
@@ -246,6 +251,13 @@ def _call_event(kind: str, call_id: str, chunk: str, metadata: Optional[dict] = 
 
     return StreamEvent(type=f"tool_call_{'name' if kind == 'name' else 'args'}", chunk=chunk, tool_call_id=call_id,
                        provider_metadata=metadata)
+
+
+def _logprob_entry(tokenizer, result) -> dict:
+    """A generated token with its log-probability and the most likely alternatives."""
+    logprob, top = result.logprobs
+    return {"token": tokenizer.decode([int(result.token)]), "logprob": logprob,
+            "top_logprobs": [{"token": tokenizer.decode([i]), "logprob": value} for i, value in top]}
 
 
 def _jsonable(stats: dict) -> dict:

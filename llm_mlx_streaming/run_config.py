@@ -45,6 +45,7 @@ class RunConfig:
     min_p: float = 0.0
     top_k: int = 0
     seed: Optional[int] = None
+    top_logprobs: Optional[int] = None
     repetition_penalty: float = 1.0
     stop: Sequence[str] = ()
     thinking: Optional[bool] = None
@@ -61,6 +62,7 @@ class RunConfig:
             prompt=tokens, max_tokens=self.max_tokens, stop=self.stop, conversation_cache=self.conversation_cache,
             logits_processors=logits_processors, budget_aware=budget_aware, temperature=self.temperature,
             top_p=self.top_p, min_p=self.min_p, top_k=self.top_k, seed=self.seed, max_context=self.max_context,
+            top_logprobs=self.top_logprobs,
             trace_path=self.trace_path, k=self.k, draft=self.draft, draft_path=self.draft_path,
             kv=self.kv, prefill_step=self.prefill_step,
         )
@@ -102,6 +104,7 @@ def resolve(name: Optional[str], options, settings: Settings) -> RunConfig:
         min_p=options.min_p or 0.0,
         top_k=options.top_k or 0,
         seed=options.seed,
+        top_logprobs=options.top_logprobs,
         repetition_penalty=repetition_penalty(options, name),
         stop=tuple(options.stop or ()),
         thinking=options.thinking,

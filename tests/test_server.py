@@ -430,6 +430,12 @@ def test_api_key_discovery_file_and_stale_files(tmp_path, monkeypatch, plugin_ch
         assert status == 401 and body["error"]["code"] == "invalid_api_key"
         assert call(env, "GET", "/v1/models", headers={"Authorization": "Bearer wrong"})[0] == 401
         assert call(env, "GET", "/v1/models", headers={"Authorization": "Bearer sesame"})[0] == 200
+        # changing the engine's parameters is a write: it needs the key too
+        assert call(env, "POST", "/api/engine/config", {"max_tokens": 3})[0] == 401
+        assert call(env, "GET", "/api/engine/config")[0] == 401
+        key = {"Authorization": "Bearer sesame"}
+        assert call(env, "GET", "/api/engine/config", headers=key)[2]["max_tokens"] == 256
+        assert call(env, "POST", "/api/engine/config", {"max_tokens": 3}, headers=key)[2]["max_tokens"] == 3
         # the llm CLI authenticates with the per-server secret from the discovery file
         assert_ok(env.run("-m", "mlx-stream", "hi", "-o", "max_tokens", "2"))
         assert env.turns()[-1]["stats"]["served_by"] == server.url
@@ -655,7 +661,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("/v1/chat/completions", "tool_choice", "required"),
     ("/v1/chat/completions", "presence_penalty", 0.5),
-    ("/v1/chat/completions", "logprobs", True),
+    ("/v1/chat/completions", "top_logprobs", 2),
     ("/v1/completions", "logit_bias", {"5": 1.0}),
 ])
 def test_a_field_that_is_not_honoured_is_a_400_naming_it(served, path, field, value):
@@ -678,3 +684,35 @@ def test_openai_fields_at_their_no_op_value_are_accepted(served):
                                                                        "schema": {"type": "object"}}}}
     status, _, reply = call(served, "POST", "/v1/chat/completions", body)
     assert status == 200, reply
+
+
+def test_logprobs_of_chat_and_completions(served):
+    """Each generated token's log-probability, with the most likely alternatives: greedy
+    decoding takes the likeliest, so it is the first alternative."""
+    c = client(served)
+    messages = [{"role": "user", "content": "hello there"}]
+    reply = c.chat.completions.create(model="mlx-stream", messages=messages, max_tokens=6, logprobs=True,
+                                      top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    # (the reply's text drops its first token's leading space, as mlx-lm's detokenizer does)
+    assert "".join(e.token for e in content) in (reply.choices[0].message.content, " " + reply.choices[0].message.content)
+    assert len(content) == reply.usage.completion_tokens
+    for e in content:
+        assert len(e.top_logprobs) == 3 and e.logprob <= 0 and bytes(e.bytes).decode() == e.token
+        assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+        assert e.logprob == e.top_logprobs[0].logprob
+    plain = c.chat.completions.create(model="mlx-stream", messages=messages, max_tokens=6)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == reply.choices[0].message.content
+
+    streamed = []
+    for chunk in c.chat.completions.create(model="mlx-stream", messages=messages, max_tokens=6, logprobs=True,
+                                           stream=True):
+        for choice in chunk.choices:
+            streamed += choice.logprobs.content if choice.logprobs else []
+    assert [(e.token, e.logprob, e.top_logprobs) for e in streamed] == [(e.token, e.logprob, []) for e in content]
+
+    text = c.completions.create(model="mlx-stream", prompt="abc def", max_tokens=5, logprobs=2)
+    logprobs = text.choices[0].logprobs
+    assert "".join(logprobs.tokens) in (text.choices[0].text, " " + text.choices[0].text)
+    assert len(logprobs.token_logprobs) == 5
+    assert all(len(top) <= 2 for top in logprobs.top_logprobs) and logprobs.text_offset[0] == 0

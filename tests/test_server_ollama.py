@@ -75,6 +75,15 @@ def test_options_map_onto_the_engine(served):
                                             options={"num_predict": 40}).response), dict)
 
 
+def test_logprobs(served):
+    c = client(served)
+    reply = c.chat(model="mlx-stream", messages=HELLO, logprobs=True, top_logprobs=2, options={"num_predict": 4})
+    assert len(reply.logprobs) == 4 and "".join(e.token for e in reply.logprobs).strip() == reply.message.content.strip()
+    assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in reply.logprobs)
+    last = list(c.generate(model="mlx-stream", prompt="hi", logprobs=True, stream=True, options={"num_predict": 3}))
+    assert len(last[-1].logprobs) == 3
+
+
 def test_a_follow_up_reuses_the_kv_cache(served):
     c = client(served)
     first = c.chat(model="mlx-stream", messages=[{"role": "user", "content": "one"}], options={"num_predict": 6})

@@ -221,3 +221,39 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(tooled, body, needle):
     status, reply = call(tooled, {"model": "mlx-stream", "messages": ASK, "max_tokens": 4, **body})
     assert status == 400 and needle in reply["error"]["message"], reply
     assert "\n" not in reply["error"]["message"]
+
+
+def test_llm_drives_a_tool_loop_through_the_server_as_an_openai_model(tooled):
+    """llm's own OpenAI client, pointed at the server (extra-openai-models.yaml), runs
+    the tool and sends its result back: the loop of docs/server.md."""
+    from importlib.metadata import version
+
+    from plugin_support import assert_ok
+
+    (tooled.user_dir / "extra-openai-models.yaml").write_text(
+        f"- model_id: via-server\n  model_name: mlx-stream\n  api_base: {tooled.server.url}/v1\n"
+        "  supports_tools: true\n")
+    version_call = '<tool_call>\n{"name": "llm_version", "arguments": {}}\n</tool_call>'
+    tooled.script = [version_call, "It is that."]
+    out = assert_ok(tooled.run("-m", "via-server", "-T", "llm_version", "Which llm version?", "-o", "max_tokens",
+                               "100"))
+    assert out.stdout.strip() == "It is that."
+    prompt = tooled.tokenizer.decode(tooled.prompts[-1].started.prompt_tokens)
+    assert version_call in prompt and f"<tool_response>\n{version('llm')}\n</tool_response>" in prompt
+
+
+def test_a_seeded_request_gives_the_same_reply_whatever_was_served_before(tooled):
+    c = client(tooled)
+    body = dict(model="mlx-stream", messages=ASK, tools=[ADD, SHOUT], tool_choice="required", temperature=1.0,
+                seed=11, max_tokens=120)
+
+    def sampled(**changes):
+        reply = c.chat.completions.create(**{**body, **changes})
+        return reply.model_extra["mlx_stream"]["tokens"], reply.model_extra["mlx_stream"]["stats"]
+
+    first, _ = sampled()
+    again, stats = sampled()  # its prompt is all in the KV cache now
+    assert again == first and stats["reused_tokens"] == stats["prompt_tokens"] - 1
+    sampled(seed=12)
+    sampled(tool_choice="auto", messages=ASK + [{"role": "assistant", "content": "Hm."}, *ASK])
+    assert sampled()[0] == first

@@ -94,6 +94,8 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
                 ttft = time.perf_counter() - start
             out.check_cancelled()
             generated.append(response.token)
+            if request.top_logprobs is not None:
+                response = replace(response, logprobs=token_logprobs(response, request.top_logprobs))
             last = _stopped(response, stops)
             out.put("response", last)
             if stops.hit is not None:
@@ -140,6 +142,20 @@ def token_budget(prompt: list[int], request: Request, default_max_tokens: int, c
             raise EngineError("max_tokens is unlimited, but the model declares no context length")
         return limit - len(prompt)
     return min(max_tokens, limit - len(prompt)) if limit else max_tokens
+
+
+def token_logprobs(response, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """The sampled token's log-probability and the `top` most likely (id, log-probability)
+    of a response's logprobs row (after the logits processors, before temperature)."""
+    import mlx.core as mx
+
+    row = response.logprobs.reshape(-1)
+    ids = []
+    if top:
+        best = mx.argpartition(-row, kth=top - 1)[:top]
+        ids = best[mx.argsort(-row[best])].tolist()
+    values = row[mx.array([response.token, *ids])].tolist()
+    return values[0], list(zip(ids, values[1:]))
 
 
 def _stopped(response, stops: StopMatcher):

@@ -18,8 +18,8 @@ from .openai_tools import ToolSpec
 from .schemas import StrictModel, engine_fields
 
 # Engine options this API has under its own name: max_tokens is num_predict, repetition_penalty
-# is repeat_penalty, thinking is the top-level think; tool_choice has no Ollama spelling.
-RENAMED = ("max_tokens", "repetition_penalty", "thinking", "tool_choice", "parallel_tool_calls")
+# is repeat_penalty, thinking and top_logprobs are top-level fields; tool_choice has no Ollama spelling.
+RENAMED = ("max_tokens", "repetition_penalty", "thinking", "top_logprobs", "tool_choice", "parallel_tool_calls")
 NO_OP_OPTIONS = {"repeat_last_n": (REPETITION_CONTEXT,), "presence_penalty": (0,), "frequency_penalty": (0,),
                  "typical_p": (1,), "tfs_z": (1,), "mirostat": (0,)}
 
@@ -91,8 +91,10 @@ class _Generation(StrictModel):
                                             "negative value: keep it loaded (what this server always does)")
     think: Optional[bool] = Field(None, description="The chat template's thinking switch; the reasoning "
                                   "comes as `thinking`")
-    logprobs: Optional[bool] = Field(None, description="Only false")
-    top_logprobs: Optional[int] = Field(None, description="Only 0")
+    logprobs: Optional[bool] = Field(None, description="true: each generated token's log-probability "
+                                     "(`logprobs`; streamed: in the last line)")
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20, description="With logprobs: this many most likely "
+                                        "alternatives of each token")
 
     @field_validator("keep_alive")
     @classmethod
@@ -103,9 +105,9 @@ class _Generation(StrictModel):
         return value
 
     @model_validator(mode="after")
-    def _no_logprobs(self):
-        if self.logprobs or self.top_logprobs:
-            raise ValueError("logprobs and top_logprobs are not supported by this server")
+    def _top_logprobs_with_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs true")
         return self
 
     def schema_dict(self) -> Optional[dict]:
@@ -120,6 +122,8 @@ class _Generation(StrictModel):
         fields = self.options.engine() if self.options else {}
         if self.think is not None:
             fields["thinking"] = self.think
+        if self.logprobs:
+            fields["top_logprobs"] = self.top_logprobs or 0
         return fields
 
 

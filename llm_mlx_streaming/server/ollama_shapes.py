@@ -29,9 +29,12 @@ def figures(result: Result) -> dict:
     """Ollama's counts and durations (nanoseconds), from the engine's figures."""
     total = int(float(result.stats.get("seconds") or 0) * NS)
     prompt = min(total, int(float(result.stats.get("ttft_seconds") or 0) * NS))
-    return {"total_duration": total, "load_duration": 0, "prompt_eval_count": result.prompt_tokens,
-            "prompt_eval_duration": prompt, "eval_count": result.completion_tokens, "eval_duration": total - prompt,
-            "mlx_stream": {"stats": result.stats, "tokens": result.tokens, "resolved_model": result.resolved_model}}
+    out = {"total_duration": total, "load_duration": 0, "prompt_eval_count": result.prompt_tokens,
+           "prompt_eval_duration": prompt, "eval_count": result.completion_tokens, "eval_duration": total - prompt,
+           "mlx_stream": {"stats": result.stats, "tokens": result.tokens, "resolved_model": result.resolved_model}}
+    if (logprobs := result.stats.get("logprobs")) is not None:  # {token, logprob, top_logprobs}, as Ollama's
+        out["logprobs"] = logprobs
+    return out
 
 
 def done_reason(result: Result) -> Optional[str]:

@@ -52,8 +52,7 @@ def engine_fields(model_name: str, exclude: tuple[str, ...] = ()):
     return build_options(StrictModel, names=names, model_name=model_name)
 
 # OpenAI fields accepted only at the value that changes nothing, {field: allowed values}.
-NO_OP_FIELDS = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
-                "logprobs": (None, False), "top_logprobs": (None, 0)}
+NO_OP_FIELDS = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {})}
 
 
 class ChatMessage(BaseModel):
@@ -136,8 +135,6 @@ class _GenerationRequest(Options):
     presence_penalty: Optional[float] = Field(None, description="Only 0")
     frequency_penalty: Optional[float] = Field(None, description="Only 0")
     logit_bias: Optional[dict[str, float]] = Field(None, description="Only {}")
-    logprobs: Optional[Union[bool, int]] = Field(None, description="Not implemented: only false")
-    top_logprobs: Optional[int] = Field(None, description="Not implemented: only 0")
 
     @model_validator(mode="after")
     def _refuse_what_is_not_implemented(self):
@@ -159,6 +156,8 @@ class _GenerationRequest(Options):
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: Optional[bool] = Field(None, description="true: each generated token's log-probability "
+                                     "(choices[].logprobs; streamed: in the closing chunk)")
     tools: Optional[list[ToolSpec]] = Field(None, description="Functions the model may call; the calls "
                                             "are the reply (message.tool_calls), the client runs them")
     tool_choice: Optional[ToolChoice] = Field(
@@ -167,15 +166,31 @@ class ChatCompletionRequest(_GenerationRequest):
         "are enforced by constrained decoding")
     parallel_tool_calls: Optional[bool] = Field(None, description="false: at most one call per reply")
 
+    @model_validator(mode="after")
+    def _top_logprobs_with_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs true")
+        return self
+
     def engine_fields(self, names) -> dict:
         fields = super().engine_fields(names)
         if "tool_choice" in fields:
             fields["tool_choice"] = choice_option(fields["tool_choice"])
+        if self.logprobs:
+            fields["top_logprobs"] = self.top_logprobs or 0
         return fields
 
 
 class CompletionRequest(_GenerationRequest):
     prompt: Union[str, list[str]] = Field(description="Raw text, encoded without the chat template")
+    logprobs: Optional[int] = Field(None, ge=0, le=20, description="Each generated token's log-probability "
+                                    "and this many most likely alternatives (choices[].logprobs)")
+
+    def engine_fields(self, names) -> dict:
+        fields = super().engine_fields(names)
+        if self.logprobs is not None:
+            fields["top_logprobs"] = self.logprobs
+        return fields
 
     def text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else "".join(self.prompt)
@@ -199,6 +214,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: Optional[str]
+    logprobs: Optional[dict[str, Any]] = None
 
 
 class ChatCompletion(BaseModel):
@@ -217,6 +233,7 @@ class TextChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: Optional[str]
+    logprobs: Optional[dict[str, Any]] = None
 
 
 class Completion(BaseModel):

@@ -47,8 +47,8 @@ class Shape:
         return {"stats": result.stats, "tokens": result.tokens, "resolved_model": result.resolved_model}
 
     def closing(self, reply: Reply) -> list[str]:
-        frames = [sse({**self._base([{"index": 0, **self.last_choice, "finish_reason": self.finish(reply)}]),
-                       "mlx_stream": self.extension(reply.result)})]
+        choice = {"index": 0, **self.last_choice, "finish_reason": self.finish(reply), **self.logprobs(reply.result)}
+        frames = [sse({**self._base([choice]), "mlx_stream": self.extension(reply.result)})]
         if self.include_usage:
             frames.append(sse({**self._base([]), "usage": self.usage(reply.result)}))
         return frames + [DONE]
@@ -64,6 +64,10 @@ class Shape:
 class ChatShape(Shape):
     prefix, chunk_object = "chatcmpl", "chat.completion.chunk"
     last_choice = {"delta": {}}
+
+    @staticmethod
+    def logprobs(result: Result) -> dict:
+        return _chat_logprobs(result)
 
     def __init__(self, model_id: str, body) -> None:
         super().__init__(model_id, body)
@@ -97,13 +101,18 @@ class ChatShape(Shape):
         if calls:
             message["tool_calls"] = reply_calls(calls)
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": message, "finish_reason": self.finish(reply)}],
+                "choices": [{"index": 0, "message": message, "finish_reason": self.finish(reply),
+                             **self.logprobs(reply.result)}],
                 "usage": self.usage(reply.result), "mlx_stream": self.extension(reply.result)}
 
 
 class TextShape(Shape):
     prefix, chunk_object = "cmpl", "text_completion"
     last_choice = {"text": ""}
+
+    @staticmethod
+    def logprobs(result: Result) -> dict:
+        return _text_logprobs(result)
 
     def opening(self) -> list[str]:
         return [sse(self._base([{"index": 0, "text": "", "finish_reason": None}]))]
@@ -113,5 +122,33 @@ class TextShape(Shape):
 
     def whole(self, reply: Reply) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": reply.text, "finish_reason": reply.finish_reason}],
+                "choices": [{"index": 0, "text": reply.text, "finish_reason": reply.finish_reason,
+                             **self.logprobs(reply.result)}],
                 "usage": self.usage(reply.result), "mlx_stream": self.extension(reply.result)}
+
+
+def _chat_logprobs(result: Result) -> dict:
+    """A chat choice's `logprobs`, when they were asked for."""
+    entries = result.stats.get("logprobs")
+    if entries is None:
+        return {}
+    return {"logprobs": {"content": [{**_with_bytes(e), "top_logprobs": [_with_bytes(t) for t in e["top_logprobs"]]}
+                                     for e in entries]}}
+
+
+def _with_bytes(entry: dict) -> dict:
+    return {"token": entry["token"], "logprob": entry["logprob"], "bytes": list(entry["token"].encode())}
+
+
+def _text_logprobs(result: Result) -> dict:
+    """A completion choice's `logprobs` (the legacy layout), when they were asked for."""
+    entries = result.stats.get("logprobs")
+    if entries is None:
+        return {}
+    offsets, at = [], 0
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {"logprobs": {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                         "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+                         "text_offset": offsets}}
