@@ -32,6 +32,13 @@ def serving(user_dir, checkpoint, api_key=None, **settings):
             env.server.stop()
 
 
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, plugin_checkpoint):
+    """`serving` for the tests of one module (import it there)."""
+    with serving(tmp_path_factory.mktemp("served") / "llm", plugin_checkpoint) as env:
+        yield env
+
+
 def in_process(messages, **options) -> str:
     """The plugin's own output for `messages`, never routed to the server."""
     import llm

@@ -18,16 +18,9 @@ import urllib.request
 import pytest
 
 from plugin_support import LlmEnv, assert_ok, assert_one_line_error
-from server_support import call, in_process, serving
+from server_support import call, in_process, served  # noqa: F401 (served: a fixture)
 
 PROMPTS = ["hello there", "tell me a story", "what is a disk", "name three colours"]
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory, plugin_checkpoint):
-    """An llm user dir serving the tiny checkpoint as 'small', and a server for it."""
-    with serving(tmp_path_factory.mktemp("served") / "llm", plugin_checkpoint) as env:
-        yield env
 
 
 def client(served):

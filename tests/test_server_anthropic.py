@@ -5,16 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from server_support import call, in_process, serving
-from test_server_tools import tooled  # noqa: F401 (a fixture)
+from server_support import call, in_process, served, serving  # noqa: F401 (served: a fixture)
+from test_server_tools import ADD as OPENAI_ADD, ASK, CALL, tooled  # noqa: F401 (tooled: a fixture)
 
 HELLO = [{"role": "user", "content": "hello there"}]
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory, plugin_checkpoint):
-    with serving(tmp_path_factory.mktemp("anthropic") / "llm", plugin_checkpoint) as env:
-        yield env
 
 
 def client(served, **kwargs):
@@ -126,16 +120,11 @@ def test_the_api_key_may_come_as_x_api_key(tmp_path, plugin_checkpoint):
 
 # -- tools ------------------------------------------------------------------------------
 
-ADD = {"name": "add", "description": "Add two numbers", "input_schema": {
-    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-    "required": ["a", "b"], "additionalProperties": False}}
-ASK = [{"role": "user", "content": "What is 2 + 3?"}]
+ADD = {"name": "add", "description": "Add two numbers", "input_schema": OPENAI_ADD["function"]["parameters"]}
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_agent_loop_calls_a_tool_and_answers_with_its_result(tooled, stream):
-    from test_server_tools import CALL
-
     c = client(tooled)
     tooled.script = [CALL, "It is 5."]
     if stream:

@@ -7,16 +7,10 @@ import json
 
 import pytest
 
-from server_support import call, in_process, serving
-from test_server_tools import tooled  # noqa: F401 (a fixture)
+from server_support import call, in_process, served, serving  # noqa: F401 (served: a fixture)
+from test_server_tools import ADD, ASK, CALL, tooled  # noqa: F401 (tooled: a fixture)
 
 HELLO = [{"role": "user", "content": "hello there"}]
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory, plugin_checkpoint):
-    with serving(tmp_path_factory.mktemp("ollama") / "llm", plugin_checkpoint) as env:
-        yield env
 
 
 def client(served, **kwargs):
@@ -157,17 +151,8 @@ def test_unloading_needs_the_api_key_when_one_is_set(tmp_path, plugin_checkpoint
 
 # -- tools ------------------------------------------------------------------------------
 
-ADD = {"type": "function", "function": {
-    "name": "add", "description": "Add two numbers",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                   "required": ["a", "b"]}}}
-ASK = [{"role": "user", "content": "What is 2 + 3?"}]
-
-
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_agent_loop_calls_a_tool_and_answers_with_its_result(tooled, stream):
-    from test_server_tools import CALL
-
     c = client(tooled)
     tooled.script = [CALL, "It is 5."]
     if stream:

@@ -70,7 +70,8 @@ class Guard:
         if not (self.origins and origin):
             return []
         return [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin"),
-                (b"access-control-allow-headers", b"authorization, x-api-key, content-type"),
+                (b"access-control-allow-headers", b"authorization, x-api-key, content-type, anthropic-version, "
+                 b"anthropic-beta, anthropic-dangerous-direct-browser-access"),
                 (b"access-control-allow-methods", b"GET, POST, OPTIONS")]
 
     async def __call__(self, scope, receive, send):
