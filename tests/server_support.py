@@ -4,6 +4,7 @@ to compare with, and one request without any client library."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
@@ -58,3 +59,11 @@ def call(served, method, path, body=None, headers=None, raw=None):
             return resp.status, resp.headers, json.loads(resp.read() or b"null")
     except urllib.error.HTTPError as e:
         return e.code, e.headers, json.loads(e.read() or b"null")
+
+
+def wait_for(predicate, timeout=30.0):
+    """Until `predicate()` holds (an event the server reports), at most `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)

@@ -12,13 +12,12 @@ import os
 import socket
 import stat
 import threading
-import time
 import urllib.request
 
 import pytest
 
 from plugin_support import LlmEnv, assert_ok, assert_one_line_error
-from server_support import call, in_process, served  # noqa: F401 (served: a fixture)
+from server_support import call, in_process, served, wait_for  # noqa: F401 (served: a fixture)
 
 PROMPTS = ["hello there", "tell me a story", "what is a disk", "name three colours"]
 
@@ -86,13 +85,6 @@ def in_thread(fn, *args):
     t = threading.Thread(target=work, daemon=True)
     t.start()
     return t, out
-
-
-def wait_for(predicate, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 # -- the OpenAI API ------------------------------------------------------------------

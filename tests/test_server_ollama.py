@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from server_support import call, in_process, served, serving  # noqa: F401 (served: a fixture)
+from server_support import call, in_process, served, serving, wait_for  # noqa: F401 (served: a fixture)
 from test_server_tools import ADD, ASK, CALL, tooled  # noqa: F401 (tooled: a fixture)
 
 HELLO = [{"role": "user", "content": "hello there"}]
@@ -133,6 +133,9 @@ def test_models_show_ps_version_and_unloading(served):
     assert loaded.done_reason == "load" and [m.model for m in c.ps().models] == ["mlx-stream"]
     after = c.chat(model="mlx-stream", messages=HELLO, options={"num_predict": 2}, keep_alive=0)
     assert after.message.content and c.ps().models == []
+    streamed = list(c.chat(model="mlx-stream", messages=HELLO, options={"num_predict": 2}, keep_alive=0, stream=True))
+    assert streamed[-1].done_reason == "length"
+    wait_for(lambda: c.ps().models == [])  # unloaded once the stream gave back its turn
     with pytest.raises(ollama.ResponseError) as e:
         c.pull("llama3")
     assert e.value.status_code == 400
