@@ -18,7 +18,7 @@ import urllib.request
 
 import pytest
 
-from plugin_support import LlmEnv, assert_ok, assert_one_line_error
+from plugin_support import LlmEnv, assert_ok, assert_one_line_error, serving
 
 PROMPTS = ["hello there", "tell me a story", "what is a disk", "name three colours"]
 
@@ -26,8 +26,6 @@ PROMPTS = ["hello there", "tell me a story", "what is a disk", "name three colou
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, plugin_checkpoint):
     """An llm user dir serving the tiny checkpoint as 'small', and a server for it."""
-    from llm_mlx_streaming.server.run import Server
-
     user_dir = tmp_path_factory.mktemp("served") / "llm"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LLM_USER_PATH", str(user_dir))
@@ -35,12 +33,8 @@ def served(tmp_path_factory, plugin_checkpoint):
         # max_context 96: every reply is capped by the context, so fuzzed bodies stay short
         env.write_settings(default_model="small", max_context=96,
                            models={"small": {"path": str(plugin_checkpoint), "aliases": ["sm"], "expert_slots": 4}})
-        server = Server(port=0, max_queue=8).start()
-        env.server = server
-        try:
+        with serving(env, max_queue=8):
             yield env
-        finally:
-            server.stop()
 
 
 def client(served):
@@ -727,14 +721,15 @@ def test_logprobs_of_chat_and_completions(served):
                                       top_logprobs=3)
     content = reply.choices[0].logprobs.content
     # (the reply's text drops its first token's leading space, as mlx-lm's detokenizer does)
-    assert "".join(e.token for e in content) in (reply.choices[0].message.content, " " + reply.choices[0].message.content)
+    text = reply.choices[0].message.content
+    assert "".join(e.token for e in content) in (text, " " + text)
     assert len(content) == reply.usage.completion_tokens
     for e in content:
         assert len(e.top_logprobs) == 3 and e.logprob <= 0 and bytes(e.bytes).decode() == e.token
         assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
         assert e.logprob == e.top_logprobs[0].logprob
     plain = c.chat.completions.create(model="mlx-stream", messages=messages, max_tokens=6)
-    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == reply.choices[0].message.content
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == text
 
     streamed = []
     for chunk in c.chat.completions.create(model="mlx-stream", messages=messages, max_tokens=6, logprobs=True,
@@ -743,8 +738,8 @@ def test_logprobs_of_chat_and_completions(served):
             streamed += choice.logprobs.content if choice.logprobs else []
     assert [(e.token, e.logprob, e.top_logprobs) for e in streamed] == [(e.token, e.logprob, []) for e in content]
 
-    text = c.completions.create(model="mlx-stream", prompt="abc def", max_tokens=5, logprobs=2)
-    logprobs = text.choices[0].logprobs
-    assert "".join(logprobs.tokens) in (text.choices[0].text, " " + text.choices[0].text)
+    completion = c.completions.create(model="mlx-stream", prompt="abc def", max_tokens=5, logprobs=2)
+    logprobs = completion.choices[0].logprobs
+    assert "".join(logprobs.tokens) in (completion.choices[0].text, " " + completion.choices[0].text)
     assert len(logprobs.token_logprobs) == 5
     assert all(len(top) <= 2 for top in logprobs.top_logprobs) and logprobs.text_offset[0] == 0
