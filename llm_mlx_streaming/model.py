@@ -28,7 +28,8 @@ from .constrained import SchemaError, SchemaProcessor, cut_short_notice, schema_
 from .messages import PromptError, reply_metadata
 from .prompting import encode_text, render_prompt, stream_event
 from .reply_split import TOOL, TOOL_TEXT, UNFINISHED_TOOL, ReplySplitter, opens_thinking
-from .tools import CallReader, ToolError, forced_call_grammar, function_tools, shown_tools, template_tools
+from .tools import (AUTO, NONE, CallReader, ToolError, check_tool_choice, forced_call_grammar, function_tools,
+                    shown_tools, template_tools)
 
 __all__ = ["BUNDLED_REPETITION_PENALTY", "REPETITION_CONTEXT", "Options", "MlxStreamModel"]
 
@@ -60,10 +61,13 @@ class BuiltPrompt:
     budget_aware: tuple = ()  # those of them told the reply's token budget (a schema's)
 
 
-def build_prompt(tokenizer, prompt, *, thinking, tools, grammar, processors: list) -> BuiltPrompt:
-    """Token ids for llm's `prompt`, with `processors` and, for a `--schema` (`grammar`),
-    the processor that constrains the reply to it."""
+def build_prompt(tokenizer, prompt, *, thinking, tools, grammar, processors: list, forced=None) -> BuiltPrompt:
+    """Token ids for llm's `prompt`, with `processors` and, for a `--schema` (`grammar`)
+    or a forced tool call (`forced(generation prompt)` -> its grammar), the processor
+    that constrains the reply to it."""
     tokens, generation_prompt = render_prompt(tokenizer, prompt, thinking=thinking, tools=tools)
+    if forced is not None:
+        grammar = forced(generation_prompt)
     budget_aware: tuple = ()
     if grammar is not None:
         budget_aware = (SchemaProcessor(grammar, tokenizer),)
@@ -110,12 +114,10 @@ class MlxStreamModel(llm.Model):
             ready = engine.tokenizer_for(r.load)
             if on_generation is not None:
                 on_generation(ready)
-            forced = forced_call_grammar(ready.tokenizer, tools, options.tool_choice, options.parallel_tool_calls)
-            if forced and grammar:
-                raise ToolError("a schema and a forced tool call (tool_choice) cannot be combined")
+            forced = _forcing(ready.tokenizer, tools, options, grammar)
             tools = shown_tools(tools, options.tool_choice)
-            built = build_prompt(ready.tokenizer, prompt, thinking=options.thinking, tools=tools,
-                                 grammar=grammar or forced, processors=repetition_processors(r.repetition_penalty))
+            built = build_prompt(ready.tokenizer, prompt, thinking=options.thinking, tools=tools, grammar=grammar,
+                                 processors=repetition_processors(r.repetition_penalty), forced=forced)
         request = r.request(built.tokens, built.processors, built.budget_aware)
         one_call = bool(tools) and options.parallel_tool_calls is False
         if one_call:  # the reply ends with its first call
@@ -163,6 +165,20 @@ class MlxStreamModel(llm.Model):
         response.set_usage(input=len(generation.started.prompt_tokens), output=stats.get("generated_tokens"))
         response.response_json = stats
         response.set_resolved_model(r.resolved_model)
+
+
+def _forcing(tokenizer, tools: list[dict], options, grammar):
+    """What builds the grammar of the tool call `options.tool_choice` forces, once the
+    generation prompt is known (it may open a think block), or None."""
+    if options.tool_choice in (None, AUTO, NONE):
+        return None
+    check_tool_choice(options.tool_choice, tools)
+    if grammar:
+        raise ToolError("a schema and a forced tool call (tool_choice) cannot be combined")
+    start, end = getattr(tokenizer, "think_start", None), getattr(tokenizer, "think_end", None)
+    return lambda generation_prompt: forced_call_grammar(
+        tokenizer, tools, options.tool_choice, options.parallel_tool_calls,
+        thinking=opens_thinking(generation_prompt, start, end))
 
 
 def _check_schema_closed(stats: dict, budget_aware: tuple, reply: list[int]) -> None:

@@ -81,14 +81,12 @@ def check_tool_choice(choice: Optional[str], tools: list[dict]) -> None:
         raise ToolError(f"tool_choice {choice!r}: no tool has that name (the tools: {', '.join(names)})")
 
 
-def forced_call_grammar(tokenizer, tools: list[dict], choice: Optional[str],
-                        parallel: Optional[bool] = None) -> Optional[str]:
+def forced_call_grammar(tokenizer, tools: list[dict], choice: str, parallel: Optional[bool] = None,
+                        thinking: bool = False) -> str:
     """The llguidance grammar that makes the reply tool calls (one, or one or more when
-    `parallel` is not off): for required any of `tools`, for a name that tool; None
-    when the model decides (auto, none). ToolError for a format it cannot force."""
-    check_tool_choice(choice, tools)
-    if choice in (None, AUTO, NONE):
-        return None
+    `parallel` is not off): for `choice` required any of `tools`, else the one it names.
+    `thinking`: the reply starts inside a think block, which it closes before the calls.
+    ToolError for a format it cannot force."""
     import llguidance
 
     check_tool_support(tokenizer)
@@ -103,15 +101,21 @@ def forced_call_grammar(tokenizer, tools: list[dict], choice: Optional[str],
                    "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]}}
                   for f in picked],
     }
-    start, end = (_markup(tokenizer, tag, ids) for tag, ids in (
-        (tokenizer.tool_call_start, tokenizer.tool_call_start_tokens),
-        (tokenizer.tool_call_end, tokenizer.tool_call_end_tokens)))
+    start, end = _markup(tokenizer, tokenizer.tool_call_start), _markup(tokenizer, tokenizer.tool_call_end)
     several = parallel is not False and choice == REQUIRED
-    lark = "\n".join([
-        'start: call ("\\n"? call)*' if several else "start: call",
+    lines = [
+        'calls: call ("\\n"? call)*' if several else "calls: call",
         f'call: {start} "\\n" arguments "\\n" {end}',
         f"arguments: %json {json.dumps(schema, ensure_ascii=False)}",
-    ])
+    ]
+    if thinking:
+        think_end = tokenizer.think_end
+        never = re.escape(think_end).replace("/", "\\/")
+        lines += [f"start: THOUGHT {_markup(tokenizer, think_end)} /\\n{{0,2}}/ calls",
+                  f"THOUGHT: /(?s:.*)/ & ~/(?s:.*{never}.*)/"]
+    else:
+        lines.append("start: calls")
+    lark = "\n".join(lines)
     return checked_grammar(lambda: llguidance.grammar_from("lark", lark), "the tools' parameters")
 
 
@@ -120,11 +124,11 @@ def _parser(tokenizer) -> Optional[str]:
     return getattr(getattr(tokenizer, "tool_parser", None), "__module__", None)
 
 
-def _markup(tokenizer, tag: str, ids) -> str:
-    """A markup tag in the grammar: a special token by its id, other text as a string."""
-    if ids and len(ids) == 1 and ids[0] in set(getattr(tokenizer, "all_special_ids", ()) or ()):
-        return f"<[{ids[0]}]>"
-    return json.dumps(tag, ensure_ascii=False)
+def _markup(tokenizer, tag: str) -> str:
+    """A markup tag in the grammar: the token it is, when it is one (it may be a special
+    token, which no text spells), else its text."""
+    ids = tokenizer.encode(tag, add_special_tokens=False)
+    return f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(tag, ensure_ascii=False)
 
 
 def assistant_tool_calls(parts) -> list[dict]:

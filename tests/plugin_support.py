@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -91,3 +92,16 @@ def mlx_lm_text(path: Path, messages: list[dict], max_tokens: int) -> str:
     model, tokenizer = _stock(str(path))
     tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     return generate(model, tokenizer, tokens, max_tokens=max_tokens)
+
+
+@contextmanager
+def serving(env: LlmEnv, **kwargs):
+    """`env` with a server for its user dir on a free loopback port (`env.server`),
+    stopped at the end."""
+    from llm_mlx_streaming.server.run import Server
+
+    env.server = Server(port=0, **kwargs).start()
+    try:
+        yield env
+    finally:
+        env.server.stop()

@@ -11,32 +11,27 @@ from contextlib import contextmanager
 
 import pytest
 
-from plugin_support import LlmEnv
+from plugin_support import LlmEnv, serving
 
 
 @contextmanager
-def serving(user_dir, checkpoint, api_key=None, **settings):
+def small_server(user_dir, checkpoint, **kwargs):
     """An llm user dir serving the tiny checkpoint as 'small' (alias 'sm', the default
-    model, 4 slots; max_context 96 keeps fuzzed replies short), and a server for it,
-    stopped at the end."""
-    from llm_mlx_streaming.server.run import Server
-
+    model, 4 slots; max_context 96 keeps fuzzed replies short), and a server for it
+    (`kwargs` go to the server), stopped at the end."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LLM_USER_PATH", str(user_dir))
         env = LlmEnv(user_dir, checkpoint)
-        models = {"small": {"path": str(checkpoint), "aliases": ["sm"], "expert_slots": 4}}
-        env.write_settings(**{"default_model": "small", "max_context": 96, "models": models, **settings})
-        env.server = Server(port=0, max_queue=8, api_key=api_key).start()
-        try:
+        env.write_settings(default_model="small", max_context=96,
+                           models={"small": {"path": str(checkpoint), "aliases": ["sm"], "expert_slots": 4}})
+        with serving(env, max_queue=8, **kwargs):
             yield env
-        finally:
-            env.server.stop()
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, plugin_checkpoint):
-    """`serving` for the tests of one module (import it there)."""
-    with serving(tmp_path_factory.mktemp("served") / "llm", plugin_checkpoint) as env:
+    """`small_server` for the tests of one module (import it there)."""
+    with small_server(tmp_path_factory.mktemp("served") / "llm", plugin_checkpoint) as env:
         yield env
 
 

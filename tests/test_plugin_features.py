@@ -282,6 +282,45 @@ def test_tool_calls_reach_the_python_api(tools_env):
     assert result.output == "5"
 
 
+def test_tool_choice_forces_a_valid_call_and_none_hides_the_tools(tools_env):
+    def add(a: int, b: int) -> int:
+        "Add two numbers"
+        return a + b
+
+    model = llm.get_model("mlx-stream")
+    for seed in range(5):  # random weights: only the grammar makes these calls
+        response = model.prompt("2 + 3?", tools=[add], tool_choice="add", temperature=1.0, seed=seed,
+                                max_tokens=120)
+        [call] = response.tool_calls()
+        assert call.name == "add" and set(call.arguments) == {"a", "b"}
+        assert all(isinstance(v, int) for v in call.arguments.values())
+    response = model.prompt("2 + 3?", tools=[add], tool_choice="none", max_tokens=4)
+    assert response.text() is not None and response.tool_calls() == []
+    tokenizer = _tokenizer(tools_env.read_settings()["models"]["tools"]["path"])
+    assert "add" not in tokenizer.decode(tools_env.prompts[-1].started.prompt_tokens)  # not shown
+    assert_llm_option_error(tools_env.run("-m", "mlx-stream", "-T", "llm_version", "-o", "tool_choice", "nope",
+                                          "hi"), "tool_choice 'nope'")
+
+
+def test_a_forced_tool_call_may_first_close_the_think_block_the_template_opened(tools_env):
+    import llguidance
+    import llguidance.hf
+
+    from llm_mlx_streaming.tools import forced_call_grammar, template_tools
+
+    tokenizer = _tokenizer(tools_env.read_settings()["models"]["tools"]["path"])
+    tools = template_tools([llm.Tool(name="f", input_schema={"type": "object", "properties": {}})])
+    grammar = forced_call_grammar(tokenizer, tools, "required", thinking=True)
+    hf = tokenizer._tokenizer
+    matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(hf, n_vocab=len(hf)), grammar, log_level=0)
+    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    assert matcher.consume_tokens(tokenizer.encode("first a thought</think>\n\n" + call))
+    assert matcher.is_accepting()
+    matcher.reset()
+    matcher.consume_tokens(tokenizer.encode(call))
+    assert not matcher.is_accepting()  # a call inside the open think block is still thought
+
+
 def test_unparseable_tool_markup_is_shown_as_written(tools_env):
     tools_env.script = ["<tool_call>\nnot json\n</tool_call>"]
     out = assert_ok(tools_env.run("-m", "mlx-stream", "-T", "llm_version", "hi")).stdout

@@ -680,14 +680,15 @@ def test_logprobs_of_chat_and_completions(served):
                                       top_logprobs=3)
     content = reply.choices[0].logprobs.content
     # (the reply's text drops its first token's leading space, as mlx-lm's detokenizer does)
-    assert "".join(e.token for e in content) in (reply.choices[0].message.content, " " + reply.choices[0].message.content)
+    text = reply.choices[0].message.content
+    assert "".join(e.token for e in content) in (text, " " + text)
     assert len(content) == reply.usage.completion_tokens
     for e in content:
         assert len(e.top_logprobs) == 3 and e.logprob <= 0 and bytes(e.bytes).decode() == e.token
         assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
         assert e.logprob == e.top_logprobs[0].logprob
     plain = c.chat.completions.create(model="mlx-stream", messages=messages, max_tokens=6)
-    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == reply.choices[0].message.content
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == text
 
     streamed = []
     for chunk in c.chat.completions.create(model="mlx-stream", messages=messages, max_tokens=6, logprobs=True,
@@ -696,8 +697,8 @@ def test_logprobs_of_chat_and_completions(served):
             streamed += choice.logprobs.content if choice.logprobs else []
     assert [(e.token, e.logprob, e.top_logprobs) for e in streamed] == [(e.token, e.logprob, []) for e in content]
 
-    text = c.completions.create(model="mlx-stream", prompt="abc def", max_tokens=5, logprobs=2)
-    logprobs = text.choices[0].logprobs
-    assert "".join(logprobs.tokens) in (text.choices[0].text, " " + text.choices[0].text)
+    completion = c.completions.create(model="mlx-stream", prompt="abc def", max_tokens=5, logprobs=2)
+    logprobs = completion.choices[0].logprobs
+    assert "".join(logprobs.tokens) in (completion.choices[0].text, " " + completion.choices[0].text)
     assert len(logprobs.token_logprobs) == 5
     assert all(len(top) <= 2 for top in logprobs.top_logprobs) and logprobs.text_offset[0] == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from server_support import call, in_process, served, serving  # noqa: F401 (served: a fixture)
+from server_support import call, in_process, served, small_server  # noqa: F401 (served: a fixture)
 from test_server_tools import ADD as OPENAI_ADD, ASK, CALL, tooled  # noqa: F401 (tooled: a fixture)
 
 HELLO = [{"role": "user", "content": "hello there"}]
@@ -111,7 +111,7 @@ def test_the_client_raises_the_matching_error_class(served):
 def test_the_api_key_may_come_as_x_api_key(tmp_path, plugin_checkpoint):
     import anthropic
 
-    with serving(tmp_path / "llm", plugin_checkpoint, api_key="sesame") as env:
+    with small_server(tmp_path / "llm", plugin_checkpoint, api_key="sesame") as env:
         with pytest.raises(anthropic.AuthenticationError):
             client(env).messages.create(model="mlx-stream", messages=HELLO, max_tokens=2)
         keyed = anthropic.Anthropic(base_url=env.server.url, api_key="sesame", max_retries=0, timeout=60)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from server_support import call, in_process, served, serving, wait_for  # noqa: F401 (served: a fixture)
+from server_support import call, in_process, served, small_server, wait_for  # noqa: F401 (served: a fixture)
 from test_server_tools import ADD, ASK, CALL, tooled  # noqa: F401 (tooled: a fixture)
 
 HELLO = [{"role": "user", "content": "hello there"}]
@@ -144,7 +144,7 @@ def test_models_show_ps_version_and_unloading(served):
 def test_unloading_needs_the_api_key_when_one_is_set(tmp_path, plugin_checkpoint):
     import ollama
 
-    with serving(tmp_path / "llm", plugin_checkpoint, api_key="sesame") as env:
+    with small_server(tmp_path / "llm", plugin_checkpoint, api_key="sesame") as env:
         with pytest.raises(ollama.ResponseError) as e:
             client(env).chat(model="mlx-stream", messages=[], keep_alive=0)
         assert e.value.status_code == 401

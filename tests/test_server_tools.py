@@ -13,8 +13,9 @@ import json
 
 import pytest
 
-from plugin_support import LlmEnv
+from plugin_support import LlmEnv, serving
 from test_plugin_features import Force, _tokenizer
+from test_server import call, client
 
 ADD = {"type": "function", "function": {
     "name": "add", "description": "Add two numbers",
@@ -32,7 +33,6 @@ ASK = [{"role": "user", "content": "What is 2 + 3?"}]
 def tooled(tmp_path_factory, build, plugin_checkpoint):
     from fixtures.tokenizer import IM_END, token_ids
     from llm_mlx_streaming.engine.manager import get_manager
-    from llm_mlx_streaming.server.run import Server
 
     path = build("qwen3_moe", tool_template=True)
     user_dir = tmp_path_factory.mktemp("tooled") / "llm"
@@ -55,18 +55,8 @@ def tooled(tmp_path_factory, build, plugin_checkpoint):
             return generation
 
         mp.setattr(engine, "run", run)
-        server = Server(port=0, max_queue=8).start()
-        env.server = server
-        try:
+        with serving(env):
             yield env
-        finally:
-            server.stop()
-
-
-def client(env):
-    import openai
-
-    return openai.OpenAI(base_url=env.server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def streamed(chunks):
@@ -184,20 +174,6 @@ def test_replies_equal_the_in_process_greedy_reply(tooled, choice):
     assert bool(calls) == (choice != "auto")
 
 
-def call(env, body):
-    """(status, JSON body) of one chat request."""
-    import urllib.error
-    import urllib.request
-
-    request = urllib.request.Request(env.server.url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                     method="POST", headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
 CALLED = {"role": "assistant", "content": None, "tool_calls": [
     {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]}
 
@@ -218,7 +194,8 @@ CALLED = {"role": "assistant", "content": None, "tool_calls": [
     ({"messages": ASK + [{"role": "tool", "content": "5"}]}, "tool_call_id"),
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_it(tooled, body, needle):
-    status, reply = call(tooled, {"model": "mlx-stream", "messages": ASK, "max_tokens": 4, **body})
+    status, _, reply = call(tooled, "POST", "/v1/chat/completions",
+                            {"model": "mlx-stream", "messages": ASK, "max_tokens": 4, **body})
     assert status == 400 and needle in reply["error"]["message"], reply
     assert "\n" not in reply["error"]["message"]
 
