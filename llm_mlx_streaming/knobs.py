@@ -110,10 +110,11 @@ KNOBS: tuple[Knob, ...] = (
         "max_context tokens, a reserve and as many expert slots as fit (`llm mlxs plan`). A size like "
         f"12GB, 12G, 1.5GiB, or auto: {AUTO_BUDGET_SHARE:.0%} of this machine's physical memory.",
     ),
-    _setting_only(
+    Knob(
         name="max_context", type=int, default=values.DEFAULT_MAX_CONTEXT, bounds={"ge": 1},
         description="Longest conversation (prompt + reply, in tokens) the KV cache is planned for; "
-        "longer prompts are refused and replies stop there.",
+        "longer prompts are refused and replies stop there. As an option: a lower limit for one prompt "
+        "(the setting is what the KV cache and the memory plan are made for).",
     ),
     _setting_only(name="threads", type=int, default=DEFAULT_THREADS, bounds={"ge": 1, "le": 256},
                   description="Threads reading experts from disk."),

@@ -98,7 +98,7 @@ def resolve(name: Optional[str], options, settings: Settings) -> RunConfig:
         kv=kv,
         prefill_step=prefill_step(options, settings, path, budget, kv, layout),
         max_tokens=settings.max_tokens if options.max_tokens is None else options.max_tokens,
-        max_context=settings.max_context,
+        max_context=context_limit(options, settings),
         temperature=options.temperature or 0.0,
         top_p=options.top_p or 0.0,
         min_p=options.min_p or 0.0,
@@ -115,6 +115,18 @@ def resolve(name: Optional[str], options, settings: Settings) -> RunConfig:
         conversation_cache=conversation_cache_spec(settings),
         plan_figures={"slots_from": source, **({"memory_budget_bytes": budget} if budget is not None else {})},
     )
+
+
+def context_limit(options, settings: Settings) -> int:
+    """The prompt's context: the setting, or an option below it (the KV cache and the
+    memory plan are made for the setting, so an option above it is refused)."""
+    if options.max_context is None:
+        return settings.max_context
+    if options.max_context > settings.max_context:
+        raise MlxStreamError(f"max_context {options.max_context} is above the max_context setting "
+                             f"({settings.max_context} tokens) the KV cache is planned for; raise that with "
+                             "`llm mlxs config max_context N`")
+    return options.max_context
 
 
 def checked_name(name: Optional[str], settings: Settings) -> str:

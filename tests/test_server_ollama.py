@@ -69,6 +69,16 @@ def test_options_map_onto_the_engine(served):
                                             options={"num_predict": 40}).response), dict)
 
 
+def test_num_ctx_is_the_context_of_this_request(served):
+    import ollama
+
+    c = client(served)
+    capped = c.chat(model="mlx-stream", messages=HELLO, options={"num_ctx": 40, "num_predict": -1})
+    assert capped.prompt_eval_count + capped.eval_count == 40 and capped.done_reason == "length"
+    with pytest.raises(ollama.ResponseError, match="longer than the max_context of 12 tokens"):
+        c.chat(model="mlx-stream", messages=HELLO, options={"num_ctx": 12})
+
+
 def test_logprobs(served):
     c = client(served)
     reply = c.chat(model="mlx-stream", messages=HELLO, logprobs=True, top_logprobs=2, options={"num_predict": 4})
@@ -92,7 +102,8 @@ def test_a_follow_up_reuses_the_kv_cache(served):
     ({"messages": HELLO, "options": {"num_gpu": 1}}, "options.num_gpu"),
     ({"messages": HELLO, "options": {"mirostat": 2}}, "mirostat"),
     ({"messages": HELLO, "options": {"repeat_penalty": 0.5}}, "options.repeat_penalty"),
-    ({"messages": HELLO, "options": {"num_ctx": 8192}}, "options.num_ctx"),
+    ({"messages": HELLO, "options": {"num_ctx": 0}}, "options.num_ctx"),
+    ({"messages": HELLO, "options": {"num_ctx": 8192}}, "max_context 8192 is above the max_context setting"),
     ({"messages": HELLO, "options": {"max_tokens": 3}}, "options.max_tokens"),
     ({"messages": HELLO, "keep_alive": "5m"}, "keep_alive"),
     ({"messages": HELLO, "think": "high"}, "think"),

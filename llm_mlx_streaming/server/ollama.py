@@ -47,15 +47,6 @@ def chat_messages(messages) -> list[ChatMessage]:
     return out
 
 
-def _check_context(body) -> None:
-    """num_ctx is honoured only as the context the server has."""
-    asked = body.options.num_ctx if body.options else None
-    have = load_settings().max_context
-    if asked is not None and asked != have:
-        raise ApiError(400, f"options.num_ctx: this server's context is {have} tokens, planned at start (`llm mlxs "
-                       "config max_context`); send that or leave num_ctx out", param="options.num_ctx")
-
-
 def details(found: Checkpoint | None) -> dict:
     if found is None:
         return {"format": "safetensors"}
@@ -77,7 +68,6 @@ def router(service) -> APIRouter:
     async def run(request: Request, body, shape, messages: list, tools=()):
         """Answer llm's `messages` in `shape`; none: load the model, or unload it."""
         model_id = service.model_for(body.model)
-        _check_context(body)
         if not messages:  # Ollama's way to load a model, or to unload it with keep_alive 0
             if body.unloads():
                 await service.unload()

@@ -18,8 +18,10 @@ from .openai_tools import ToolSpec
 from .schemas import StrictModel, engine_fields
 
 # Engine options this API has under its own name: max_tokens is num_predict, repetition_penalty
-# is repeat_penalty, thinking and top_logprobs are top-level fields; tool_choice has no Ollama spelling.
-RENAMED = ("max_tokens", "repetition_penalty", "thinking", "top_logprobs", "tool_choice", "parallel_tool_calls")
+# is repeat_penalty, max_context is num_ctx, thinking and top_logprobs are top-level fields;
+# tool_choice has no Ollama spelling.
+RENAMED = ("max_tokens", "repetition_penalty", "max_context", "thinking", "top_logprobs", "tool_choice",
+           "parallel_tool_calls")
 NO_OP_OPTIONS = {"repeat_last_n": (REPETITION_CONTEXT,), "presence_penalty": (0,), "frequency_penalty": (0,),
                  "typical_p": (1,), "tfs_z": (1,), "mirostat": (0,)}
 
@@ -31,8 +33,8 @@ class Options(OllamaEngineOptions):
                                        "context (max_context) is full")
     repeat_penalty: Optional[float] = Field(None, description=BY_NAME["repetition_penalty"].description,
                                             **BY_NAME["repetition_penalty"].bounds)
-    num_ctx: Optional[int] = Field(None, ge=1, description="Only the server's max_context: the KV cache is "
-                                   "planned for it (`llm mlxs config max_context`)")
+    num_ctx: Optional[int] = Field(None, description=BY_NAME["max_context"].description,
+                                   **BY_NAME["max_context"].bounds)
     repeat_last_n: Optional[int] = Field(None, description=f"Only {REPETITION_CONTEXT}, the window of repeat_penalty")
     presence_penalty: Optional[float] = Field(None, description="Only 0")
     frequency_penalty: Optional[float] = Field(None, description="Only 0")
@@ -63,6 +65,8 @@ class Options(OllamaEngineOptions):
             fields["max_tokens"] = -1 if self.num_predict < 0 else self.num_predict
         if self.repeat_penalty is not None:
             fields["repetition_penalty"] = self.repeat_penalty
+        if self.num_ctx is not None:
+            fields["max_context"] = self.num_ctx
         return fields
 
 
