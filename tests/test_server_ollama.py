@@ -105,7 +105,7 @@ def test_a_follow_up_reuses_the_kv_cache(served):
     ({"messages": HELLO, "options": {"num_ctx": 0}}, "options.num_ctx"),
     ({"messages": HELLO, "options": {"num_ctx": 8192}}, "max_context 8192 is above the max_context setting"),
     ({"messages": HELLO, "options": {"max_tokens": 3}}, "options.max_tokens"),
-    ({"messages": HELLO, "keep_alive": "5m"}, "keep_alive"),
+    ({"messages": HELLO, "keep_alive": "a while"}, "keep_alive"),
     ({"messages": HELLO, "think": "high"}, "think"),
     ({"messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]}, "messages.0.images"),
     ({"messages": [{"role": "tool", "content": "5"}]}, "messages.0"),
@@ -147,6 +147,14 @@ def test_models_show_ps_version_and_unloading(served):
     streamed = list(c.chat(model="mlx-stream", messages=HELLO, options={"num_predict": 2}, keep_alive=0, stream=True))
     assert streamed[-1].done_reason == "length"
     wait_for(lambda: c.ps().models == [])  # unloaded once the stream gave back its turn
+
+    service = served.server.service
+    c.generate(model="mlx-stream", keep_alive="1h")
+    assert service._unload_timer is not None and [m.model for m in c.ps().models] == ["mlx-stream"]
+    c.chat(model="mlx-stream", messages=HELLO, options={"num_predict": 2})  # keeps it loaded until told
+    assert service._unload_timer is None
+    c.chat(model="mlx-stream", messages=HELLO, options={"num_predict": 2}, keep_alive=0.05)
+    wait_for(lambda: c.ps().models == [])  # unloaded when its keep_alive ran out
     with pytest.raises(ollama.ResponseError) as e:
         c.pull("llama3")
     assert e.value.status_code == 400

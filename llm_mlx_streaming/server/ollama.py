@@ -71,13 +71,17 @@ def router(service) -> APIRouter:
         if not messages:  # Ollama's way to load a model, or to unload it with keep_alive 0
             if body.unloads():
                 await service.unload()
-            else:
-                await service.load(model_id)
-            return shape.status("unload" if body.unloads() else "load")
-        reply = await answer(service, request, shape, model_id, messages, body.engine(), body.schema_dict(),
-                             body.stream, tools)
-        if body.unloads():  # after this reply: a stream holds its turn until it ends
+                return shape.status("unload")
+            await service.load(model_id)
+            reply = shape.status("load")
+        else:
+            reply = await answer(service, request, shape, model_id, messages, body.engine(), body.schema_dict(),
+                                 body.stream, tools)
+        seconds = body.keep_seconds()
+        if seconds == 0:  # after this reply: a stream holds its turn until it ends
             service.schedule_unload() if body.stream else await service.unload()
+        elif seconds is not None:
+            service.unload_after(seconds)
         return reply
 
     @api.post("/api/chat", description="Ollama's chat; NDJSON chunks unless stream is false")

@@ -91,8 +91,9 @@ class _Generation(StrictModel):
     format: Union[Literal["", "json"], dict[str, Any], None] = Field(
         None, description="json or a JSON schema: the reply is constrained to it")
     options: Optional[Options] = None
-    keep_alive: Optional[KeepAlive] = Field(None, description="0: unload the model after this request; a "
-                                            "negative value: keep it loaded (what this server always does)")
+    keep_alive: Optional[KeepAlive] = Field(None, description="How long the model stays loaded after this "
+                                            "request (seconds, or a duration like 5m): 0 unloads it now; negative, "
+                                            "or left out: until told (another request cancels a pending unload)")
     think: Optional[bool] = Field(None, description="The chat template's thinking switch; the reasoning "
                                   "comes as `thinking`")
     logprobs: Optional[bool] = Field(None, description="true: each generated token's log-probability "
@@ -102,10 +103,9 @@ class _Generation(StrictModel):
 
     @field_validator("keep_alive")
     @classmethod
-    def _zero_or_forever(cls, value):
-        if value is not None and 0 < keep_alive_seconds(value):
-            raise ValueError("only 0 (unload after this request) or a negative value (keep it loaded, "
-                             "which this server does anyway) is supported")
+    def _a_duration(cls, value):
+        if value is not None:
+            keep_alive_seconds(value)
         return value
 
     @model_validator(mode="after")
@@ -119,8 +119,14 @@ class _Generation(StrictModel):
             return {"type": "object"}
         return self.format or None
 
+    def keep_seconds(self) -> Optional[float]:
+        """Seconds the model stays loaded after this request; None: until told."""
+        if self.keep_alive is None or keep_alive_seconds(self.keep_alive) < 0:
+            return None
+        return keep_alive_seconds(self.keep_alive)
+
     def unloads(self) -> bool:
-        return self.keep_alive is not None and keep_alive_seconds(self.keep_alive) == 0
+        return self.keep_seconds() == 0
 
     def engine(self) -> dict:
         fields = self.options.engine() if self.options else {}

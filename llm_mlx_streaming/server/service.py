@@ -59,6 +59,7 @@ class Service:
         self.rebuild_error: Optional[str] = None
         self.disconnects = 0  # clients that went before their reply was complete
         self._tasks: set = set()
+        self._unload_timer: Optional[asyncio.TimerHandle] = None  # Ollama's keep_alive
 
     # -- requests -------------------------------------------------------------
     def check_api_key(self, request: Request) -> None:
@@ -98,6 +99,7 @@ class Service:
     async def load(self, model_id: str) -> None:
         """Load `model_id` in its turn, and return once it is loaded."""
         await take_turn(self)
+        self.keep_loaded()
         try:
             self.model_id = model_id
             await asyncio.to_thread(self._load_blocking, model_id)
@@ -112,8 +114,19 @@ class Service:
         finally:
             self.gate.release()
 
-    def schedule_unload(self) -> None:
-        self._spawn(self.unload(first=True))
+    def schedule_unload(self, first: bool = True) -> None:
+        self._spawn(self.unload(first=first))
+
+    def unload_after(self, seconds: float) -> None:
+        """Unload once `seconds` have passed without another request (Ollama's keep_alive)."""
+        self.keep_loaded()
+        self._unload_timer = asyncio.get_running_loop().call_later(seconds, self.schedule_unload, False)
+
+    def keep_loaded(self) -> None:
+        """A request came: an unload timed by an earlier one's keep_alive is off."""
+        if self._unload_timer is not None:
+            self._unload_timer.cancel()
+            self._unload_timer = None
 
     # -- runtime config -------------------------------------------------------
     def config(self) -> dict:

@@ -75,6 +75,7 @@ async def answer(service, request: Request, shape, model_id: str, messages: list
     """Run `messages` (llm's) on `model_id` with the request's engine `fields` (the plugin's
     options) and `tools` (llm `Tool`s), and answer in `shape`."""
     await take_turn(service)
+    service.keep_loaded()
     try:
         options = service.runtime.for_request(fields)  # now: a config change made while it waited applies
         run = Run(model_id, messages, options, schema, tools).start()
