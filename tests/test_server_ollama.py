@@ -4,6 +4,7 @@ server on a free loopback port (stopped at the end)."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -150,7 +151,9 @@ def test_models_show_ps_version_and_unloading(served):
 
     service = served.server.service
     c.generate(model="mlx-stream", keep_alive="1h")
-    assert service._unload_timer is not None and [m.model for m in c.ps().models] == ["mlx-stream"]
+    [listed] = c.ps().models
+    assert service._unload_timer is not None and listed.model == "mlx-stream"
+    assert 3500 < listed.expires_at.timestamp() - time.time() <= 3600
     c.chat(model="mlx-stream", messages=HELLO, options={"num_predict": 2})  # keeps it loaded until told
     assert service._unload_timer is None
     c.chat(model="mlx-stream", messages=HELLO, options={"num_predict": 2}, keep_alive=0.05)

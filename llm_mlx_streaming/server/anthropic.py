@@ -62,6 +62,8 @@ def llm_tools(body) -> list:
 
 
 def engine_options(body) -> dict:
+    """The plugin's options the request sets: its extension fields and what Anthropic's
+    own fields (stop_sequences, thinking, tool_choice) mean in the plugin's terms."""
     fields = engine_values(body, AnthropicEngineOptions.model_fields)
     if getattr(body, "stop_sequences", None):
         fields["stop"] = body.stop_sequences

@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
@@ -45,9 +44,8 @@ class Checkpoint:
         return sum(f.stat().st_size for f in self.path.iterdir() if f.is_file())
 
     @property
-    def modified_at(self) -> str:
-        stamp = datetime.fromtimestamp(self.path.stat().st_mtime, timezone.utc)
-        return stamp.isoformat().replace("+00:00", "Z")
+    def modified_at(self) -> float:
+        return self.path.stat().st_mtime
 
     @property
     def digest(self) -> str:

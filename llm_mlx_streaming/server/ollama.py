@@ -19,7 +19,7 @@ from . import openai_tools
 from .catalog import Checkpoint, checkpoint, model_ids
 from .http_layer import ApiError
 from .ollama_schemas import ChatRequest, GenerateRequest, ShowRequest
-from .ollama_shapes import ChatShape, GenerateShape
+from .ollama_shapes import ChatShape, GenerateShape, stamp
 from .schemas import ChatMessage
 from .turns import answer
 
@@ -58,7 +58,7 @@ def listed(model_id: str) -> dict:
     found = checkpoint(model_id)
     entry = {"name": model_id, "model": model_id, "details": details(found)}
     if found is not None:
-        entry.update(modified_at=found.modified_at, size=found.size, digest=found.digest)
+        entry.update(modified_at=stamp(found.modified_at), size=found.size, digest=found.digest)
     return entry
 
 
@@ -115,7 +115,7 @@ def router(service) -> APIRouter:
             info[f"{found.family}.context_length"] = found.context_length
         return {"modelfile": "", "parameters": "", "template": template, "details": details(found),
                 "model_info": info, "capabilities": capabilities,
-                **({"modified_at": found.modified_at} if found else {})}
+                **({"modified_at": stamp(found.modified_at)} if found else {})}
 
     @api.get("/api/ps", description="The model loaded now, if any")
     async def ps() -> dict:
@@ -124,8 +124,9 @@ def router(service) -> APIRouter:
         engine = get_manager()
         if engine.state != "loaded" or service.model_id is None:
             return {"models": []}
-        entry = listed(service.model_id)
-        return {"models": [{**entry, "expires_at": "9999-12-31T23:59:59Z", "size_vram": 0,
+        due = service.unload_due
+        expires = stamp(due) if due is not None else "9999-12-31T23:59:59Z"  # loaded until told
+        return {"models": [{**listed(service.model_id), "expires_at": expires, "size_vram": 0,
                             "context_length": load_settings().max_context}]}
 
     @api.get("/api/version")

@@ -9,6 +9,7 @@ and the reply's token ids.
 from __future__ import annotations
 
 import json
+import time
 from datetime import datetime, timezone
 from typing import Optional
 
@@ -17,8 +18,13 @@ from .bridge import Reply, Result
 NS = 1_000_000_000
 
 
+def stamp(seconds: float) -> str:
+    """A time.time() as Ollama writes times."""
+    return datetime.fromtimestamp(seconds, timezone.utc).isoformat().replace("+00:00", "Z")
+
+
 def now() -> str:
-    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+    return stamp(time.time())
 
 
 def line(data: dict) -> str:

@@ -60,6 +60,7 @@ class Service:
         self.disconnects = 0  # clients that went before their reply was complete
         self._tasks: set = set()
         self._unload_timer: Optional[asyncio.TimerHandle] = None  # Ollama's keep_alive
+        self.unload_due: Optional[float] = None  # when it unloads the model (a time.time())
 
     # -- requests -------------------------------------------------------------
     def check_api_key(self, request: Request) -> None:
@@ -121,12 +122,13 @@ class Service:
         """Unload once `seconds` have passed without another request (Ollama's keep_alive)."""
         self.keep_loaded()
         self._unload_timer = asyncio.get_running_loop().call_later(seconds, self.schedule_unload, False)
+        self.unload_due = time.time() + seconds
 
     def keep_loaded(self) -> None:
         """A request came: an unload timed by an earlier one's keep_alive is off."""
         if self._unload_timer is not None:
             self._unload_timer.cancel()
-            self._unload_timer = None
+        self._unload_timer = self.unload_due = None
 
     # -- runtime config -------------------------------------------------------
     def config(self) -> dict:
