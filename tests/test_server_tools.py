@@ -234,3 +234,20 @@ def test_a_seeded_request_gives_the_same_reply_whatever_was_served_before(tooled
     sampled(seed=12)
     sampled(tool_choice="auto", messages=ASK + [{"role": "assistant", "content": "Hm."}, *ASK])
     assert sampled()[0] == first
+
+
+def test_llm_t_is_routed_to_the_running_server_and_reuses_its_kv(tooled):
+    from importlib.metadata import version
+
+    from plugin_support import assert_ok
+
+    version_call = '<tool_call>\n{"name": "llm_version", "arguments": {}}\n</tool_call>'
+    tooled.script = [version_call, "It is that."]
+    out = assert_ok(tooled.run("-m", "mlx-stream", "-T", "llm_version", "Which llm version?", "-o", "max_tokens",
+                               "100"))
+    assert out.stdout.strip() == "It is that."
+    first, second = tooled.turns()[-2:]
+    assert first["stats"]["served_by"] == second["stats"]["served_by"] == tooled.server.url
+    prompt = tooled.tokenizer.decode(tooled.prompts[-1].started.prompt_tokens)
+    assert version_call in prompt and f"<tool_response>\n{version('llm')}\n</tool_response>" in prompt
+    assert second["stats"]["reused_tokens"] >= first["stats"]["prompt_tokens"] + first["stats"]["generated_tokens"]
