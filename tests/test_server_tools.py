@@ -251,3 +251,17 @@ def test_llm_t_is_routed_to_the_running_server_and_reuses_its_kv(tooled):
     prompt = tooled.tokenizer.decode(tooled.prompts[-1].started.prompt_tokens)
     assert version_call in prompt and f"<tool_response>\n{version('llm')}\n</tool_response>" in prompt
     assert second["stats"]["reused_tokens"] >= first["stats"]["prompt_tokens"] + first["stats"]["generated_tokens"]
+
+
+@pytest.mark.parametrize("max_tokens", [20, 50])
+def test_a_call_cut_by_max_tokens_ends_with_length(tooled, max_tokens):
+    """Cut before its arguments began, the markup is text; after, it is a call whose
+    arguments are what was generated (as OpenAI gives a call cut short)."""
+    c = client(tooled)
+    body = dict(model="mlx-stream", messages=ASK, tools=[SHOUT], tool_choice="required", max_tokens=max_tokens)
+    reply = c.chat.completions.create(**body)
+    text, calls, finish = streamed(c.chat.completions.create(**body, stream=True))
+    assert reply.choices[0].finish_reason == finish == "length"
+    whole = [(t.function.name, t.function.arguments) for t in reply.choices[0].message.tool_calls or []]
+    assert whole == [(x["name"], x["arguments"]) for x in calls] and (reply.choices[0].message.content or "") == text
+    assert bool(whole) == (max_tokens == 50) and (text.startswith("<tool_call>") or whole)

@@ -43,12 +43,12 @@ class Shape:
 class ChatShape(Shape):
     prefix, chunk_object = "chatcmpl", "chat.completion.chunk"
 
-    def opening(self) -> dict:
-        return self._base([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
-
     def __init__(self, model_id: str, body) -> None:
         super().__init__(model_id, body)
         self.calls: dict[str, int] = {}  # tool call id -> its index in the reply
+
+    def opening(self) -> dict:
+        return self._base([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
 
     def delta(self, text: str = "", reasoning: str = "", tool_call: Optional[dict] = None,
               tool_arguments: Optional[dict] = None) -> dict:
