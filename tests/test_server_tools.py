@@ -14,7 +14,7 @@ import json
 import pytest
 
 from plugin_support import LlmEnv, serving
-from test_plugin_features import Force, _tokenizer
+from test_plugin_features import Force, _reply_ids, _tokenizer
 from test_server import call, client
 
 ADD = {"type": "function", "function": {
@@ -151,7 +151,8 @@ def test_parallel_tool_calls_off_gives_one_call(tooled):
 
 
 def in_process_calls(messages, tools, **options):
-    """The plugin's own (text, [(name, arguments)]) for `messages`, never routed to a server."""
+    """The plugin's own (text, [(name, arguments)], token ids) for `messages`, never routed
+    to a server."""
     import llm
     from llm.parts import Message, TextPart
 
@@ -159,7 +160,7 @@ def in_process_calls(messages, tools, **options):
     specs = [llm.Tool(name=t["function"]["name"], description=t["function"].get("description"),
                       input_schema=t["function"]["parameters"]) for t in tools]
     response = llm.get_model("mlx-stream").prompt(messages=chain, tools=specs, no_server=True, **options)
-    return response.text(), [(call.name, call.arguments) for call in response.tool_calls()]
+    return response.text(), [(call.name, call.arguments) for call in response.tool_calls()], _reply_ids(response)
 
 
 @pytest.mark.parametrize("choice", ["auto", "required", "shout"])
@@ -170,7 +171,7 @@ def test_replies_equal_the_in_process_greedy_reply(tooled, choice):
                                                    tool_choice=tool_choice, max_tokens=120)
     message = reply.choices[0].message
     calls = [(t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls or []]
-    assert (message.content or "", calls) == expected
+    assert (message.content or "", calls, reply.model_extra["mlx_stream"]["tokens"]) == expected
     assert bool(calls) == (choice != "auto")
 
 
