@@ -66,25 +66,36 @@ def template_messages(prompt, think_start=None, think_end=None) -> tuple[list[di
 
 
 def openai_messages(prompt) -> list[dict]:
-    """llm's message chain as OpenAI messages; replies carry the ids they were generated
-    as (the `tokens` extension), so the server reuses its KV cache exactly."""
-    from llm.parts import ReasoningPart, TextPart
+    """llm's message chain as OpenAI messages (tool calls and results included); replies
+    carry the ids they were generated as (the `tokens` extension), so the server reuses
+    its KV cache exactly."""
+    import json
+
+    from llm.parts import ReasoningPart, TextPart, ToolCallPart
 
     out = []
     for message in prompt.messages:
+        if message.role == "tool":
+            out.extend({"role": "tool", "tool_call_id": m["tool_call_id"], "content": m["content"]}
+                       for m in tool_result_messages(message))
+            continue
         if message.role not in ("system", "user", "assistant"):
-            raise PromptError(f"mlx-stream cannot send '{message.role}' messages (no tool support)")
+            raise PromptError(f"mlx-stream cannot send '{message.role}' messages")
         text, reasoning = [], []
         for part in message.parts:
             if isinstance(part, ReasoningPart):
                 reasoning.append(part.text)
             elif isinstance(part, TextPart):
                 text.append(part.text)
-            else:
+            elif not isinstance(part, ToolCallPart):
                 raise PromptError(f"mlx-stream supports text only, not {type(part).__name__}")
         item = {"role": message.role, "content": "".join(text)}
         if reasoning and any(reasoning):
             item["reasoning_content"] = "".join(reasoning)
+        if calls := assistant_tool_calls(message.parts):
+            item["tool_calls"] = [{**c, "function": {"name": c["function"]["name"],
+                                                     "arguments": json.dumps(c["function"]["arguments"])}}
+                                  for c in calls]
         if message.role == "assistant" and (tokens := stored_tokens(message)) is not None:
             item["tokens"] = tokens
         out.append(item)

@@ -119,9 +119,10 @@ class MlxStreamModel(llm.Model):
             built = build_prompt(ready.tokenizer, prompt, thinking=options.thinking, tools=tools, grammar=grammar,
                                  processors=repetition_processors(r.repetition_penalty), forced=forced)
         request = r.request(built.tokens, built.processors, built.budget_aware)
-        one_call = bool(tools) and options.parallel_tool_calls is False
+        end_tag = ready.tokenizer.tool_call_end if tools else None
+        one_call = bool(end_tag) and options.parallel_tool_calls is False
         if one_call:  # the reply ends with its first call
-            request.stop = (*request.stop, ready.tokenizer.tool_call_end)
+            request.stop = (*request.stop, end_tag)
         generation = engine.run(r.load, request)
         if on_generation is not None:
             on_generation(generation)

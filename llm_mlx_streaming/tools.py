@@ -236,7 +236,7 @@ class CallReader:
                 return ([("arguments", self.id, text[self.sent:])],
                         [{"id": self.id, "name": self.name, "arguments": arguments}])
             calls = parse_tool_calls(self.tokenizer, inner, self.tools) if finished else None
-            if calls is None:
+            if not calls:
                 return None
             events = [e for c in calls for e in (("name", c["id"], c["name"]),
                                                   ("arguments", c["id"], json.dumps(c["arguments"])))]

@@ -702,3 +702,14 @@ def test_logprobs_of_chat_and_completions(served):
     assert "".join(logprobs.tokens) in (completion.choices[0].text, " " + completion.choices[0].text)
     assert len(logprobs.token_logprobs) == 5
     assert all(len(top) <= 2 for top in logprobs.top_logprobs) and logprobs.text_offset[0] == 0
+
+
+def test_llm_top_logprobs_is_logged_the_same_routed_or_in_process(served):
+    assert_ok(served.run("-m", "mlx-stream", "hi", "-o", "top_logprobs", "2", "-o", "max_tokens", "3"))
+    routed = served.turns()[-1]["stats"]
+    assert_ok(served.run("-m", "mlx-stream", "hi", "-o", "top_logprobs", "2", "-o", "max_tokens", "3",
+                         "-o", "no_server", "1"))
+    local = served.turns()[-1]["stats"]
+    assert routed["served_by"] == served.server.url and "served_by" not in local
+    assert routed["logprobs"] == local["logprobs"] and len(local["logprobs"]) == 3
+    assert all(len(e["top_logprobs"]) == 2 for e in local["logprobs"])

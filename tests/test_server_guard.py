@@ -144,3 +144,23 @@ def test_the_names_are_settings_with_one_line_errors(llm_env):
     assert_ok(llm_env.run("mlxs", "config", "server_hosts", "a.lan, b.lan"))
     assert llm_env.read_settings()["server_hosts"] == ["a.lan", "b.lan"]
     assert_one_line_error(llm_env.run("mlxs", "config", "server_origins", "http://a b"), "server_origins")
+
+
+def test_the_host_check_is_on_by_default_and_star_turns_it_off():
+    import asyncio
+
+    from llm_mlx_streaming.server.guard import Guard
+
+    sent = []
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    async def record(message):
+        if message["type"] == "http.response.start":
+            sent.append(message["status"])
+
+    scope = {"type": "http", "path": "/v1/models", "method": "GET", "headers": [(b"host", b"evil.example")]}
+    for guard in (Guard(app), Guard(app, hosts=["studio.lan"]), Guard(app, hosts=["*"])):
+        asyncio.run(guard(scope, None, record))
+    assert sent == [403, 403, 200]

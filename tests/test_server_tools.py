@@ -14,7 +14,7 @@ import json
 import pytest
 
 from plugin_support import LlmEnv, serving
-from test_plugin_features import Force, _tokenizer
+from test_plugin_features import Force, _reply_ids, _tokenizer
 from test_server import call, client
 
 ADD = {"type": "function", "function": {
@@ -151,7 +151,8 @@ def test_parallel_tool_calls_off_gives_one_call(tooled):
 
 
 def in_process_calls(messages, tools, **options):
-    """The plugin's own (text, [(name, arguments)]) for `messages`, never routed to a server."""
+    """The plugin's own (text, [(name, arguments)], token ids) for `messages`, never routed
+    to a server."""
     import llm
     from llm.parts import Message, TextPart
 
@@ -159,7 +160,7 @@ def in_process_calls(messages, tools, **options):
     specs = [llm.Tool(name=t["function"]["name"], description=t["function"].get("description"),
                       input_schema=t["function"]["parameters"]) for t in tools]
     response = llm.get_model("mlx-stream").prompt(messages=chain, tools=specs, no_server=True, **options)
-    return response.text(), [(call.name, call.arguments) for call in response.tool_calls()]
+    return response.text(), [(call.name, call.arguments) for call in response.tool_calls()], _reply_ids(response)
 
 
 @pytest.mark.parametrize("choice", ["auto", "required", "shout"])
@@ -170,7 +171,7 @@ def test_replies_equal_the_in_process_greedy_reply(tooled, choice):
                                                    tool_choice=tool_choice, max_tokens=120)
     message = reply.choices[0].message
     calls = [(t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls or []]
-    assert (message.content or "", calls) == expected
+    assert (message.content or "", calls, reply.model_extra["mlx_stream"]["tokens"]) == expected
     assert bool(calls) == (choice != "auto")
 
 
@@ -234,3 +235,34 @@ def test_a_seeded_request_gives_the_same_reply_whatever_was_served_before(tooled
     sampled(seed=12)
     sampled(tool_choice="auto", messages=ASK + [{"role": "assistant", "content": "Hm."}, *ASK])
     assert sampled()[0] == first
+
+
+def test_llm_t_is_routed_to_the_running_server_and_reuses_its_kv(tooled):
+    from importlib.metadata import version
+
+    from plugin_support import assert_ok
+
+    version_call = '<tool_call>\n{"name": "llm_version", "arguments": {}}\n</tool_call>'
+    tooled.script = [version_call, "It is that."]
+    out = assert_ok(tooled.run("-m", "mlx-stream", "-T", "llm_version", "Which llm version?", "-o", "max_tokens",
+                               "100"))
+    assert out.stdout.strip() == "It is that."
+    first, second = tooled.turns()[-2:]
+    assert first["stats"]["served_by"] == second["stats"]["served_by"] == tooled.server.url
+    prompt = tooled.tokenizer.decode(tooled.prompts[-1].started.prompt_tokens)
+    assert version_call in prompt and f"<tool_response>\n{version('llm')}\n</tool_response>" in prompt
+    assert second["stats"]["reused_tokens"] >= first["stats"]["prompt_tokens"] + first["stats"]["generated_tokens"]
+
+
+@pytest.mark.parametrize("max_tokens", [20, 50])
+def test_a_call_cut_by_max_tokens_ends_with_length(tooled, max_tokens):
+    """Cut before its arguments began, the markup is text; after, it is a call whose
+    arguments are what was generated (as OpenAI gives a call cut short)."""
+    c = client(tooled)
+    body = dict(model="mlx-stream", messages=ASK, tools=[SHOUT], tool_choice="required", max_tokens=max_tokens)
+    reply = c.chat.completions.create(**body)
+    text, calls, finish = streamed(c.chat.completions.create(**body, stream=True))
+    assert reply.choices[0].finish_reason == finish == "length"
+    whole = [(t.function.name, t.function.arguments) for t in reply.choices[0].message.tool_calls or []]
+    assert whole == [(x["name"], x["arguments"]) for x in calls] and (reply.choices[0].message.content or "") == text
+    assert bool(whole) == (max_tokens == 50) and (text.startswith("<tool_call>") or whole)

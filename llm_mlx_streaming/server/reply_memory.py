@@ -37,4 +37,10 @@ def _key(text: str, calls) -> str:
 
 
 def _arguments(arguments):
-    return json.loads(arguments) if isinstance(arguments, str) else arguments
+    """Arguments as a value, whatever their spacing (a call cut short keeps its text)."""
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
