@@ -179,7 +179,8 @@ def test_tools_for_a_template_without_tool_support_are_a_400(tooled):
 def test_count_tokens_counts_the_tools(tooled):
     c = client(tooled)
     bare = c.messages.count_tokens(model="mlx-stream", messages=ASK).input_tokens
-    with_tools = c.messages.count_tokens(model="mlx-stream", messages=ASK, tools=[ADD]).input_tokens
+    with_tools = c.messages.count_tokens(model="mlx-stream", messages=ASK, tools=[{**ADD, "strict": True}],
+                                         cache_control={"type": "ephemeral"}).input_tokens
     assert with_tools > bare
 
 

@@ -89,6 +89,8 @@ class Tool(StrictModel):
     description: Optional[str] = None
     input_schema: dict[str, Any]
     cache_control: Optional[CacheControl] = None
+    strict: Optional[bool] = Field(None, description="A call forced by tool_choice any or tool always follows "
+                                   "input_schema (constrained decoding); with auto the model is not constrained")
 
 
 class ToolChoice(StrictModel):
@@ -133,11 +135,17 @@ class _Conversation(StrictModel):
                                          "switch on, and its reasoning as thinking blocks; disabled: off")
     tools: Optional[list[Tool]] = None
     tool_choice: Optional[ToolChoice] = None
+    output_config: Optional[OutputConfig] = None
+    cache_control: Optional[CacheControl] = None
 
     def system_text(self) -> Optional[str]:
         if isinstance(self.system, list):
             return "".join(block.text for block in self.system)
         return self.system
+
+    def schema_dict(self) -> Optional[dict]:
+        fmt = self.output_config.format if self.output_config else None
+        return fmt.schema_ if fmt else None
 
     def thinking_switch(self) -> Optional[bool]:
         return None if self.thinking is None else self.thinking.type != "disabled"
@@ -152,8 +160,6 @@ class MessagesRequest(_Conversation, AnthropicEngineOptions):
     stop_sequences: Optional[list[str]] = Field(None, description="End the reply before any of these")
     stream: bool = False
     metadata: Optional[Metadata] = None
-    output_config: Optional[OutputConfig] = None
-    cache_control: Optional[CacheControl] = None
 
     @model_validator(mode="after")
     def _budget_binds_nothing(self):
@@ -162,10 +168,6 @@ class MessagesRequest(_Conversation, AnthropicEngineOptions):
                              'send {"type": "adaptive"} (reasoning bounded by max_tokens)')
         return self
 
-    def schema_dict(self) -> Optional[dict]:
-        fmt = self.output_config.format if self.output_config else None
-        return fmt.schema_ if fmt else None
-
 
 class CountTokensRequest(_Conversation):
-    pass
+    """The conversation alone (output_config and cache_control change no prompt token)."""
