@@ -83,6 +83,11 @@ KNOBS: tuple[Knob, ...] = (
         description="on/off: the chat template's thinking switch (enable_thinking), where the template has one",
     ),
     _option_only(
+        name="thinking_budget", type=int, bounds={"ge": 1},
+        description="Most tokens of reasoning: the think block is closed after this many (for models "
+        "whose think tags are single tokens, as Qwen3's)",
+    ),
+    _option_only(
         name="tool_choice", type=str, check=values.tool_choice,
         description="With tools (-T): auto (default: the model decides), none (the tools are not shown "
         "to the model), required (it must call one), or a tool's name (it must call that one); required "

@@ -61,17 +61,31 @@ class BuiltPrompt:
     budget_aware: tuple = ()  # those of them told the reply's token budget (a schema's)
 
 
-def build_prompt(tokenizer, prompt, *, thinking, tools, grammar, processors: list, forced=None) -> BuiltPrompt:
-    """Token ids for llm's `prompt`, with `processors` and, for a `--schema` (`grammar`)
-    or a forced tool call (`forced(generation prompt)` -> its grammar), the processor
-    that constrains the reply to it."""
+def build_prompt(tokenizer, prompt, *, thinking, tools, grammar, processors: list, forced=None,
+                 thinking_budget: Optional[int] = None) -> BuiltPrompt:
+    """Token ids for llm's `prompt`, with `processors` (and the reasoning cap of
+    `thinking_budget`) and, for a `--schema` (`grammar`) or a forced tool call
+    (`forced(generation prompt)` -> its grammar), the processor that constrains the reply to it."""
     tokens, generation_prompt = render_prompt(tokenizer, prompt, thinking=thinking, tools=tools)
+    if thinking_budget and thinking is not False:
+        processors = [*processors, _reasoning_cap(tokenizer, tokens, generation_prompt, thinking_budget)]
     if forced is not None:
         grammar = forced(generation_prompt)
     budget_aware: tuple = ()
     if grammar is not None:
         budget_aware = (SchemaProcessor(grammar, tokenizer),)
     return BuiltPrompt(tokens, generation_prompt, [*processors, *budget_aware], budget_aware)
+
+
+def _reasoning_cap(tokenizer, tokens: list[int], generation_prompt: str, budget: int):
+    from .processors import reasoning_cap
+
+    start, end = getattr(tokenizer, "think_start", None), getattr(tokenizer, "think_end", None)
+    ids = [tokenizer.encode(tag, add_special_tokens=False) if tag else [] for tag in (start, end)]
+    if not all(len(i) == 1 for i in ids):
+        raise PromptError("thinking_budget: this model's think tags are not single tokens, so the block "
+                          "cannot be closed at a budget")
+    return reasoning_cap(len(tokens), opens_thinking(generation_prompt, start, end), ids[0][0], ids[1][0], budget)
 
 
 class MlxStreamModel(llm.Model):
@@ -117,7 +131,8 @@ class MlxStreamModel(llm.Model):
             forced = _forcing(ready.tokenizer, tools, options, grammar)
             tools = shown_tools(tools, options.tool_choice)
             built = build_prompt(ready.tokenizer, prompt, thinking=options.thinking, tools=tools, grammar=grammar,
-                                 processors=repetition_processors(r.repetition_penalty), forced=forced)
+                                 processors=repetition_processors(r.repetition_penalty), forced=forced,
+                                 thinking_budget=options.thinking_budget)
         request = r.request(built.tokens, built.processors, built.budget_aware)
         end_tag = ready.tokenizer.tool_call_end if tools else None
         one_call = bool(end_tag) and options.parallel_tool_calls is False

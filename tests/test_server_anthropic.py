@@ -88,7 +88,8 @@ def test_engine_options_and_json_output_are_honoured(served):
     ({"messages": HELLO, "max_tokens": 4, "expert_slots": 0}, "expert_slots"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 4}, "messages.0"),
     ({"messages": [*HELLO, {"role": "assistant", "content": "The answer is"}], "max_tokens": 4}, "messages"),
-    ({"messages": HELLO, "max_tokens": 4, "thinking": {"type": "enabled", "budget_tokens": 2}}, "budget_tokens"),
+    ({"messages": HELLO, "max_tokens": 4, "thinking": {"type": "enabled", "budget_tokens": 0}}, "budget_tokens"),
+    ({"messages": HELLO, "max_tokens": 4, "thinking_budget": 3}, "thinking_budget"),
     ({"messages": HELLO, "max_tokens": 4, "service_tier": "auto"}, "service_tier"),
     ({"messages": HELLO, "max_tokens": 4, "model": "claude-x"}, "claude-x"),
 ])
@@ -196,6 +197,10 @@ def test_reasoning_comes_as_a_thinking_block(tooled, stream):
         reply = c.messages.create(**kwargs)
     assert [b.type for b in reply.content] == ["thinking", "text"]
     assert reply.content[0].thinking.strip() == "add them" and reply.content[1].text.strip() == "It is 5."
+
+    budgeted = c.messages.create(model="mlx-stream", messages=ASK, max_tokens=30,
+                                 thinking={"type": "enabled", "budget_tokens": 1024})
+    assert budgeted.model_extra["mlx_stream"]["stats"]["generated_tokens"] > 0
 
     tooled.script = ["It is 5."]
     off = c.messages.create(model="mlx-stream", messages=ASK, max_tokens=100, thinking={"type": "disabled"})

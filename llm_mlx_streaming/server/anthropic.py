@@ -67,8 +67,7 @@ def engine_options(body) -> dict:
     fields = engine_values(body, AnthropicEngineOptions.model_fields)
     if getattr(body, "stop_sequences", None):
         fields["stop"] = body.stop_sequences
-    if (thinking := body.thinking_switch()) is not None:
-        fields["thinking"] = thinking
+    fields.update(body.thinking_options())
     if body.tool_choice is not None:
         fields["tool_choice"] = body.tool_choice.option()
         if body.tool_choice.disable_parallel_tool_use:

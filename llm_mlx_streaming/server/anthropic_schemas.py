@@ -3,7 +3,8 @@
 Every field Anthropic documents that this engine can honour is declared; any other is a
 400 naming it. The engine options are extension fields (from knobs.py, as on the OpenAI
 routes), less those this API has under its own name: `stop` (`stop_sequences`),
-`thinking` (`thinking: {"type": ...}`), `tool_choice` (`tool_choice: {"type": ...}`) and
+`thinking` and `thinking_budget` (`thinking: {"type": ..., "budget_tokens": ...}`),
+`tool_choice` (`tool_choice: {"type": ...}`) and
 `parallel_tool_calls` (`tool_choice.disable_parallel_tool_use`).
 """
 
@@ -68,8 +69,8 @@ class Message(StrictModel):
 
 class ThinkingEnabled(StrictModel):
     type: Literal["enabled"]
-    budget_tokens: int = Field(ge=1, description="Only at or above max_tokens: a smaller reasoning budget "
-                               "is not enforced by this engine (use adaptive)")
+    budget_tokens: int = Field(ge=1, description="Most tokens of reasoning: the think block is closed after "
+                               "this many (the plugin's thinking_budget)")
 
 
 class ThinkingAdaptive(StrictModel):
@@ -147,12 +148,17 @@ class _Conversation(StrictModel):
         fmt = self.output_config.format if self.output_config else None
         return fmt.schema_ if fmt else None
 
-    def thinking_switch(self) -> Optional[bool]:
-        return None if self.thinking is None else self.thinking.type != "disabled"
+    def thinking_options(self) -> dict:
+        """The plugin's thinking options: the switch, and the budget of `enabled`."""
+        if self.thinking is None:
+            return {}
+        if isinstance(self.thinking, ThinkingEnabled):
+            return {"thinking": True, "thinking_budget": self.thinking.budget_tokens}
+        return {"thinking": self.thinking.type != "disabled"}
 
 
-AnthropicEngineOptions = engine_fields("AnthropicEngineOptions",
-                                       exclude=("stop", "thinking", "tool_choice", "parallel_tool_calls"))
+AnthropicEngineOptions = engine_fields("AnthropicEngineOptions", exclude=(
+    "stop", "thinking", "thinking_budget", "tool_choice", "parallel_tool_calls"))
 
 
 class MessagesRequest(_Conversation, AnthropicEngineOptions):
@@ -160,13 +166,6 @@ class MessagesRequest(_Conversation, AnthropicEngineOptions):
     stop_sequences: Optional[list[str]] = Field(None, description="End the reply before any of these")
     stream: bool = False
     metadata: Optional[Metadata] = None
-
-    @model_validator(mode="after")
-    def _budget_binds_nothing(self):
-        if isinstance(self.thinking, ThinkingEnabled) and self.thinking.budget_tokens < self.max_tokens:
-            raise ValueError("thinking.budget_tokens below max_tokens is not enforced by this server; "
-                             'send {"type": "adaptive"} (reasoning bounded by max_tokens)')
-        return self
 
 
 class CountTokensRequest(_Conversation):
