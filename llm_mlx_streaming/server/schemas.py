@@ -151,7 +151,7 @@ class ChatCompletionRequest(_GenerationRequest):
 
     @model_validator(mode="after")
     def _top_logprobs_with_logprobs(self):
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:  # 0 is the no-op value
             raise ValueError("top_logprobs: needs logprobs true")
         return self
 
@@ -161,6 +161,8 @@ class ChatCompletionRequest(_GenerationRequest):
             fields["tool_choice"] = choice_option(fields["tool_choice"])
         if self.logprobs:
             fields["top_logprobs"] = self.top_logprobs or 0
+        else:
+            fields.pop("top_logprobs", None)
         return fields
 
 
