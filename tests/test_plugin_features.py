@@ -410,3 +410,15 @@ def test_tools_in_llm_chat(tools_env):
     turns = tools_env.turns()
     assert len(turns) == 3 and len({t["thread_id"] for t in turns}) == 1
     assert turns[2]["stats"]["reused_tokens"] > turns[1]["stats"]["prompt_tokens"]
+
+
+def test_top_logprobs_are_recorded_alike_with_and_without_speculative_decoding(llm_env):
+    model = llm.get_model("mlx-stream")
+    runs = [model.prompt("hello there", max_tokens=8, top_logprobs=2, k=k) for k in (0, 2)]
+    for response in runs:
+        response.text()
+    plain, drafted = (response.response_json["logprobs"] for response in runs)
+    assert runs[1].response_json["k"] == 2 and len(plain) == 8
+    assert [(e["token"], [t["token"] for t in e["top_logprobs"]]) for e in plain] == \
+        [(e["token"], [t["token"] for t in e["top_logprobs"]]) for e in drafted]
+    assert all(abs(a["logprob"] - b["logprob"]) < 1e-3 for a, b in zip(plain, drafted))
