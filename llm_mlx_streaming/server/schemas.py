@@ -36,6 +36,8 @@ STRICT = ConfigDict(extra="forbid")
 
 # OpenAI fields accepted only at the value that changes nothing, {field: allowed values}.
 NO_OP_FIELDS = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {})}
+# Fields of an assistant message as OpenAI returns it, accepted back only empty.
+EMPTY_MESSAGE_FIELDS = ("refusal", "audio", "function_call", "annotations")
 
 
 class ChatMessage(BaseModel):
@@ -46,6 +48,10 @@ class ChatMessage(BaseModel):
     reasoning_content: Optional[str] = Field(None, description="An assistant message's reasoning")
     tool_calls: Optional[list[ToolCall]] = Field(None, description="An assistant message's tool calls")
     tool_call_id: Optional[str] = Field(None, description="A tool message's call: the result is its answer")
+    refusal: Optional[str] = Field(None, description="Only null")
+    audio: Optional[dict[str, Any]] = Field(None, description="Only null")
+    function_call: Optional[dict[str, Any]] = Field(None, description="Only null (tool_calls replace it)")
+    annotations: Optional[list[Any]] = Field(None, description="Only null or []")
     tokens: Optional[list[int]] = Field(
         None,
         description="Extension: the token ids an assistant message was generated as "
@@ -58,6 +64,9 @@ class ChatMessage(BaseModel):
             raise ValueError("tool_calls: only an assistant message makes tool calls")
         if (self.role == "tool") != (self.tool_call_id is not None):
             raise ValueError("tool_call_id: a tool message, and only a tool message, answers a call")
+        for name in EMPTY_MESSAGE_FIELDS:
+            if getattr(self, name):
+                raise ValueError(f"{name}: not supported by this server (accepted: null)")
         return self
 
     def text(self) -> str:
