@@ -321,6 +321,20 @@ def test_a_forced_tool_call_may_first_close_the_think_block_the_template_opened(
     assert not matcher.is_accepting()  # a call inside the open think block is still thought
 
 
+def test_a_tool_call_format_that_is_not_json_cannot_be_forced():
+    from types import SimpleNamespace
+
+    from mlx_lm.tool_parsers import qwen3_coder
+
+    from llm_mlx_streaming.tools import ToolError, forced_call_grammar, template_tools
+
+    tokenizer = SimpleNamespace(has_tool_calling=True, tool_parser=qwen3_coder.parse_tool_call,
+                                tool_call_start=qwen3_coder.tool_call_start, tool_call_end=qwen3_coder.tool_call_end)
+    tools = template_tools([llm.Tool(name="f", input_schema={"type": "object", "properties": {}})])
+    with pytest.raises(ToolError, match="cannot be enforced; use tool_choice auto"):
+        forced_call_grammar(tokenizer, tools, "required")
+
+
 def test_unparseable_tool_markup_is_shown_as_written(tools_env):
     tools_env.script = ["<tool_call>\nnot json\n</tool_call>"]
     out = assert_ok(tools_env.run("-m", "mlx-stream", "-T", "llm_version", "hi")).stdout
@@ -396,3 +410,15 @@ def test_tools_in_llm_chat(tools_env):
     turns = tools_env.turns()
     assert len(turns) == 3 and len({t["thread_id"] for t in turns}) == 1
     assert turns[2]["stats"]["reused_tokens"] > turns[1]["stats"]["prompt_tokens"]
+
+
+def test_top_logprobs_are_recorded_alike_with_and_without_speculative_decoding(llm_env):
+    model = llm.get_model("mlx-stream")
+    runs = [model.prompt("hello there", max_tokens=8, top_logprobs=2, k=k) for k in (0, 2)]
+    for response in runs:
+        response.text()
+    plain, drafted = (response.response_json["logprobs"] for response in runs)
+    assert runs[1].response_json["k"] == 2 and len(plain) == 8
+    assert [(e["token"], [t["token"] for t in e["top_logprobs"]]) for e in plain] == \
+        [(e["token"], [t["token"] for t in e["top_logprobs"]]) for e in drafted]
+    assert all(abs(a["logprob"] - b["logprob"]) < 1e-3 for a, b in zip(plain, drafted))

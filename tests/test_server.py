@@ -664,11 +664,12 @@ def test_a_message_field_that_is_not_honoured_is_a_400_naming_it(served):
 
 def test_openai_fields_at_their_no_op_value_are_accepted(served):
     body = {**CHAT, "user": "u1", "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
-            "logprobs": False, "tools": [], "tool_choice": "none", "parallel_tool_calls": True,
+            "logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none", "parallel_tool_calls": True,
             "response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True,
                                                                        "schema": {"type": "object"}}}}
     status, _, reply = call(served, "POST", "/v1/chat/completions", body)
     assert status == 200, reply
+    assert reply["choices"][0].get("logprobs") is None and "logprobs" not in reply["mlx_stream"]["stats"]
 
 
 def test_logprobs_of_chat_and_completions(served):

@@ -179,6 +179,15 @@ CALLED = {"role": "assistant", "content": None, "tool_calls": [
     {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]}
 
 
+def test_an_assistant_message_sent_back_as_openai_gave_it_is_accepted(tooled):
+    tooled.script = ["It is 5."]
+    sent_back = {**CALLED, "refusal": None, "audio": None, "function_call": None, "annotations": []}
+    status, _, reply = call(tooled, "POST", "/v1/chat/completions", {
+        "model": "mlx-stream", "tools": [ADD], "max_tokens": 40,
+        "messages": ASK + [sent_back, {"role": "tool", "tool_call_id": "call_1", "content": "5"}]})
+    assert status == 200 and reply["choices"][0]["message"]["content"] == "It is 5.", reply
+
+
 @pytest.mark.parametrize("body,needle", [
     ({"model": "mlx-stream/plain", "tools": [ADD]}, "no tool support"),
     ({"model": "mlx-stream/plain", "messages": ASK + [CALLED, {"role": "tool", "tool_call_id": "call_1",
@@ -193,6 +202,8 @@ CALLED = {"role": "assistant", "content": None, "tool_calls": [
         "name": "add", "arguments": "[1]"}}]}]}, "messages.1.tool_calls.0.function.arguments"),
     ({"messages": ASK + [{"role": "user", "content": "x", "tool_call_id": "call_1"}]}, "tool_call_id"),
     ({"messages": ASK + [{"role": "tool", "content": "5"}]}, "tool_call_id"),
+    ({"messages": ASK + [{**CALLED, "function_call": {"name": "add", "arguments": "{}"}}]}, "function_call"),
+    ({"messages": ASK + [{"role": "assistant", "content": "no", "refusal": "I won't"}]}, "refusal"),
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_it(tooled, body, needle):
     status, _, reply = call(tooled, "POST", "/v1/chat/completions",

@@ -53,6 +53,8 @@ def engine_fields(model_name: str, exclude: tuple[str, ...] = ()):
 
 # OpenAI fields accepted only at the value that changes nothing, {field: allowed values}.
 NO_OP_FIELDS = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {})}
+# Fields of an assistant message as OpenAI returns it, accepted back only empty.
+EMPTY_MESSAGE_FIELDS = ("refusal", "audio", "function_call", "annotations")
 
 
 class ChatMessage(BaseModel):
@@ -63,6 +65,10 @@ class ChatMessage(BaseModel):
     reasoning_content: Optional[str] = Field(None, description="An assistant message's reasoning")
     tool_calls: Optional[list[ToolCall]] = Field(None, description="An assistant message's tool calls")
     tool_call_id: Optional[str] = Field(None, description="A tool message's call: the result is its answer")
+    refusal: Optional[str] = Field(None, description="Only null")
+    audio: Optional[dict[str, Any]] = Field(None, description="Only null")
+    function_call: Optional[dict[str, Any]] = Field(None, description="Only null (tool_calls replace it)")
+    annotations: Optional[list[Any]] = Field(None, description="Only null or []")
     tokens: Optional[list[int]] = Field(
         None,
         description="Extension: the token ids an assistant message was generated as "
@@ -75,6 +81,9 @@ class ChatMessage(BaseModel):
             raise ValueError("tool_calls: only an assistant message makes tool calls")
         if (self.role == "tool") != (self.tool_call_id is not None):
             raise ValueError("tool_call_id: a tool message, and only a tool message, answers a call")
+        for name in EMPTY_MESSAGE_FIELDS:
+            if getattr(self, name):
+                raise ValueError(f"{name}: not supported by this server (accepted: null)")
         return self
 
     def text(self) -> str:
@@ -168,7 +177,7 @@ class ChatCompletionRequest(_GenerationRequest):
 
     @model_validator(mode="after")
     def _top_logprobs_with_logprobs(self):
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:  # 0 is the no-op value
             raise ValueError("top_logprobs: needs logprobs true")
         return self
 
@@ -178,6 +187,8 @@ class ChatCompletionRequest(_GenerationRequest):
             fields["tool_choice"] = choice_option(fields["tool_choice"])
         if self.logprobs:
             fields["top_logprobs"] = self.top_logprobs or 0
+        else:
+            fields.pop("top_logprobs", None)
         return fields
 
 
