@@ -206,3 +206,35 @@ def test_reasoning_comes_as_a_thinking_block(tooled, stream):
     off = c.messages.create(model="mlx-stream", messages=ASK, max_tokens=100, thinking={"type": "disabled"})
     prompt = tooled.tokenizer.decode(tooled.prompts[-1].started.prompt_tokens)
     assert prompt.endswith("<think>\n\n</think>\n\n") and off.content[0].text == "It is 5."
+
+
+def test_budget_tokens_closes_the_think_block(tooled, monkeypatch):
+    """The model is made to open a think block (its first token), then writes freely: the
+    block is closed after budget_tokens tokens of reasoning."""
+    import mlx.core as mx
+
+    from llm_mlx_streaming.engine.manager import get_manager
+
+    engine = get_manager()
+    scripted_run = engine.run
+    [start_id], [end_id] = (tooled.tokenizer.encode(t, add_special_tokens=False) for t in ("<think>", "</think>"))
+
+    def run(load, request):
+        prompt = len(request.prompt)
+
+        def open_first(tokens, logits):
+            if tokens.size != prompt:
+                return logits
+            return mx.where(mx.arange(logits.shape[-1]) == start_id, mx.zeros_like(logits),
+                            mx.full(logits.shape, -mx.inf, dtype=logits.dtype))
+
+        request.logits_processors.append(open_first)
+        return scripted_run(load, request)
+
+    monkeypatch.setattr(engine, "run", run)
+    reply = client(tooled).messages.create(model="mlx-stream", messages=ASK, max_tokens=40,
+                                           thinking={"type": "enabled", "budget_tokens": 5})
+    tokens = reply.model_extra["mlx_stream"]["tokens"]
+    assert tokens[0] == start_id and end_id in tokens
+    assert tokens.index(end_id) == 1 + 5  # five tokens of reasoning, then the end tag
+    assert reply.content[0].type == "thinking"
