@@ -44,9 +44,9 @@ ANTHROPIC_PATHS = ("/v1/messages",)
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                    404: "not_found_error", 413: "request_too_large", 422: "invalid_request_error",
                    503: "overloaded_error"}
-OLLAMA_PATHS = frozenset(f"/api/{name}" for name in (
-    "chat", "generate", "tags", "show", "ps", "version",  # served
-    "pull", "push", "create", "copy", "delete", "embed", "embeddings"))  # refused in Ollama's shape
+OLLAMA_SERVED = ("chat", "generate", "tags", "show", "ps", "version")
+OLLAMA_REFUSED = ("pull", "push", "create", "copy", "delete", "embed", "embeddings")  # in Ollama's shape
+OLLAMA_PATHS = frozenset(f"/api/{name}" for name in OLLAMA_SERVED + OLLAMA_REFUSED)
 
 
 def _too_large() -> ApiError:

@@ -17,13 +17,11 @@ from ..messages import llm_messages, raw_message
 from ..settings import load_settings
 from . import openai_tools
 from .catalog import Checkpoint, checkpoint, model_ids
-from .http_layer import ApiError
+from .http_layer import OLLAMA_REFUSED, ApiError
 from .ollama_schemas import ChatRequest, GenerateRequest, ShowRequest
 from .ollama_shapes import ChatShape, GenerateShape, stamp
 from .schemas import ChatMessage
 from .turns import answer
-
-REFUSED = ("pull", "push", "create", "copy", "delete", "embed", "embeddings")
 
 
 def chat_messages(messages) -> list[ChatMessage]:
@@ -133,7 +131,7 @@ def router(service) -> APIRouter:
     async def ollama_version() -> dict:
         return {"version": version("llm-mlx-streaming")}
 
-    for name in REFUSED:
+    for name in OLLAMA_REFUSED:
         api.add_api_route(f"/api/{name}", _refusal(name), methods=["POST", "DELETE"] if name == "delete" else ["POST"],
                           include_in_schema=False)
     return api
