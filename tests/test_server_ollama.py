@@ -219,3 +219,14 @@ def test_reasoning_comes_as_thinking(tooled):
                             options={"num_predict": 100}))
     assert "".join(p.thinking or "" for p in parts).strip() == "add them"
     assert "".join(p.response for p in parts).strip() == "It is 5."
+
+
+@pytest.mark.parametrize("status,kind", [(401, "authentication_error"), (404, "not_found_error"),
+                                         (503, "overloaded_error"), (500, "api_error")])
+def test_an_error_has_the_shape_of_the_api_its_path_belongs_to(status, kind):
+    from llm_mlx_streaming.server.http_layer import ApiError
+
+    error = ApiError(status, "no\nway", code="c")
+    assert error.response_body("/v1/messages") == {"type": "error", "error": {"type": kind, "message": "no way"}}
+    assert error.response_body("/api/chat") == {"error": "no way"}
+    assert error.response_body("/api/stats")["error"]["code"] == "c"  # the server's own: OpenAI's
