@@ -13,7 +13,7 @@ import json
 from fastapi import APIRouter, Depends, Request
 
 from ..messages import llm_messages
-from .anthropic_schemas import AnthropicEngineOptions, CountTokensRequest, MessagesRequest
+from .anthropic_schemas import AnthropicEngineOptions, AnthropicError, CountTokensRequest, MessagesRequest
 from .anthropic_shapes import MessageShape
 from .counting import prompt_tokens
 from .http_layer import ApiError, error_for
@@ -76,7 +76,8 @@ def engine_options(body) -> dict:
 
 
 def router(service) -> APIRouter:
-    api = APIRouter(dependencies=[Depends(service.check_api_key)], tags=["Anthropic"])
+    errors = {status: {"model": AnthropicError} for status in (400, 401, 403, 404, 413, 503)}
+    api = APIRouter(dependencies=[Depends(service.check_api_key)], tags=["Anthropic"], responses=errors)
 
     @api.post("/v1/messages", description="Anthropic's Messages API; with stream: true its event stream")
     async def messages(body: MessagesRequest, request: Request):

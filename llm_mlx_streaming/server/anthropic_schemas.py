@@ -170,3 +170,13 @@ class MessagesRequest(_Conversation, AnthropicEngineOptions):
 
 class CountTokensRequest(_Conversation):
     """The conversation alone (output_config and cache_control change no prompt token)."""
+
+
+class ErrorBody(StrictModel):
+    type: str
+    message: str
+
+
+class AnthropicError(StrictModel):
+    type: Literal["error"] = "error"
+    error: ErrorBody

@@ -18,7 +18,7 @@ from ..settings import load_settings
 from . import openai_tools
 from .catalog import Checkpoint, checkpoint, model_ids
 from .http_layer import OLLAMA_REFUSED, ApiError
-from .ollama_schemas import ChatRequest, GenerateRequest, ShowRequest
+from .ollama_schemas import ChatRequest, GenerateRequest, OllamaError, ShowRequest
 from .ollama_shapes import ChatShape, GenerateShape, stamp
 from .schemas import ChatMessage
 from .turns import answer
@@ -61,7 +61,8 @@ def listed(model_id: str) -> dict:
 
 
 def router(service) -> APIRouter:
-    api = APIRouter(dependencies=[Depends(service.check_api_key)], tags=["Ollama"])
+    errors = {status: {"model": OllamaError} for status in (400, 401, 403, 404, 413, 503)}
+    api = APIRouter(dependencies=[Depends(service.check_api_key)], tags=["Ollama"], responses=errors)
 
     async def run(request: Request, body, shape, messages: list, tools=()):
         """Answer llm's `messages` in `shape`; none: load the model, or unload it."""

@@ -183,4 +183,8 @@ class GenerateRequest(_Generation):
 
 class ShowRequest(StrictModel):
     model: str = Field(min_length=1)
-    verbose: Optional[bool] = None
+    verbose: Optional[bool] = Field(None, description="Accepted; the answer is the same (no tensor list)")
+
+
+class OllamaError(StrictModel):
+    error: str
