@@ -15,22 +15,13 @@ from exactness import greedy_tokens, logits_trace, prompt_tokens, vocab_size
 from fixtures.factory import ARCHITECTURES, supported_quants
 from llm_mlx_streaming.engine.loading import load_streaming
 from llm_mlx_streaming.engine.provider import EngineError, ModelProvider
-from llm_mlx_streaming.experts import pool as pool_mod, prefetch, switch
+from llm_mlx_streaming.experts import prefetch, switch
 from llm_mlx_streaming.experts.pool import ExpertPool
 from llm_mlx_streaming.experts.prefetch import check_overlap
+from test_faults import assert_pool_sound, interrupt_at_line
 
 EXPERTS, TOP_K, SLOTS = 16, 4, 6
 MOE_ARCHS = [a for a in ARCHITECTURES if a != "qwen3"]
-TRACED = {Path(pool_mod.__file__).resolve()}
-
-
-def sound(pool: ExpertPool) -> None:
-    """No slot lost, both maps agree, every resident expert's bytes match the disk."""
-    occupied = [s for s, e in enumerate(pool.expert_in) if e >= 0]
-    assert all(pool.slot_of[pool.expert_in[s]] == s for s in occupied)
-    assert sorted(occupied + list(pool._free)) == list(range(pool.slots))
-    assert int((pool.slot_of >= 0).sum()) == len(occupied)
-    assert pool.bad_slots() == 0
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
@@ -103,7 +94,7 @@ def test_a_read_ahead_never_evicts_what_a_running_call_or_the_prediction_needs(b
         assert sum(checked) > 0, "no read ahead had to evict"
         assert sum(p.counters.unplaced for p in loaded.pools) == 0
         for pool in loaded.pools:
-            sound(pool)
+            assert_pool_sound(pool)
     finally:
         loaded.store.close()
 
@@ -127,7 +118,7 @@ def test_a_read_ahead_lands_in_victims_slots_and_counts_its_hits(build):
         other = next(e for e in range(1, SLOTS) if pool.slot_of[e] >= 0)
         pool.ensure([SLOTS, 0, other])
         assert pool.counters.prefetch_hits == 1 and pool.counters.misses == misses
-        sound(pool)
+        assert_pool_sound(pool)
     finally:
         loaded.store.close()
 
@@ -150,9 +141,9 @@ def test_a_read_ahead_that_fails_in_its_thread_frees_its_slots(build, fault):
             pool.settle_prefetch()  # the call that needs them reads them itself
         pool._read = read
         assert pool.slot_of[SLOTS] < 0 and pool.counters.prefetch_loads == 0
-        sound(pool)
+        assert_pool_sound(pool)
         pool.ensure([SLOTS, SLOTS + 1])
-        sound(pool)
+        assert_pool_sound(pool)
     finally:
         loaded.store.close()
 
@@ -167,16 +158,8 @@ def test_an_interrupt_at_any_step_of_a_read_ahead_loses_no_slot(build):
             n += 1
             pool.ensure(np.arange(SLOTS))
             predicted = rng.choice(np.arange(SLOTS, EXPERTS), TOP_K, replace=False)
-            seen = [0]
-
-            def local(frame, event, arg):
-                if event == "line":
-                    seen[0] += 1
-                    if seen[0] == n:
-                        raise KeyboardInterrupt
-                return local
-
-            sys.settrace(lambda f, e, a: local if Path(f.f_code.co_filename).resolve() in TRACED else None)
+            tracer, seen = interrupt_at_line(n)
+            sys.settrace(tracer)
             try:
                 pool.start_prefetch(predicted)
                 pool.settle_prefetch()
@@ -185,7 +168,7 @@ def test_an_interrupt_at_any_step_of_a_read_ahead_loses_no_slot(build):
             finally:
                 sys.settrace(None)
             pool.settle_prefetch()  # what an interrupted start left in flight
-            sound(pool)
+            assert_pool_sound(pool)
             if seen[0] < n:
                 break
         assert interrupted > 10

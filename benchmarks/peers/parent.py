@@ -260,7 +260,7 @@ def _grid(args, path: Path, files: list[Path], cgroup, t_all: float) -> None:
 
     # The read path is judged on reads no read-ahead competes with: I/O-bound, "overlap off".
     io_variant = "overlap off" if cgroup else ""
-    ours = [("ours", ""), ("ours", "overlap off")] + ([("ours", "overlap on")] if cgroup else [])
+    ours = [("ours", ""), ("ours", "overlap off")] + ([("ours", "overlap on"), ("ours", "bypass")] if cgroup else [])
     engines = ours + ([] if args.no_shims else [(p, "") for p in PEERS] + [("bigrig", "slot pool")])
     found: dict = {}
     shipped = {}
