@@ -18,7 +18,7 @@ from llm_mlx_streaming.engine.provider import EngineError, ModelProvider
 from llm_mlx_streaming.experts import prefetch, switch
 from llm_mlx_streaming.experts.pool import ExpertPool
 from llm_mlx_streaming.experts.prefetch import check_overlap
-from test_faults import assert_pool_sound, interrupt_at_line
+from test_faults import assert_pool_sound, interrupt_each_line
 
 EXPERTS, TOP_K, SLOTS = 16, 4, 6
 MOE_ARCHS = [a for a in ARCHITECTURES if a != "qwen3"]
@@ -153,24 +153,19 @@ def test_an_interrupt_at_any_step_of_a_read_ahead_loses_no_slot(build):
     loaded, pool = _full_pool(path)
     try:
         rng = np.random.default_rng(2)
-        n = interrupted = 0
-        while True:
-            n += 1
+
+        def prepare():
             pool.ensure(np.arange(SLOTS))
-            predicted = rng.choice(np.arange(SLOTS, EXPERTS), TOP_K, replace=False)
-            tracer, seen = interrupt_at_line(n)
-            sys.settrace(tracer)
+            return rng.choice(np.arange(SLOTS, EXPERTS), TOP_K, replace=False)
+
+        def step(predicted):
             try:
                 pool.start_prefetch(predicted)
                 pool.settle_prefetch()
-            except KeyboardInterrupt:
-                interrupted += 1
             finally:
-                sys.settrace(None)
-            pool.settle_prefetch()  # what an interrupted start left in flight
-            assert_pool_sound(pool)
-            if seen[0] < n:
-                break
+                pool.settle_prefetch()  # what an interrupted start left in flight
+
+        interrupted = interrupt_each_line(pool, prepare, step)
         assert interrupted > 10
     finally:
         loaded.store.close()
