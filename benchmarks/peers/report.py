@@ -90,7 +90,8 @@ def report(saved: dict) -> list[str]:
     rows = []
     stock = {c: merge(found[("stock", 1.0, c)]) for c in ("cold", "warm")}
     for c, r in stock.items():
-        rows.append({**r, "label": "stock mlx-lm", "resident": "100%"})
+        rows.append({**r, "label": "stock mlx-lm" + (" (no memory limit)" if meta.get("iobound_mb") else ""),
+                     "resident": "100%"})
     reference, ref_name = (stock["warm"].get("tokens"), "stock") if "error" not in stock["warm"] else (None, "stock")
     iobound = meta.get("iobound_mb")
     if reference is None and iobound:  # stock holds the whole model: more than the limit
