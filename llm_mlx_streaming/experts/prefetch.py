@@ -38,22 +38,32 @@ class Overlap:
     def __init__(self, mode: str = "auto"):
         check_overlap(mode)
         self.mode = mode
+        self.disk = None  # auto: whether the last call's misses waited on the device
 
     def split(self, pool, misses, gpu: bool) -> bool:
         """Whether a decode call computes its resident routes while `misses` are read."""
         if self.mode == "off":
             return False
-        return self.mode == "on" or gpu or self._from_disk(pool, misses)
+        if self.mode == "on" or gpu:
+            return True
+        self.disk = self._from_disk(pool, misses)
+        return self.disk
 
     def read_ahead(self, pool, router, x: mx.array, k: int, gpu: bool) -> int:
         """Start reading the `k` experts `router` ranks highest for `x` into `pool`
         (the next MoE layer's), when the mode says so; returns the experts started."""
-        if self.mode == "off" or (self.mode == "auto" and gpu) or router.hidden != x.shape[-1]:
+        if self.mode == "off" or router.hidden != x.shape[-1]:
+            return 0
+        if self.mode == "auto" and (gpu or self.disk is False):  # no prediction where reads are copies
             return 0
         predicted = predict(router, x, min(k, pool.slots))
         missing = predicted[pool.slot_of[predicted] < 0]
-        if not len(missing) or (self.mode == "auto" and not self._from_disk(pool, missing)):
+        if not len(missing):
             return 0
+        if self.mode == "auto":
+            self.disk = self._from_disk(pool, missing)
+            if not self.disk:
+                return 0
         return pool.start_prefetch(predicted)
 
     @staticmethod
