@@ -15,6 +15,7 @@ from pydantic import ConfigDict, Field, create_model, field_validator
 
 from . import values
 from .experts.policies import DEFAULT_POLICY, POLICIES as POLICY_CLASSES
+from .experts.prefetch import OVERLAP_MODES
 from .experts.store import DEFAULT_THREADS, PAGE_CACHE_MODES
 
 BUNDLED_NAME = "tiny-moe"
@@ -127,6 +128,13 @@ KNOBS: tuple[Knob, ...] = (
         name="page_cache", type=Literal[PAGE_CACHE_MODES], default="keep",
         description="keep: expert reads go through the OS page cache (a free second tier); "
         "bypass: keep them out of it (macOS F_NOCACHE, Linux fadvise DONTNEED).",
+    ),
+    _setting_only(
+        name="overlap", type=Literal[OVERLAP_MODES], default="auto",
+        description="on: a decode step computes its resident experts while its misses are read, and "
+        "reads ahead the experts the next layer is predicted to need; off: read first, then compute; "
+        "auto: on where the reads wait on the disk (pages not in the page cache), off where the page "
+        "cache serves them (on a GPU: overlap, no read-ahead).",
     ),
     _setting_only(
         name="trace", type=bool, default=False, check=values.parse_switch,

@@ -92,6 +92,7 @@ def resolve(name: Optional[str], options, settings: Settings) -> RunConfig:
         load=LoadSpec(
             path=path, expert_slots=slots, policy=options.policy or settings.policy or DEFAULT_POLICY,
             threads=settings.threads, page_cache=settings.page_cache, packed=settings.packed != "off",
+            overlap=settings.overlap,
         ),
         slots_source=source,
         budget=budget,

@@ -66,6 +66,8 @@ def read_figures(counts: dict) -> dict:
         "calls_no_load": counts["calls_no_load"],
         "calls_loaded": counts["calls_loaded"],
         "overlapped": counts["overlapped"],
+        "prefetch_loads": counts["prefetch_loads"],
+        "prefetch_hits": counts["prefetch_hits"],
     }
 
 
@@ -91,6 +93,7 @@ def response_figures(provider, before: PoolCounters, last, prompt: int, reused: 
         "store": store_in_use(provider.loaded),
         "threads": provider.threads,
         "page_cache": provider.page_cache,
+        "overlap": provider.overlap,
         "checkpoint": str(provider.checkpoint),
         "finish_reason": last.finish_reason if last else None,
     }
@@ -124,6 +127,7 @@ def engine_figures(manager) -> dict:
         "policy": manager.policy,
         "threads": manager.threads,
         "page_cache": manager.page_cache,
+        "overlap": manager.overlap,
         "store": store_in_use(manager.loaded),
         "max_tokens": manager.max_tokens,
         "peak_rss_bytes": peak_rss_bytes(),

@@ -26,6 +26,7 @@ class LoadSpec:
     policy: str = DEFAULT_POLICY
     threads: Optional[int] = None
     page_cache: Optional[str] = None
+    overlap: Optional[str] = None  # "auto" | "on" | "off" (experts/prefetch.py)
     packed: Optional[bool] = None
 
 
