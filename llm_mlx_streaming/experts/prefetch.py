@@ -21,7 +21,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-OVERLAP_MODES = ("auto", "on", "off")
+from ..values import OVERLAP_MODES
+
 FROM_DISK = 0.5  # a read counts as waiting on the device from this share of pages uncached
 SAMPLED = 2  # experts whose pages are looked up per decision
 
