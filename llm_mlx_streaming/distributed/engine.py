@@ -1,0 +1,250 @@
+"""One engine across ranks, driven from rank 0.
+
+Rank 0 is the engine the plugin and the server use (`PipelineEngine`: the same queue,
+lock, `Generation` and cancellation); before it loads, and as its generation starts,
+it broadcasts what it does, and the other ranks (`follow`) do the same on their own
+layers. Every message is a collective of mlx.distributed. A rank that fails leaves the
+group (its process ends), which fails the collective rank 0 waits in at once, so the
+request ends with one line naming the rank; a following rank that hears nothing from
+rank 0 for `STEP_TIMEOUT` in the middle of a generation leaves too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from ..engine.generation import Cancelled
+from ..engine.kv import KVSpec
+from ..engine.manager import EngineManager
+from ..engine.provider import EngineError, LoadError, ModelProvider
+from ..engine.request import LoadSpec, Request
+from ..engine.respond import Carried, respond
+from ..errors import one_line
+from .figures import rank_figures, totals
+from .group import Group, RankLost
+from .lockstep import Aborted, Follow, Lead, WaitClock, following_sampler, leading_sampler
+from .split import balanced_split, content_fingerprint, layer_range, layer_weights, pipeline_hook
+
+STEP_TIMEOUT = 300.0  # seconds a following rank waits for rank 0 within a generation
+
+
+class _Rank:
+    """What every rank keeps beside its provider: the split, its wait clock, its counters."""
+
+    def __init__(self, group: Group, provider: ModelProvider) -> None:
+        self.group, self.provider = group, provider
+        self.clock, self.split, self.before = WaitClock(), None, None
+
+    def load(self, message: dict) -> None:
+        """Load rank's layers of the checkpoint `message` names, after every rank showed
+        the same checkpoint; a rank that differs or fails is named in one line."""
+        path = Path(message["path"])
+        try:
+            mine = [content_fingerprint(path), None]
+        except OSError as e:
+            mine = [None, one_line(e)]
+        seen = self.group.gather(mine)
+        problem = _first_problem(self.group, seen)
+        if problem is None:
+            self.split = message["split"]
+            self.provider.prepare = pipeline_hook(self.group.group, self.split)
+            fresh = self.provider.loaded is None or self.provider.checkpoint != path.resolve()
+            try:
+                self.provider.load(path, **message["pools"])
+                if fresh:
+                    self.clock.attach(self.provider.loaded.model)
+            except Exception as e:
+                problem = f"{self.group.where(self.group.rank)}: {one_line(e)}"
+        problems = [p for p in self.group.gather(problem) if p]
+        if problems:
+            raise LoadError(problems[0])
+
+    def begin(self) -> None:
+        self.before, self.clock.seconds = self.provider.counters(), 0.0
+
+    def figures(self) -> list[dict]:
+        mine = rank_figures(self.group.rank, self.group.host, self.provider, self.before,
+                            self.clock.seconds, layer_range(self.split, self.group.rank))
+        return self.group.gather(mine)
+
+
+def _first_problem(group: Group, seen: list) -> str | None:
+    for rank, (print_, error) in enumerate(seen):
+        if error:
+            return f"{group.where(rank)}: {error}"
+    for rank, (print_, _) in enumerate(seen):
+        if print_ != seen[0][0]:
+            return (f"the checkpoint on {group.where(rank)} differs from rank 0's "
+                    f"(fingerprint {print_} against {seen[0][0]})")
+    return None
+
+
+class PipelineEngine(EngineManager):
+    """Rank 0's engine: an EngineManager whose loads and generations every rank runs."""
+
+    def __init__(self, group: Group, budgets: list[float] | None = None) -> None:
+        super().__init__()
+        self.group, self.budgets = group, budgets or [1.0] * group.size
+        self.rank = _Rank(group, self)
+        self.broken: str | None = None
+        self._lead: Lead | None = None
+        self._request: dict | None = None
+
+    def load_spec(self, spec: LoadSpec) -> None:
+        self._usable()
+        if isinstance(spec.expert_slots, (list, tuple)):
+            raise LoadError("a per-layer slot list is not split across ranks yet: give one count")
+        split = balanced_split(layer_weights(spec.path), self.budgets)
+        pools = {"expert_slots": spec.expert_slots, "policy": spec.policy, "threads": spec.threads,
+                 "page_cache": spec.page_cache, "packed": spec.packed}
+        message = {"op": "load", "path": str(Path(spec.path).expanduser().resolve()),
+                   "split": split, "pools": pools}
+        self._say(message)
+        self._guard(lambda: self.rank.load(message))
+
+    def _serve(self, load, request: Request, out) -> None:
+        self._usable()
+        if request.k != 0:
+            raise EngineError("speculation does not run across ranks yet: leave k at 0")
+        max_tokens = self.max_tokens if request.max_tokens is None else request.max_tokens
+        self._request = {"op": "generate", "prompt": [int(t) for t in request.prompt],
+                         "max_tokens": max_tokens, "max_context": request.max_context,
+                         "kv": [request.kv.bits, request.kv.group_size, request.kv.start],
+                         "prefill_step": request.prefill_step}
+        request = replace(request, conversation_cache=None, max_tokens=max_tokens,
+                          sampler=leading_sampler(self.group, request.make_sampler()))
+        try:
+            self._guard(lambda: super(PipelineEngine, self)._serve(load, request, _Figured(out, self)))
+        except BaseException as e:
+            if self._lead is not None and self._lead.stepping and self.broken is None:
+                self.broken = f"{self.group.where(0)} failed within a step ({one_line(e)})"
+                self._lead = None
+            self._end(aborting=True)
+            raise
+
+    def steps(self, responses):
+        """Tells the other ranks the request as its first forward is about to run."""
+        self._say(self._request)
+        self.rank.begin()
+        self._lead = Lead(self.group, responses)
+        return self._lead.steps
+
+    def _end(self, aborting: bool) -> None:
+        lead, self._lead = self._lead, None
+        if lead is not None:
+            self._guard(lambda: lead.end(aborting))
+
+    def shutdown(self) -> None:
+        """Send every other rank home (they return from `follow`)."""
+        with self._lock:
+            if self.broken is None:
+                self._say({"op": "stop"})
+                self.broken = "the pipeline was shut down"
+
+    def _say(self, message: dict) -> None:
+        self._guard(lambda: self.group.broadcast(message))
+
+    def _guard(self, action):
+        try:
+            return action()
+        except RankLost as e:
+            self.broken = str(e)
+        except RuntimeError as e:  # a collective inside a forward
+            if not str(e).startswith(("[ring]", "[mpi]")):
+                raise
+            self.broken = str(self.group.lost(e))
+        raise EngineError(f"{self.broken}; restart the ranks") from None
+
+    def _usable(self) -> None:
+        if self.broken is not None:
+            raise EngineError(f"{self.broken}; restart the ranks")
+
+
+class _Figured:
+    """The generation's channel on rank 0: before "done", the other ranks' word ends, and
+    the read figures become every rank's total, each rank's own under `ranks`."""
+
+    def __init__(self, out, engine: PipelineEngine) -> None:
+        self.out, self.engine = out, engine
+
+    def check_cancelled(self) -> None:
+        self.out.check_cancelled()
+
+    def put(self, kind: str, value) -> None:
+        if kind == "done":
+            self.engine._end(aborting=False)
+            ranks = self.engine._guard(self.engine.rank.figures)
+            value = {**value, **totals(ranks), "ranks": ranks}
+        self.out.put(kind, value)
+
+
+class _Quiet:
+    """A following rank's channel: its responses go nowhere, it is never cancelled."""
+
+    def check_cancelled(self) -> None:
+        pass
+
+    def put(self, kind: str, value) -> None:
+        pass
+
+
+def follow(group: Group) -> None:
+    """A following rank: load and generate as rank 0 says, until it says stop or is gone.
+
+    A failure of this rank ends its process with one line on stderr, so no other rank
+    waits on it.
+    """
+    provider = ModelProvider()
+    rank, follower, carried = _Rank(group, provider), Follow(group), Carried()
+    provider.steps = follower.steps
+    _watch(group, follower)
+    while True:
+        try:
+            message = group.broadcast()
+        except RankLost:
+            return  # rank 0 is gone
+        try:
+            if message["op"] == "stop":
+                return
+            if message["op"] == "load":
+                try:
+                    rank.load(message)
+                except LoadError:
+                    pass  # rank 0 reports it
+                continue
+            rank.begin()
+            bits, group_size, start = message["kv"]
+            request = Request(message["prompt"], max_tokens=message["max_tokens"],
+                              max_context=message["max_context"], sampler=following_sampler(group),
+                              kv=KVSpec(bits, group_size, start), prefill_step=message["prefill_step"])
+            try:
+                respond(provider, request, _Quiet(), carried, message["max_tokens"])
+            except (Aborted, Cancelled):
+                continue
+            rank.figures()
+        except RankLost:
+            return
+        except BaseException as e:
+            _leave(group, one_line(e))
+
+
+def _watch(group: Group, follower: Follow) -> None:
+    """Leave when rank 0 has said nothing for STEP_TIMEOUT within a generation."""
+
+    def loop() -> None:
+        while True:
+            time.sleep(1.0)
+            if follower.busy and time.monotonic() - follower.last > STEP_TIMEOUT:
+                _leave(group, f"no word from rank 0 for {STEP_TIMEOUT:.0f} s within a generation")
+
+    threading.Thread(target=loop, name="mlx-stream-rank-watch", daemon=True).start()
+
+
+def _leave(group: Group, line: str) -> None:
+    print(f"mlx-stream: {group.where(group.rank)}: {line}", file=sys.stderr, flush=True)
+    os._exit(1)

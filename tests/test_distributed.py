@@ -1,0 +1,109 @@
+"""A pipeline of streamed ranks (llm_mlx_streaming/distributed/): two and three local
+ranks started by mlx.launch give exactly the single process's greedy tokens, each rank
+holding only its own layers; a lost rank and a differing checkpoint are one line."""
+
+import json
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlx.utils import tree_flatten
+
+from exactness import generate, prompt_tokens, vocab_size
+from llm_mlx_streaming.engine.manager import EngineManager
+
+HERE = Path(__file__).parent
+PROMPTS = 2  # a first turn, then one that extends it (the KV cache reused on every rank)
+
+
+def _free_ports(n: int) -> int:
+    """A base port with n free ports after it on 127.0.0.1."""
+    for _ in range(50):
+        base = random.randrange(20000, 60000)
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free ports")
+
+
+def launch(tmp_path, ranks: int, job: dict) -> list[dict]:
+    """Run tests/dist_ranks.py on `ranks` local ranks; rank 0's results."""
+    out = tmp_path / f"out-{ranks}.json"
+    job = {**job, "out": str(out)}
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    command = [str(launcher), "--backend", "ring", "--hosts", "127.0.0.1", "-n", str(ranks),
+               "--starting-port", str(_free_ports(ranks)), sys.executable,
+               str(HERE / "dist_ranks.py"), json.dumps(job)]
+    done = subprocess.run(command, cwd=HERE.parent, capture_output=True, text=True, timeout=240)
+    assert out.exists(), done.stdout[-2000:] + done.stderr[-2000:]
+    return json.loads(out.read_text())
+
+
+def prompts(path) -> list[list[int]]:
+    first = prompt_tokens(vocab_size(path), n=12)
+    return [first, first + prompt_tokens(vocab_size(path), n=5, seed=1)]
+
+
+def single(path, slots, max_tokens: int) -> tuple[list, dict]:
+    """The single process's tokens (the second prompt extends the first) and its
+    parameter bytes per decoder layer and outside them."""
+    engine = EngineManager()
+    engine.load(path, expert_slots=slots)
+    runs = [[r.token for r in generate(engine, p, max_tokens=max_tokens)] for p in prompts(path)]
+    inner = engine.loaded.model.model
+    per_layer = [sum(v.nbytes for _, v in tree_flatten(layer.parameters())) for layer in inner.layers]
+    total = sum(v.nbytes for _, v in tree_flatten(engine.loaded.model.parameters()))
+    engine.unload()
+    return runs, {"layers": per_layer, "shared": total - sum(per_layer)}
+
+
+CASES = [("qwen3_moe", 2, {}), ("qwen3_moe", 3, {}), ("deepseek_v3", 2, {}),
+         ("qwen3_next", 2, {})]
+
+
+@pytest.mark.parametrize("arch,ranks,extra", CASES, ids=[f"{a}-{n}" for a, n, _ in CASES])
+def test_ranks_give_the_single_process_tokens(build, tmp_path, arch, ranks, extra):
+    path = build(arch, num_layers=4, num_experts=8, top_k=2, **extra)
+    results = launch(tmp_path, ranks, {"checkpoint": str(path), "slots": [None, 2],
+                                       "prompts": prompts(path), "max_tokens": 6})
+    assert all("error" not in r for r in results), results
+    for i, slots in enumerate([None, 2]):
+        expected, sizes = single(path, slots, 6)
+        got = results[i * PROMPTS:(i + 1) * PROMPTS]
+        assert [r["tokens"] for r in got] == expected
+        figures = got[1]["stats"]
+        assert figures["reused_tokens"] == len(prompts(path)[0])
+        assert [r["rank"] for r in figures["ranks"]] == list(range(ranks))
+        assert figures["misses"] == sum(r["misses"] for r in figures["ranks"])
+        for r in figures["ranks"]:  # each rank holds its own layers' weights and pools only
+            start, end = r["layers"]
+            assert r["param_bytes"] == sizes["shared"] + sum(sizes["layers"][start:end])
+            assert r["expert_slots"] == (slots or 8)
+        assert sorted(tuple(r["layers"]) for r in figures["ranks"])[0][0] == 0
+        assert max(r["layers"][1] for r in figures["ranks"]) == 4
+
+
+def test_a_rank_lost_mid_generation_ends_the_request_in_one_line(build, tmp_path):
+    path = build("qwen3_moe", num_layers=4, num_experts=8, top_k=2)
+    results = launch(tmp_path, 2, {"checkpoint": str(path), "slots": [2], "prompts": prompts(path),
+                                   "max_tokens": 6, "die_rank": 1, "die_at": 3})
+    first, second = results
+    assert "rank 1 on " in first["error"] and "\n" not in first["error"]
+    assert "restart the ranks" in second["error"]
+
+
+def test_a_rank_with_another_checkpoint_is_refused_at_load(build, tmp_path):
+    path = build("qwen3_moe", num_layers=4, num_experts=8, top_k=2)
+    other = build("qwen3_moe", num_layers=4, num_experts=8, top_k=2, seed=1)
+    results = launch(tmp_path, 2, {"checkpoint": str(path), "slots": [2], "prompts": [],
+                                   "max_tokens": 2, "other_checkpoint": str(other)})
+    (only,) = results
+    assert only["error"].startswith("the checkpoint on rank 1 on ")
+    assert "differs from rank 0's" in only["error"] and "\n" not in only["error"]
