@@ -4,6 +4,7 @@ argv[1] is a JSON job: the checkpoint, the pool sizes, the prompts, and where to
 Rank 0 runs the prompts at each pool size on a PipelineEngine and writes the tokens,
 figures and errors to `out`; the other ranks follow it. `die_at` makes rank `die_rank`
 end its process at its `die_at`-th decode token (a rank lost mid-generation);
+`cancel_after` closes a first generation after that many tokens;
 `other_checkpoint` makes rank 1 fingerprint another checkpoint than the one named.
 mlx.launch ends every rank once one fails: rank 0 ignores that, to write its results.
 """
@@ -12,9 +13,11 @@ import json
 import os
 import signal
 import sys
+import threading
 
 from llm_mlx_streaming.distributed.engine import PipelineEngine, follow
 from llm_mlx_streaming.distributed.group import init
+from llm_mlx_streaming.engine.generation import Cancelled
 from llm_mlx_streaming.engine.request import LoadSpec, Request
 
 
@@ -36,6 +39,8 @@ def main(job: dict) -> None:
         except Exception as e:
             results.append({"error": str(e)})
             continue
+        if job.get("cancel_after"):
+            _cancelled(engine, job["prompts"][0], job["cancel_after"], job["max_tokens"])
         for prompt in job["prompts"]:
             try:
                 generation = engine.run(None, Request(prompt, max_tokens=job["max_tokens"]))
@@ -46,6 +51,26 @@ def main(job: dict) -> None:
     with open(job["out"], "w") as fh:
         json.dump(results, fh)
     engine.shutdown()
+
+
+def _cancelled(engine, prompt, after: int, max_tokens: int) -> None:
+    """A generation cancelled from inside its `after`-th step, so the cancel lands
+    mid-generation whatever the timing."""
+    handle, ready, calls = {}, threading.Event(), []
+
+    def processor(tokens, logits):
+        calls.append(1)
+        if len(calls) == after:
+            ready.wait(30)
+            handle["g"].cancel()
+        return logits
+
+    handle["g"] = engine.run(None, Request(prompt, max_tokens=max_tokens, logits_processors=[processor]))
+    ready.set()
+    try:
+        list(handle["g"])
+    except Cancelled:
+        pass
 
 
 def _fingerprint_of(other: str) -> None:
