@@ -109,3 +109,29 @@ def test_a_rank_with_another_checkpoint_is_refused_at_load(build, tmp_path):
     (only,) = results
     assert only["error"].startswith("the checkpoint on rank 1 on ")
     assert "differs from rank 0's" in only["error"] and "\n" not in only["error"]
+
+
+def test_the_split_balances_expert_bytes_and_budgets():
+    from llm_mlx_streaming.distributed.split import balanced_split, layer_range
+
+    assert balanced_split([1] * 8, [1, 1]) == [4, 4]
+    assert balanced_split([1, 10, 10, 10, 1, 1], [1, 1]) == [3, 3]  # bytes, not counts
+    assert balanced_split([1] * 8, [3, 1]) == [6, 2]  # rank 0 has three times the memory
+    assert layer_range([6, 2], 0) == (2, 8) and layer_range([6, 2], 1) == (0, 2)
+    with pytest.raises(ValueError):
+        balanced_split([1, 1], [1, 1, 1])
+
+
+def test_a_plan_per_rank_spends_each_budget_on_its_own_layers(build):
+    from llm_mlx_streaming.distributed.plan import plan_ranks
+    from llm_mlx_streaming.engine.planner import plan_memory
+
+    path = build("qwen3_moe", num_layers=4, num_experts=8, top_k=2)
+    budget = 300 * 2**20
+    one = plan_memory(path, budget, max_context=256)
+    ranks = plan_ranks(path, [budget, budget], max_context=256)
+    assert [r.layers for r in ranks] == [(2, 4), (0, 2)]
+    assert all(r.plan.num_moe_layers == 2 for r in ranks)
+    assert sum(r.plan.dense_bytes for r in ranks) > one.dense_bytes  # embeddings on each
+    assert all(r.plan.dense_bytes < one.dense_bytes for r in ranks)
+    assert all(r.expected_hit_rate == 1.0 for r in ranks)  # tiny: every expert fits
