@@ -135,3 +135,46 @@ def test_a_plan_per_rank_spends_each_budget_on_its_own_layers(build):
     assert sum(r.plan.dense_bytes for r in ranks) > one.dense_bytes  # embeddings on each
     assert all(r.plan.dense_bytes < one.dense_bytes for r in ranks)
     assert all(r.expected_hit_rate == 1.0 for r in ranks)  # tiny: every expert fits
+
+
+def test_llm_routes_to_a_pipeline_server_and_gets_the_single_process_text(llm_env, tmp_path):
+    """`llm mlxs serve --hosts` on two local ranks: `llm -m` on the same host routes to it
+    and prints what one process prints; /api/stats (`llm mlxs stats --live`) has each
+    rank; Ctrl-C on rank 0 ends every rank."""
+    import os
+    import signal
+    import time
+
+    from llm_mlx_streaming.client import discovery
+
+    env = {**os.environ, "LLM_USER_PATH": str(llm_env.user_dir)}
+    llm = [str(Path(sys.executable).with_name("llm"))]
+    args = ["hello there", "-o", "max_tokens", "6", "-o", "temperature", "0"]
+    alone = subprocess.run(llm + ["-m", "mlx-stream/small", *args, "-o", "no_server", "1"], env=env,
+                           capture_output=True, text=True, timeout=120)
+    server = subprocess.Popen(llm + ["mlxs", "serve", "--hosts", "127.0.0.1,127.0.0.1", "--port", "0",
+                                     "--ring-port", str(_free_ports(2)), "-m", "mlx-stream/small"],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        info = None
+        for _ in range(600):  # at most 60 s for both ranks to start and rank 0 to listen
+            info = discovery.read()
+            if info is not None or server.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert info is not None, server.stderr.read() if server.poll() is not None else "no server"
+        routed = subprocess.run(llm + ["-m", "mlx-stream/small", *args], env=env, capture_output=True,
+                                text=True, timeout=120)
+        assert routed.returncode == 0, routed.stderr
+        assert routed.stdout == alone.stdout and alone.stdout.strip()
+        live = subprocess.run(llm + ["mlxs", "stats", "--live", "--json"], env=env, capture_output=True,
+                              text=True, timeout=60)
+        stats = json.loads(live.stdout)
+        assert [r["rank"] for r in stats["ranks"]] == [0, 1]
+        assert stats["ranks"][0]["layers"] == [1, 2] and stats["ranks"][1]["layers"] == [0, 1]
+        os.kill(info.pid, signal.SIGINT)
+        assert server.wait(timeout=60) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(timeout=30)

@@ -25,7 +25,7 @@ from ..engine.provider import EngineError, LoadError, ModelProvider
 from ..engine.request import LoadSpec, Request
 from ..engine.respond import Carried, respond
 from ..errors import one_line
-from .figures import rank_figures, totals
+from .figures import accumulate, rank_figures, totals
 from .group import Group, RankLost
 from .lockstep import Aborted, Follow, Lead, WaitClock, following_sampler, leading_sampler
 from .split import balanced_split, content_fingerprint, layer_range, layer_weights, pipeline_hook
@@ -92,6 +92,7 @@ class PipelineEngine(EngineManager):
         self.group, self.budgets = group, budgets or [1.0] * group.size
         self.rank = _Rank(group, self)
         self.broken: str | None = None
+        self.rank_totals: list[dict] = []  # each rank's counters over the generations served
         self._lead: Lead | None = None
         self._request: dict | None = None
 
@@ -139,6 +140,10 @@ class PipelineEngine(EngineManager):
         if lead is not None:
             self._guard(lambda: lead.end(aborting))
 
+    def metrics(self) -> dict:
+        """The engine's figures (rank 0's own) and `ranks`: each rank's since the start."""
+        return {**super().metrics(), "ranks": self.rank_totals, "pipeline_error": self.broken}
+
     def shutdown(self) -> None:
         """Send every other rank home (they return from `follow`)."""
         with self._lock:
@@ -179,6 +184,7 @@ class _Figured:
         if kind == "done":
             self.engine._end(aborting=False)
             ranks = self.engine._guard(self.engine.rank.figures)
+            self.engine.rank_totals = accumulate(self.engine.rank_totals, ranks)
             value = {**value, **totals(ranks), "ranks": ranks}
         self.out.put(kind, value)
 

@@ -41,3 +41,20 @@ def totals(ranks: list[dict]) -> dict:
         counts["bytes_read"] += r["bytes_read"]
         counts["read_seconds"] += r["read_seconds"]
     return fig.read_figures(counts)
+
+
+_SUMMED = ("hits", "misses", "evictions", "bytes_read", "read_seconds", "reads", "wait_seconds")
+
+
+def accumulate(running: list[dict] | None, ranks: list[dict]) -> list[dict]:
+    """Each rank's counters summed over generations (for /api/stats), with its latest
+    layers, slots and parameter bytes."""
+    out = []
+    for i, r in enumerate(ranks):
+        before = running[i] if running and len(running) == len(ranks) else {}
+        entry = {k: r[k] for k in ("rank", "host", "layers", "expert_slots", "param_bytes")}
+        entry.update({k: before.get(k, 0) + r[k] for k in _SUMMED})
+        lookups = entry["hits"] + entry["misses"]
+        entry["hit_rate"] = round(entry["hits"] / lookups, 4) if lookups else None
+        out.append(entry)
+    return out
