@@ -1,11 +1,11 @@
 """One rank of a local pipeline, started by tests/test_distributed.py through mlx.launch.
 
-argv[1] is a JSON job: the checkpoint, the pool sizes, the prompts, and where to write.
-Rank 0 runs the prompts at each pool size on a PipelineEngine and writes the tokens,
-figures and errors to `out`; the other ranks follow it. `die_at` makes rank `die_rank`
-end its process at its `die_at`-th decode token (a rank lost mid-generation);
-`cancel_after` closes a first generation after that many tokens;
-`other_checkpoint` makes rank 1 fingerprint another checkpoint than the one named.
+argv[1] is a JSON job: `runs` (each a checkpoint, a pool size, request fields, and
+`cancel_after`: first a generation its caller cancels after that many tokens), the
+prompts, and where rank 0 writes its results: per run, the tokens and figures of each
+prompt, or the one-line error. The other ranks follow rank 0. `die_at` makes rank
+`die_rank` end its process at its `die_at`-th decode token (a rank lost mid-generation);
+`differs` names a checkpoint whose fingerprint rank 1 takes from another (`as`).
 mlx.launch ends every rank once one fails: rank 0 ignores that, to write its results.
 """
 
@@ -18,6 +18,7 @@ import threading
 from llm_mlx_streaming.distributed.engine import PipelineEngine, follow
 from llm_mlx_streaming.distributed.group import init
 from llm_mlx_streaming.engine.generation import Cancelled
+from llm_mlx_streaming.engine.kv import KVSpec
 from llm_mlx_streaming.engine.request import LoadSpec, Request
 
 
@@ -25,35 +26,40 @@ def main(job: dict) -> None:
     group = init("ring")
     if group.rank == job.get("die_rank"):
         _die_at(job["die_at"])
-    if group.rank == 1 and job.get("other_checkpoint"):
-        _fingerprint_of(job["other_checkpoint"])
+    if group.rank == 1 and job.get("differs"):
+        _fingerprint_of(**job["differs"])
     if group.rank != 0:
         follow(group)
         return
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     engine = PipelineEngine(group)
-    results = []
-    for slots in job["slots"]:
-        try:
-            list(engine.queue_load(LoadSpec(job["checkpoint"], expert_slots=slots)))
-        except Exception as e:
-            results.append({"error": str(e)})
-            continue
-        if job.get("cancel_after"):
-            _cancelled(engine, job["prompts"][0], job["cancel_after"], job["max_tokens"])
-        for prompt in job["prompts"]:
-            try:
-                generation = engine.run(None, Request(prompt, max_tokens=job["max_tokens"]))
-                tokens = [r.token for r in generation]
-                results.append({"tokens": tokens, "stats": generation.stats})
-            except Exception as e:
-                results.append({"error": str(e)})
+    results = [_run(engine, run, job) for run in job["runs"]]
     with open(job["out"], "w") as fh:
         json.dump(results, fh)
     engine.shutdown()
 
 
-def _cancelled(engine, prompt, after: int, max_tokens: int) -> None:
+def _run(engine, run: dict, job: dict) -> list[dict] | dict:
+    try:
+        list(engine.queue_load(LoadSpec(run["checkpoint"], expert_slots=run.get("slots"))))
+    except Exception as e:
+        return {"error": str(e)}
+    fields = {"max_tokens": job["max_tokens"], "k": run.get("k", 0)}
+    if run.get("kv_bits"):
+        fields["kv"] = KVSpec(run["kv_bits"], 32)
+    if run.get("cancel_after"):
+        _cancelled(engine, run["prompts"][0], run["cancel_after"], fields)
+    out = []
+    for prompt in run["prompts"]:
+        try:
+            generation = engine.run(None, Request(prompt, **fields))
+            out.append({"tokens": [r.token for r in generation], "stats": generation.stats})
+        except Exception as e:
+            out.append({"error": str(e)})
+    return out
+
+
+def _cancelled(engine, prompt, after: int, fields: dict) -> None:
     """A generation cancelled from inside its `after`-th step, so the cancel lands
     mid-generation whatever the timing."""
     handle, ready, calls = {}, threading.Event(), []
@@ -65,7 +71,7 @@ def _cancelled(engine, prompt, after: int, max_tokens: int) -> None:
             handle["g"].cancel()
         return logits
 
-    handle["g"] = engine.run(None, Request(prompt, max_tokens=max_tokens, logits_processors=[processor]))
+    handle["g"] = engine.run(None, Request(prompt, logits_processors=[processor], **fields))
     ready.set()
     try:
         list(handle["g"])
@@ -73,10 +79,13 @@ def _cancelled(engine, prompt, after: int, max_tokens: int) -> None:
         pass
 
 
-def _fingerprint_of(other: str) -> None:
+def _fingerprint_of(path: str, as_: str) -> None:
     from llm_mlx_streaming.distributed import engine, split
 
-    engine.content_fingerprint = lambda path: split.content_fingerprint(other)
+    def fingerprint(given):
+        return split.content_fingerprint(as_ if str(given) == path else given)
+
+    engine.content_fingerprint = fingerprint
 
 
 def _die_at(n: int) -> None:
