@@ -73,7 +73,7 @@ def pipeline(job: dict, ranks: int, out: Path):
 def row(label: str, stats: dict, generated: int) -> str:
     return (f"{label:<22} {stats['decode_tps']:>8.2f} {stats['hit_rate']:>8.3f} "
             f"{stats['bytes_read'] / 1e6 / generated if 'bytes_read' in stats else stats['mb_read'] / generated:>10.3f} "
-            f"{stats.get('wait_seconds', 0.0):>9.3f}")
+            + (f"{stats['wait_seconds']:>9.3f}" if "wait_seconds" in stats else f"{'-':>9}"))
 
 
 def main() -> None:

@@ -95,6 +95,7 @@ class PipelineEngine(EngineManager):
         self.rank_totals: list[dict] = []  # each rank's counters over the generations served
         self._lead: Lead | None = None
         self._request: dict | None = None
+        self._cache_off = False  # the request asked for the conversation cache
 
     def load_spec(self, spec: LoadSpec) -> None:
         self._usable()
@@ -117,6 +118,7 @@ class PipelineEngine(EngineManager):
                          "max_tokens": max_tokens, "max_context": request.max_context,
                          "kv": [request.kv.bits, request.kv.group_size, request.kv.start],
                          "prefill_step": request.prefill_step}
+        self._cache_off = request.conversation_cache is not None
         request = replace(request, conversation_cache=None, max_tokens=max_tokens,
                           sampler=leading_sampler(self.group, request.make_sampler()))
         try:
@@ -186,6 +188,8 @@ class _Figured:
             ranks = self.engine._guard(self.engine.rank.figures)
             self.engine.rank_totals = accumulate(self.engine.rank_totals, ranks)
             value = {**value, **totals(ranks), "ranks": ranks}
+            if self.engine._cache_off:
+                value["disk_cache_off"] = "the conversation cache does not run across ranks yet"
         self.out.put(kind, value)
 
 
