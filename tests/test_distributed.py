@@ -83,17 +83,20 @@ def check_exact(run: dict, got: list[dict], ranks: int) -> None:
     for r in figures["ranks"]:
         start, end = r["layers"]
         assert r["param_bytes"] == sizes["shared"] + sum(sizes["layers"][start:end])
-        assert r["expert_slots"] == (run["slots"] or 8)
+        own = run["slots"][start:end] if isinstance(run["slots"], list) else [run["slots"] or 8]
+        assert r["expert_slots"] == (own[0] if len(set(own)) == 1 else own)
     assert sorted(r["layers"][0] for r in figures["ranks"])[0] == 0
     assert max(r["layers"][1] for r in figures["ranks"]) == 4
 
 
 def test_two_ranks_give_the_single_process_tokens(build, tmp_path):
-    """qwen3_moe, deepseek_v3 and qwen3_next at full pools and 2 slots, a quantized KV
-    cache; speculation refused in one line; a rank whose checkpoint differs refused."""
+    """qwen3_moe, deepseek_v3 and qwen3_next at full pools and 2 slots, a slot count per
+    layer, a quantized KV cache; speculation refused in one line; a rank whose
+    checkpoint differs refused."""
     paths = {arch: str(build(arch, num_layers=4, num_experts=8, top_k=2)) for arch in ARCHS}
     other = str(build("qwen3_moe", num_layers=4, num_experts=8, top_k=2, seed=1))
     runs = [{"checkpoint": paths[a], "slots": s, "prompts": prompts(paths[a])} for a in ARCHS for s in (None, 2)]
+    runs.append({**runs[0], "slots": [2, 3, 4, 5]})  # a one-machine plan: each rank its layers' part
     kv_path = str(build("qwen3_moe", num_layers=4, num_experts=8, top_k=2, head_dim=32))
     runs.append({"checkpoint": kv_path, "slots": 2, "prompts": prompts(kv_path), "kv_bits": 8})
     refused = {"checkpoint": other, "slots": 2, "prompts": []}

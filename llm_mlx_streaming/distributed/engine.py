@@ -28,7 +28,8 @@ from ..errors import one_line
 from .figures import accumulate, rank_figures, totals
 from .group import Group, RankLost
 from .lockstep import Aborted, Follow, Lead, WaitClock, following_sampler, leading_sampler
-from .split import balanced_split, content_fingerprint, layer_range, layer_weights, pipeline_hook
+from .split import (balanced_split, content_fingerprint, layer_range, layer_weights, own_slots,
+                    pipeline_hook)
 
 STEP_TIMEOUT = 300.0  # seconds a following rank waits for rank 0 within a generation
 
@@ -55,7 +56,9 @@ class _Rank:
             self.provider.prepare = pipeline_hook(self.group.group, self.split)
             fresh = self.provider.loaded is None or self.provider.checkpoint != path.resolve()
             try:
-                self.provider.load(path, **message["pools"])
+                pools = {**message["pools"], "expert_slots": own_slots(
+                    path, message["pools"]["expert_slots"], self.split, self.group.rank)}
+                self.provider.load(path, **pools)
                 if fresh:
                     self.clock.attach(self.provider.loaded.model)
             except Exception as e:
@@ -99,10 +102,9 @@ class PipelineEngine(EngineManager):
 
     def load_spec(self, spec: LoadSpec) -> None:
         self._usable()
-        if isinstance(spec.expert_slots, (list, tuple)):
-            raise LoadError("a per-layer slot list is not split across ranks yet: give one count")
         split = balanced_split(layer_weights(spec.path), self.budgets)
-        pools = {"expert_slots": spec.expert_slots, "policy": spec.policy, "threads": spec.threads,
+        slots = list(spec.expert_slots) if isinstance(spec.expert_slots, (list, tuple)) else spec.expert_slots
+        pools = {"expert_slots": slots, "policy": spec.policy, "threads": spec.threads,
                  "page_cache": spec.page_cache, "packed": spec.packed}
         message = {"op": "load", "path": str(Path(spec.path).expanduser().resolve()),
                    "split": split, "pools": pools}

@@ -66,6 +66,18 @@ def layer_range(split: Sequence[int], rank: int) -> tuple[int, int]:
     return start, start + split[rank]
 
 
+def own_slots(path: str | Path, slots, split: Sequence[int], rank: int):
+    """A rank's part of `slots`: a count (or None) as it is; a list of one count per MoE
+    layer of the whole model (a one-machine memory plan) cut to the rank's MoE layers."""
+    if not isinstance(slots, (list, tuple)):
+        return slots
+    keys = checkpoint_layout(path).layer_keys
+    if len(slots) != len(keys):
+        raise ValueError(f"{len(slots)} slot counts given for {len(keys)} MoE layers")
+    start, end = layer_range(split, rank)
+    return [n for n, key in zip(slots, keys) if start <= int(_LAYER.search(key).group(1)) < end]
+
+
 def pipeline_hook(group, split: Sequence[int]):
     """For `load_streaming(prepare=...)`: cut the lazily built model to this rank's layers
     before any tensor is read, or refuse a family mlx-lm cannot pipeline."""
