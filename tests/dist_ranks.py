@@ -5,7 +5,8 @@ argv[1] is a JSON job: `runs` (each a checkpoint, a pool size, request fields, a
 prompts, and where rank 0 writes its results: per run, the tokens and figures of each
 prompt, or the one-line error. The other ranks follow rank 0. `die_at` makes rank
 `die_rank` end its process at its `die_at`-th decode token (a rank lost mid-generation);
-`differs` names a checkpoint whose fingerprint rank 1 takes from another (`as`).
+`differs` names a checkpoint whose fingerprint rank 1 takes from another (`as`);
+`budgets` and `plan_options` are the PipelineEngine's.
 mlx.launch ends every rank once one fails: rank 0 ignores that, to write its results.
 """
 
@@ -32,7 +33,7 @@ def main(job: dict) -> None:
         follow(group)
         return
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    engine = PipelineEngine(group)
+    engine = PipelineEngine(group, job.get("budgets"), **job.get("plan_options", {}))
     results = [_run(engine, run, job) for run in job["runs"]]
     with open(job["out"], "w") as fh:
         json.dump(results, fh)

@@ -74,7 +74,8 @@ def check_exact(run: dict, got: list[dict], ranks: int) -> None:
     rank held its own layers' weights and pools only."""
     assert all("error" not in r for r in got), got
     fields = {"kv": KVSpec(run["kv_bits"], 32)} if run.get("kv_bits") else {}
-    expected, sizes = single(run["checkpoint"], run["slots"], **fields)
+    slots = run.get("planned", run["slots"])  # what the ranks' own plans gave, in layer order
+    expected, sizes = single(run["checkpoint"], slots, **fields)
     assert [r["tokens"] for r in got] == expected
     figures = got[1]["stats"]
     assert figures["reused_tokens"] == sizes["reused"]
@@ -83,7 +84,7 @@ def check_exact(run: dict, got: list[dict], ranks: int) -> None:
     for r in figures["ranks"]:
         start, end = r["layers"]
         assert r["param_bytes"] == sizes["shared"] + sum(sizes["layers"][start:end])
-        own = run["slots"][start:end] if isinstance(run["slots"], list) else [run["slots"] or 8]
+        own = slots[start:end] if isinstance(slots, list) else [slots or 8]
         assert r["expert_slots"] == (own[0] if len(set(own)) == 1 else own)
     assert sorted(r["layers"][0] for r in figures["ranks"])[0] == 0
     assert max(r["layers"][1] for r in figures["ranks"]) == 4
@@ -111,9 +112,19 @@ def test_two_ranks_give_the_single_process_tokens(build, tmp_path):
 
 
 def test_three_ranks_give_the_single_process_tokens_after_a_cancelled_generation(build, tmp_path):
+    """Also with each rank's own memory plan for its budget, where the model has no
+    slot count (a one-machine plan comes in: each rank plans its own layers instead)."""
+    from llm_mlx_streaming.distributed.plan import plan_ranks
+
     path = str(build("qwen3_moe", num_layers=4, num_experts=8, top_k=2))
+    budgets, options = [700_000] * 3, {"max_context": 64, "reserve_bytes": 0}
+    plans = sorted(plan_ranks(path, budgets, **options), key=lambda r: r.layers)
+    planned = [n for r in plans for n in r.plan.slots_per_layer]
+    assert 2 < min(planned) < 8  # the middle rank streams; its neighbours hold whole layers
     runs = [{"checkpoint": path, "slots": s, "prompts": prompts(path), "cancel_after": 2} for s in (None, 2)]
-    results = launch(tmp_path, 3, {"runs": runs, "max_tokens": TOKENS})
+    runs.append({"checkpoint": path, "slots": [2] * 4, "planned": planned, "prompts": prompts(path)})
+    results = launch(tmp_path, 3, {"runs": runs, "max_tokens": TOKENS, "budgets": budgets,
+                                   "plan_options": options})
     for run, got in zip(runs, results):
         check_exact(run, got, 3)
 

@@ -30,12 +30,15 @@ from .group import mlxs
               help="mlx.launch's hostfile, in place of --hosts")
 @click.option("--backend", type=click.Choice(["ring", "mpi"]), default="ring", show_default=True,
               help="mlx.distributed backend between the --hosts")
+@click.option("--budgets", metavar="SIZE,SIZE,...",
+              help="With --hosts: each host's memory budget, rank 0's first; they weigh the layer split, "
+              "and a model without a slot count gets each rank's own plan (llm mlxs plan --budgets)")
 @click.option("--ring-port", type=click.IntRange(1024, 65535),
               help="First TCP port the ring backend listens on, one more per rank (default: mlx.launch's)")
 @click.option("--pipeline-rank", is_flag=True, hidden=True)
 @click.pass_context
 def serve(ctx, host, port, model, api_key, max_queue, hosts, origins, pipeline, hostfile, backend,
-          ring_port, pipeline_rank):
+          budgets, ring_port, pipeline_rank):
     """Serve the mlx-stream models over an OpenAI-compatible HTTP API.
 
     While it runs, `llm -m mlx-stream...`, `llm chat` and `llm -c` in this llm user
@@ -49,10 +52,15 @@ def serve(ctx, host, port, model, api_key, max_queue, hosts, origins, pipeline, 
         _launch(ctx, pipeline, hostfile, backend, ring_port)
         return
     if pipeline_rank:
+        from ..distributed.group import RankLost
         from ..distributed.launch import join
+        from ..errors import MlxStreamError
 
-        if join(backend) is None:
-            return  # a following rank, sent home by rank 0
+        try:
+            if join(backend, _budgets(budgets)) is None:
+                return  # a following rank, sent home by rank 0
+        except (RankLost, ValueError) as e:
+            raise MlxStreamError(str(e)) from None
 
     server = Server(host=host, port=port, model=model, api_key=api_key, max_queue=max_queue,
                     hosts=list(hosts) if hosts else None, origins=list(origins) if origins else None)
@@ -79,7 +87,10 @@ def _launch(ctx, pipeline, hostfile, backend, ring_port) -> None:
     from ..errors import MlxStreamError
 
     passed = []
-    for name in ("host", "port", "model", "api_key", "max_queue"):
+    sizes = _budgets(ctx.params["budgets"])  # a bad one is refused before any rank starts
+    if sizes and pipeline and len(sizes) != len(pipeline.split(",")):
+        raise MlxStreamError(f"--budgets gives {len(sizes)} sizes for {len(pipeline.split(','))} hosts")
+    for name in ("host", "port", "model", "api_key", "max_queue", "budgets"):
         value = ctx.params[name]
         if value is not None:
             passed += [f"--{name.replace('_', '-')}", str(value)]
@@ -98,6 +109,16 @@ def _launch(ctx, pipeline, hostfile, backend, ring_port) -> None:
         subprocess.run(command, check=False)
     except KeyboardInterrupt:
         pass
+
+
+def _budgets(budgets: str | None) -> list[int] | None:
+    from ..errors import MlxStreamError
+    from ..sizes import parse_size
+
+    try:
+        return [parse_size(b.strip()) for b in budgets.split(",")] if budgets else None
+    except ValueError as e:
+        raise MlxStreamError(f"--budgets {budgets}: {e}") from None
 
 
 def _interrupt(signum, frame):

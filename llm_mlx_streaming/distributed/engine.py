@@ -40,6 +40,7 @@ class _Rank:
     def __init__(self, group: Group, provider: ModelProvider) -> None:
         self.group, self.provider = group, provider
         self.clock, self.split, self.before = WaitClock(), None, None
+        self.timed = None  # the model the wait clock is attached to
 
     def load(self, message: dict) -> None:
         """Load rank's layers of the checkpoint `message` names, after every rank showed
@@ -54,13 +55,13 @@ class _Rank:
         if problem is None:
             self.split = message["split"]
             self.provider.prepare = pipeline_hook(self.group.group, self.split)
-            fresh = self.provider.loaded is None or self.provider.checkpoint != path.resolve()
             try:
                 pools = {**message["pools"], "expert_slots": own_slots(
                     path, message["pools"]["expert_slots"], self.split, self.group.rank)}
                 self.provider.load(path, **pools)
-                if fresh:
+                if self.provider.loaded.model is not self.timed:
                     self.clock.attach(self.provider.loaded.model)
+                    self.timed = self.provider.loaded.model
             except Exception as e:
                 problem = f"{self.group.where(self.group.rank)}: {one_line(e)}"
         problems = [p for p in self.group.gather(problem) if p]
@@ -90,9 +91,12 @@ def _first_problem(group: Group, seen: list) -> str | None:
 class PipelineEngine(EngineManager):
     """Rank 0's engine: an EngineManager whose loads and generations every rank runs."""
 
-    def __init__(self, group: Group, budgets: list[float] | None = None) -> None:
+    def __init__(self, group: Group, budgets: list[int] | None = None, **plan_options) -> None:
+        """`budgets`: each host's memory in bytes (rank 0's first); they weigh the split, and
+        a request whose pools come from a memory plan gets each rank's own plan
+        (distributed/plan.py, with `plan_options` as plan_memory's) in their place."""
         super().__init__()
-        self.group, self.budgets = group, budgets or [1.0] * group.size
+        self.group, self.budgets, self.plan_options = group, budgets, plan_options
         self.rank = _Rank(group, self)
         self.broken: str | None = None
         self.rank_totals: list[dict] = []  # each rank's counters over the generations served
@@ -102,14 +106,24 @@ class PipelineEngine(EngineManager):
 
     def load_spec(self, spec: LoadSpec) -> None:
         self._usable()
-        split = balanced_split(layer_weights(spec.path), self.budgets)
-        slots = list(spec.expert_slots) if isinstance(spec.expert_slots, (list, tuple)) else spec.expert_slots
+        split = balanced_split(layer_weights(spec.path), self.budgets or [1.0] * self.group.size)
+        slots = spec.expert_slots
+        if isinstance(slots, (list, tuple)):  # a one-machine plan
+            slots = list(slots) if self.budgets is None else {"ranks": self._plans(spec.path)}
         pools = {"expert_slots": slots, "policy": spec.policy, "threads": spec.threads,
                  "page_cache": spec.page_cache, "packed": spec.packed}
         message = {"op": "load", "path": str(Path(spec.path).expanduser().resolve()),
                    "split": split, "pools": pools}
         self._say(message)
         self._guard(lambda: self.rank.load(message))
+
+    def _plans(self, path) -> list[list[int]]:
+        from .plan import plan_ranks
+
+        try:
+            return [r.plan.slots_per_layer for r in plan_ranks(path, self.budgets, **self.plan_options)]
+        except Exception as e:  # PlanError, CheckpointError, OSError: the budget or the files
+            raise LoadError(f"cannot plan the ranks' memory: {one_line(e)}") from None
 
     def _serve(self, load, request: Request, out) -> None:
         self._usable()

@@ -67,8 +67,11 @@ def layer_range(split: Sequence[int], rank: int) -> tuple[int, int]:
 
 
 def own_slots(path: str | Path, slots, split: Sequence[int], rank: int):
-    """A rank's part of `slots`: a count (or None) as it is; a list of one count per MoE
-    layer of the whole model (a one-machine memory plan) cut to the rank's MoE layers."""
+    """A rank's part of `slots`: a count (or None) as it is; `{"ranks": [...]}` (each
+    rank's own plan) its entry; a list of one count per MoE layer of the whole model (a
+    one-machine memory plan) cut to the rank's MoE layers."""
+    if isinstance(slots, dict):
+        return slots["ranks"][rank]
     if not isinstance(slots, (list, tuple)):
         return slots
     keys = checkpoint_layout(path).layer_keys
