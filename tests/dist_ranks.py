@@ -4,7 +4,8 @@ argv[1] is a JSON job: `runs` (each a checkpoint, a pool size, request fields, a
 `cancel_after`: first a generation its caller cancels after that many tokens), the
 prompts, and where rank 0 writes its results: per run, the tokens and figures of each
 prompt, or the one-line error. The other ranks follow rank 0. `die_at` makes rank
-`die_rank` end its process at its `die_at`-th decode token (a rank lost mid-generation);
+`die_rank` end its process at its `die_at`-th decode token (a rank lost mid-generation),
+or with `hang` stop answering there; `timeouts` sets each rank's step timeout;
 `differs` names a checkpoint whose fingerprint rank 1 takes from another (`as`);
 `budgets` and `plan_options` are the PipelineEngine's.
 mlx.launch ends every rank once one fails: rank 0 ignores that, to write its results.
@@ -15,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from llm_mlx_streaming.distributed.engine import PipelineEngine, follow
 from llm_mlx_streaming.distributed.group import init
@@ -26,7 +28,11 @@ from llm_mlx_streaming.engine.request import LoadSpec, Request
 def main(job: dict) -> None:
     group = init("ring")
     if group.rank == job.get("die_rank"):
-        _die_at(job["die_at"])
+        _die_at(job["die_at"], job.get("hang", False))
+    if job.get("timeouts"):  # seconds without word, per rank
+        from llm_mlx_streaming.distributed import watch
+
+        watch.TIMEOUTS["step"] = job["timeouts"][group.rank]
     if group.rank == 1 and job.get("differs"):
         _fingerprint_of(**job["differs"])
     if group.rank != 0:
@@ -89,8 +95,9 @@ def _fingerprint_of(path: str, as_: str) -> None:
     engine.content_fingerprint = fingerprint
 
 
-def _die_at(n: int) -> None:
-    """End this process in the middle of its n-th generated token's forward."""
+def _die_at(n: int, hang: bool) -> None:
+    """End this process (or, with `hang`, stop it answering) in the middle of its n-th
+    generated token's forward."""
     from llm_mlx_streaming.experts import switch
 
     calls = {"decode": 0}
@@ -100,6 +107,8 @@ def _die_at(n: int) -> None:
         if indices.shape[-2] == 1 and self.ordinal == 0:
             calls["decode"] += 1
             if calls["decode"] >= n:
+                if hang:
+                    time.sleep(600)
                 os._exit(7)
         return original(self, x, indices, *args, **kwargs)
 

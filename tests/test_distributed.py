@@ -138,6 +138,18 @@ def test_a_rank_lost_mid_generation_ends_the_request_in_one_line(build, tmp_path
     assert "restart the ranks" in second["error"]
 
 
+def test_a_rank_that_stops_answering_fails_the_request_in_bounded_time(build, tmp_path):
+    """Rank 1 hangs mid-step: rank 0 gives up after its step timeout (2 s here) with one
+    line and refuses what follows; rank 1 leaves after its own (8 s)."""
+    path = str(build("qwen3_moe", num_layers=4, num_experts=8, top_k=2))
+    results = launch(tmp_path, 2, {"runs": [{"checkpoint": path, "slots": 2, "prompts": prompts(path)}],
+                                   "max_tokens": TOKENS, "die_rank": 1, "die_at": 3, "hang": True,
+                                   "timeouts": [2, 8]})
+    first, second = results[0]
+    assert first["error"].startswith("no word from the other ranks for 2 s within a step")
+    assert "\n" not in first["error"] and "restart the ranks" in second["error"]
+
+
 def test_the_split_balances_expert_bytes_and_budgets():
     from llm_mlx_streaming.distributed.split import balanced_split, layer_range
 

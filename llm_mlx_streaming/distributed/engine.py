@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,21 +28,24 @@ from .group import Group, RankLost
 from .lockstep import Aborted, Follow, Lead, WaitClock, following_sampler, leading_sampler
 from .split import (balanced_split, content_fingerprint, layer_range, layer_weights, own_slots,
                     pipeline_hook)
-
-STEP_TIMEOUT = 300.0  # seconds a following rank waits for rank 0 within a generation
+from .watch import Heartbeat, watch
 
 
 class _Rank:
     """What every rank keeps beside its provider: the split, its wait clock, its counters."""
 
     def __init__(self, group: Group, provider: ModelProvider) -> None:
-        self.group, self.provider = group, provider
+        self.group, self.provider, self.heart = group, provider, Heartbeat()
         self.clock, self.split, self.before = WaitClock(), None, None
         self.timed = None  # the model the wait clock is attached to
 
     def load(self, message: dict) -> None:
         """Load rank's layers of the checkpoint `message` names, after every rank showed
         the same checkpoint; a rank that differs or fails is named in one line."""
+        with self.heart.waiting("load"):
+            self._load(message)
+
+    def _load(self, message: dict) -> None:
         path = Path(message["path"])
         try:
             mine = [content_fingerprint(path), None]
@@ -103,6 +104,8 @@ class PipelineEngine(EngineManager):
         self._lead: Lead | None = None
         self._request: dict | None = None
         self._cache_off = False  # the request asked for the conversation cache
+        self._out = None  # the channel of the generation under way
+        watch(self.rank.heart, self._stalled)
 
     def load_spec(self, spec: LoadSpec) -> None:
         self._usable()
@@ -137,20 +140,40 @@ class PipelineEngine(EngineManager):
         self._cache_off = request.conversation_cache is not None
         request = replace(request, conversation_cache=None, max_tokens=max_tokens,
                           sampler=leading_sampler(self.group, request.make_sampler()))
+        self._out = out
         try:
-            self._guard(lambda: super(PipelineEngine, self)._serve(load, request, _Figured(out, self)))
+            with self.rank.heart.waiting("step"):
+                self._guard(lambda: super(PipelineEngine, self)._serve(load, request, _Figured(out, self)))
         except BaseException as e:
             if self._lead is not None and self._lead.stepping and self.broken is None:
                 self.broken = f"{self.group.where(0)} failed within a step ({one_line(e)})"
                 self._lead = None
             self._end(aborting=True)
             raise
+        finally:
+            self._out = None
+
+    def run(self, load, request: Request):
+        self._usable()  # a stalled pipeline holds the engine thread: refuse at once
+        return super().run(load, request)
+
+    def queue_load(self, load: LoadSpec):
+        self._usable()
+        return super().queue_load(load)
+
+    def _stalled(self, what: str) -> None:
+        """The other ranks said nothing for too long: the pipeline is given up, and the
+        generation waiting on them fails in one line (the engine thread stays stuck)."""
+        self.broken = f"no word from the other ranks for {what} (a rank or the network is stuck)"
+        out = self._out
+        if out is not None:
+            out.put("error", EngineError(f"{self.broken}; restart the ranks"))
 
     def steps(self, responses):
         """Tells the other ranks the request as its first forward is about to run."""
         self._say(self._request)
         self.rank.begin()
-        self._lead = Lead(self.group, responses)
+        self._lead = Lead(self.group, responses, self.rank.heart)
         return self._lead.steps
 
     def _end(self, aborting: bool) -> None:
@@ -226,9 +249,9 @@ def follow(group: Group) -> None:
     waits on it.
     """
     provider = ModelProvider()
-    rank, follower, carried = _Rank(group, provider), Follow(group), Carried()
-    provider.steps = follower.steps
-    _watch(group, follower)
+    rank, carried = _Rank(group, provider), Carried()
+    provider.steps = Follow(group, rank.heart).steps
+    watch(rank.heart, lambda what: _leave(group, f"no word from rank 0 for {what}"))
     while True:
         try:
             message = group.broadcast()
@@ -248,27 +271,16 @@ def follow(group: Group) -> None:
             request = Request(message["prompt"], max_tokens=message["max_tokens"],
                               max_context=message["max_context"], sampler=following_sampler(group),
                               kv=KVSpec(bits, group_size, start), prefill_step=message["prefill_step"])
-            try:
-                respond(provider, request, _Quiet(), carried, message["max_tokens"])
-            except (Aborted, Cancelled):
-                continue
-            rank.figures()
+            with rank.heart.waiting("step"):
+                try:
+                    respond(provider, request, _Quiet(), carried, message["max_tokens"])
+                except (Aborted, Cancelled):
+                    continue
+                rank.figures()
         except RankLost:
             return
         except BaseException as e:
             _leave(group, one_line(e))
-
-
-def _watch(group: Group, follower: Follow) -> None:
-    """Leave when rank 0 has said nothing for STEP_TIMEOUT within a generation."""
-
-    def loop() -> None:
-        while True:
-            time.sleep(1.0)
-            if follower.busy and time.monotonic() - follower.last > STEP_TIMEOUT:
-                _leave(group, f"no word from rank 0 for {STEP_TIMEOUT:.0f} s within a generation")
-
-    threading.Thread(target=loop, name="mlx-stream-rank-watch", daemon=True).start()
 
 
 def _leave(group: Group, line: str) -> None:

@@ -15,6 +15,7 @@ import time
 import mlx.core as mx
 
 from .group import ABORT, CONTINUE, STOP, Group
+from .watch import Heartbeat
 
 
 class Aborted(Exception):
@@ -44,8 +45,8 @@ class Lead:
     generation (or its failure) says STOP or ABORT for a token not yet answered;
     `stepping` says a failure came from inside a forward, which the others cannot leave."""
 
-    def __init__(self, group: Group, responses) -> None:
-        self.group, self.pending, self.stepping = group, False, False
+    def __init__(self, group: Group, responses, heart: Heartbeat) -> None:
+        self.group, self.heart, self.pending, self.stepping = group, heart, False, False
         self.steps = self._run(iter(responses))
 
     def _run(self, responses):
@@ -59,6 +60,7 @@ class Lead:
             yield response
             self.pending = False
             self.group.word(CONTINUE)
+            self.heart.beat()
 
     def end(self, aborting: bool) -> None:
         self.steps.close()
@@ -68,25 +70,22 @@ class Lead:
 
 
 class Follow:
-    """A following rank's responses, ending where rank 0's word says; `last` is when it
-    last heard from rank 0 (the watchdog's clock)."""
+    """A following rank's responses, ending where rank 0's word says; each word is a
+    beat of `heart`."""
 
-    def __init__(self, group: Group) -> None:
-        self.group, self.last, self.busy = group, time.monotonic(), False
+    def __init__(self, group: Group, heart: Heartbeat) -> None:
+        self.group, self.heart = group, heart
 
     def steps(self, responses):
-        self.busy, self.last = True, time.monotonic()
-        try:
+        with self.heart.waiting("step"):
             for response in responses:
                 yield response
                 word = self.group.word()
-                self.last = time.monotonic()
+                self.heart.beat()
                 if word == STOP:
                     return
                 if word == ABORT:
                     raise Aborted
-        finally:
-            self.busy = False
 
 
 class WaitClock:
