@@ -121,8 +121,8 @@ def test_three_ranks_give_the_single_process_tokens_after_a_cancelled_generation
     plans = sorted(plan_ranks(path, budgets, **options), key=lambda r: r.layers)
     planned = [n for r in plans for n in r.plan.slots_per_layer]
     assert 2 < min(planned) < 8  # the middle rank streams; its neighbours hold whole layers
-    runs = [{"checkpoint": path, "slots": s, "prompts": prompts(path), "cancel_after": 2} for s in (None, 2)]
-    runs.append({"checkpoint": path, "slots": [2] * 4, "planned": planned, "prompts": prompts(path)})
+    runs = [{"checkpoint": path, "slots": 2, "prompts": prompts(path), "cancel_after": 2},
+            {"checkpoint": path, "slots": [2] * 4, "planned": planned, "prompts": prompts(path)}]
     results = launch(tmp_path, 3, {"runs": runs, "max_tokens": TOKENS, "budgets": budgets,
                                    "plan_options": options})
     for run, got in zip(runs, results):
@@ -140,11 +140,11 @@ def test_a_rank_lost_mid_generation_ends_the_request_in_one_line(build, tmp_path
 
 def test_a_rank_that_stops_answering_fails_the_request_in_bounded_time(build, tmp_path):
     """Rank 1 hangs mid-step: rank 0 gives up after its step timeout (2 s here) with one
-    line and refuses what follows; rank 1 leaves after its own (8 s)."""
+    line and refuses what follows; rank 1 leaves after its own (5 s)."""
     path = str(build("qwen3_moe", num_layers=4, num_experts=8, top_k=2))
     results = launch(tmp_path, 2, {"runs": [{"checkpoint": path, "slots": 2, "prompts": prompts(path)}],
                                    "max_tokens": TOKENS, "die_rank": 1, "die_at": 3, "hang": True,
-                                   "timeouts": [2, 8]})
+                                   "timeouts": [2, 5]})
     first, second = results[0]
     assert first["error"].startswith("no word from the other ranks for 2 s within a step")
     assert "\n" not in first["error"] and "restart the ranks" in second["error"]

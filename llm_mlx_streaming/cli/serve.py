@@ -57,7 +57,9 @@ def serve(ctx, host, port, model, api_key, max_queue, hosts, origins, pipeline, 
         from ..errors import MlxStreamError
 
         try:
-            if join(backend, _budgets(budgets)) is None:
+            from ..settings import load_settings
+
+            if join(backend, _budgets(budgets), max_context=load_settings().max_context) is None:
                 return  # a following rank, sent home by rank 0
         except (RankLost, ValueError) as e:
             raise MlxStreamError(str(e)) from None

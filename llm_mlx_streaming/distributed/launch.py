@@ -30,10 +30,10 @@ def launch_command(hosts: Sequence[str] | None, hostfile: str | None, backend: s
             "-m", "llm", "mlxs", "serve", *rank_args]
 
 
-def join(backend: str, budgets: list[int] | None = None):
+def join(backend: str, budgets: list[int] | None = None, **plan_options):
     """This rank's part: a PipelineEngine made the process-wide engine on rank 0
     (returned, to serve), or None on another rank once rank 0 has sent it home.
-    `budgets`: each host's memory in bytes, planned for the settings' max_context."""
+    `budgets`: each host's memory in bytes, planned with `plan_options`."""
     from ..engine.manager import use_manager
     from .engine import PipelineEngine, follow
     from .group import init
@@ -42,11 +42,9 @@ def join(backend: str, budgets: list[int] | None = None):
     if group.rank != 0:
         follow(group)
         return None
-    from ..settings import load_settings
-
     if budgets is not None and len(budgets) != group.size:
         group.broadcast({"op": "stop"})
         raise ValueError(f"{len(budgets)} budgets for {group.size} ranks")
-    engine = PipelineEngine(group, budgets, max_context=load_settings().max_context)
+    engine = PipelineEngine(group, budgets, **plan_options)
     use_manager(engine)
     return engine
