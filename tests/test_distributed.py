@@ -217,3 +217,14 @@ def test_llm_routes_to_a_pipeline_server_and_gets_the_single_process_text(llm_en
         if server.poll() is None:
             server.kill()
             server.wait(timeout=30)
+
+
+def test_llm_mlxs_plan_budgets_shows_each_rank(llm_env):
+    from plugin_support import assert_ok, assert_one_line_error
+
+    out = assert_ok(llm_env.run("mlxs", "plan", "sm", "--budgets", "300MB,300MB", "--max-context", "256")).output
+    assert "Rank 0: decoder layer 1," in out and "Rank 1: decoder layer 0," in out
+    assert out.count("expected hit rate 100%") == 2
+    ranks = json.loads(assert_ok(llm_env.run("mlxs", "plan", "sm", "--budgets", "300MB,300MB", "--json")).output)
+    assert [r["layers"] for r in ranks] == [[1, 2], [0, 1]]
+    assert_one_line_error(llm_env.run("mlxs", "plan", "sm", "--budgets", "1MB,300MB"), "short")

@@ -100,7 +100,9 @@ def _plan_ranks(label, path, budgets: str, context: int, kv, hit_rate, json_) ->
         return
     for r in ranks:
         rate = f", expected hit rate {r.expected_hit_rate:.0%} (uniform routing)" if r.expected_hit_rate else ""
-        click.echo(f"Rank {r.rank}: decoder layers {r.layers[0]}-{r.layers[1] - 1}{rate}")
+        first, last = r.layers[0], r.layers[1] - 1
+        layers = f"decoder layer {first}" if first == last else f"decoder layers {first}-{last}"
+        click.echo(f"Rank {r.rank}: {layers}{rate}")
         click.echo(format_plan(r.plan, hit_rate=hit_rate))
 
 
