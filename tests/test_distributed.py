@@ -178,8 +178,9 @@ def test_a_plan_per_rank_spends_each_budget_on_its_own_layers(build):
 
 def test_llm_routes_to_a_pipeline_server_and_gets_the_single_process_text(llm_env, tmp_path):
     """`llm mlxs serve --hosts` on two local ranks: `llm -m` on the same host routes to it
-    and prints what one process prints; /api/stats (`llm mlxs stats --live`) has each
-    rank; Ctrl-C on rank 0 ends every rank."""
+    and prints what one process prints, its logged response_json the totals and each
+    rank's share; /api/stats (`llm mlxs stats --live`) has each rank; Ctrl-C on rank 0
+    ends every rank."""
     import os
     import signal
     import time
@@ -206,6 +207,11 @@ def test_llm_routes_to_a_pipeline_server_and_gets_the_single_process_text(llm_en
                                 text=True, timeout=120)
         assert routed.returncode == 0, routed.stderr
         assert routed.stdout == alone.stdout and alone.stdout.strip()
+        logged = subprocess.run(llm + ["logs", "-n", "1", "--json"], env=env, capture_output=True, text=True,
+                                timeout=60)
+        figures = json.loads(logged.stdout)[0]["response_json"]
+        assert [r["rank"] for r in figures["ranks"]] == [0, 1]
+        assert figures["misses"] == sum(r["misses"] for r in figures["ranks"])
         live = subprocess.run(llm + ["mlxs", "stats", "--live", "--json"], env=env, capture_output=True,
                               text=True, timeout=60)
         stats = json.loads(live.stdout)
