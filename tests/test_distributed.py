@@ -74,6 +74,7 @@ def check_exact(run: dict, got: list[dict], ranks: int) -> None:
     rank held its own layers' weights and pools only."""
     assert all("error" not in r for r in got), got
     fields = {"kv": KVSpec(run["kv_bits"], 32)} if run.get("kv_bits") else {}
+    fields["stop"] = run.get("stop", ())
     slots = run.get("planned", run["slots"])  # what the ranks' own plans gave, in layer order
     expected, sizes = single(run["checkpoint"], slots, **fields)
     assert [r["tokens"] for r in got] == expected
@@ -90,14 +91,25 @@ def check_exact(run: dict, got: list[dict], ranks: int) -> None:
     assert max(r["layers"][1] for r in figures["ranks"]) == 4
 
 
+def _third_text(path) -> str:
+    """The text of the third token the single process generates for the first prompt."""
+    engine = EngineManager()
+    engine.load(path, expert_slots=2)
+    texts = [r.text for r in generate(engine, prompts(path)[0], max_tokens=TOKENS)]
+    engine.unload()
+    assert texts[2].strip()
+    return texts[2]
+
+
 def test_two_ranks_give_the_single_process_tokens(build, tmp_path):
     """qwen3_moe, deepseek_v3 and qwen3_next at full pools and 2 slots, a slot count per
-    layer, a quantized KV cache; speculation refused in one line; a rank whose
-    checkpoint differs refused."""
+    layer, a stop sequence, a quantized KV cache; speculation refused in one line; a
+    rank whose checkpoint differs refused."""
     paths = {arch: str(build(arch, num_layers=4, num_experts=8, top_k=2)) for arch in ARCHS}
     other = str(build("qwen3_moe", num_layers=4, num_experts=8, top_k=2, seed=1))
     runs = [{"checkpoint": paths[a], "slots": s, "prompts": prompts(paths[a])} for a in ARCHS for s in (None, 2)]
     runs.append({**runs[0], "slots": [2, 3, 4, 5]})  # a one-machine plan: each rank its layers' part
+    runs.append({**runs[1], "stop": [_third_text(paths["qwen3_moe"])]})  # rank 0 stops the others early
     kv_path = str(build("qwen3_moe", num_layers=4, num_experts=8, top_k=2, head_dim=32))
     runs.append({"checkpoint": kv_path, "slots": 2, "prompts": prompts(kv_path), "kv_bits": 8})
     refused = {"checkpoint": other, "slots": 2, "prompts": []}
@@ -106,6 +118,8 @@ def test_two_ranks_give_the_single_process_tokens(build, tmp_path):
                                    "differs": {"path": str(Path(other).resolve()), "as_": paths["qwen3_moe"]}})
     for run, got in zip(runs, results):
         check_exact(run, got, 2)
+    stopped = results[next(i for i, r in enumerate(runs) if r.get("stop"))][0]
+    assert stopped["stats"]["finish_reason"] == "stop" and len(stopped["tokens"]) < TOKENS
     assert results[len(runs)]["error"].startswith("the checkpoint on rank 1 on ")
     assert "differs from rank 0's" in results[len(runs)]["error"]
     assert results[-1] == [{"error": "speculation does not run across ranks yet: leave k at 0"}]
