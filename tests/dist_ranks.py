@@ -51,7 +51,8 @@ def _run(engine, run: dict, job: dict) -> list[dict] | dict:
         list(engine.queue_load(LoadSpec(run["checkpoint"], expert_slots=run.get("slots"))))
     except Exception as e:
         return {"error": str(e)}
-    fields = {"max_tokens": job["max_tokens"], "k": run.get("k", 0), "stop": run.get("stop", ())}
+    fields = {"max_tokens": job["max_tokens"], "k": run.get("k", 0), "stop": run.get("stop", ()),
+              **run.get("sampling", {})}
     if run.get("kv_bits"):
         fields["kv"] = KVSpec(run["kv_bits"], 32)
     if run.get("cancel_after"):

@@ -74,7 +74,7 @@ def check_exact(run: dict, got: list[dict], ranks: int) -> None:
     rank held its own layers' weights and pools only."""
     assert all("error" not in r for r in got), got
     fields = {"kv": KVSpec(run["kv_bits"], 32)} if run.get("kv_bits") else {}
-    fields["stop"] = run.get("stop", ())
+    fields.update(stop=run.get("stop", ()), **run.get("sampling", {}))
     slots = run.get("planned", run["slots"])  # what the ranks' own plans gave, in layer order
     expected, sizes = single(run["checkpoint"], slots, **fields)
     assert [r["tokens"] for r in got] == expected
@@ -103,13 +103,14 @@ def _third_text(path) -> str:
 
 def test_two_ranks_give_the_single_process_tokens(build, tmp_path):
     """qwen3_moe, deepseek_v3 and qwen3_next at full pools and 2 slots, a slot count per
-    layer, a stop sequence, a quantized KV cache; speculation refused in one line; a
+    layer, a stop sequence, sampling with a seed, a quantized KV cache; speculation refused in one line; a
     rank whose checkpoint differs refused."""
     paths = {arch: str(build(arch, num_layers=4, num_experts=8, top_k=2)) for arch in ARCHS}
     other = str(build("qwen3_moe", num_layers=4, num_experts=8, top_k=2, seed=1))
     runs = [{"checkpoint": paths[a], "slots": s, "prompts": prompts(paths[a])} for a in ARCHS for s in (None, 2)]
     runs.append({**runs[0], "slots": [2, 3, 4, 5]})  # a one-machine plan: each rank its layers' part
     runs.append({**runs[1], "stop": [_third_text(paths["qwen3_moe"])]})  # rank 0 stops the others early
+    runs.append({**runs[1], "sampling": {"temperature": 1.0, "seed": 7}})  # rank 0 samples for all
     kv_path = str(build("qwen3_moe", num_layers=4, num_experts=8, top_k=2, head_dim=32))
     runs.append({"checkpoint": kv_path, "slots": 2, "prompts": prompts(kv_path), "kv_bits": 8})
     refused = {"checkpoint": other, "slots": 2, "prompts": []}
