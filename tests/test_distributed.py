@@ -249,3 +249,14 @@ def test_llm_mlxs_plan_budgets_shows_each_rank(llm_env):
     ranks = json.loads(assert_ok(llm_env.run("mlxs", "plan", "sm", "--budgets", "300MB,300MB", "--json")).output)
     assert [r["layers"] for r in ranks] == [[1, 2], [0, 1]]
     assert_one_line_error(llm_env.run("mlxs", "plan", "sm", "--budgets", "1MB,300MB"), "short")
+
+
+def test_a_family_without_a_pipeline_split_is_refused_in_one_line(build):
+    from mlx_lm.utils import load_model
+
+    from llm_mlx_streaming.distributed.split import pipeline_hook
+    from llm_mlx_streaming.errors import CheckpointError
+
+    model, _ = load_model(build("mixtral"), lazy=True)
+    with pytest.raises(CheckpointError, match="^mixtral: mlx-lm has no pipeline split for this family$"):
+        pipeline_hook(None, [1, 1])(model)
