@@ -5,8 +5,7 @@ lock, `Generation` and cancellation); before it loads, and as its generation sta
 it broadcasts what it does, and the other ranks (`follow`) do the same on their own
 layers. Every message is a collective of mlx.distributed. A rank that fails leaves the
 group (its process ends), which fails the collective rank 0 waits in at once, so the
-request ends with one line naming the rank; a following rank that hears nothing from
-rank 0 for `STEP_TIMEOUT` in the middle of a generation leaves too.
+request ends with one line naming the rank; a stall is bounded too (distributed/watch.py).
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ class _Rank:
         self.timed = None  # the model the wait clock is attached to
 
     def load(self, message: dict) -> None:
-        """Load rank's layers of the checkpoint `message` names, after every rank showed
+        """Load this rank's layers of the checkpoint `message` names, after every rank showed
         the same checkpoint; a rank that differs or fails is named in one line."""
         with self.heart.waiting("load"):
             self._load(message)
@@ -109,7 +108,10 @@ class PipelineEngine(EngineManager):
 
     def load_spec(self, spec: LoadSpec) -> None:
         self._usable()
-        split = balanced_split(layer_weights(spec.path), self.budgets or [1.0] * self.group.size)
+        try:
+            split = balanced_split(layer_weights(spec.path), self.budgets or [1.0] * self.group.size)
+        except Exception as e:  # CheckpointError, OSError, ValueError: the files or the ranks
+            raise LoadError(f"cannot split {spec.path} over {self.group.size} ranks: {one_line(e)}") from None
         slots = spec.expert_slots
         if isinstance(slots, (list, tuple)):  # a one-machine plan
             slots = list(slots) if self.budgets is None else {"ranks": self._plans(spec.path)}
@@ -177,8 +179,9 @@ class PipelineEngine(EngineManager):
         return self._lead.steps
 
     def _end(self, aborting: bool) -> None:
+        """Say the last word of the generation under way (none on a broken pipeline)."""
         lead, self._lead = self._lead, None
-        if lead is not None:
+        if lead is not None and self.broken is None:
             self._guard(lambda: lead.end(aborting))
 
     def metrics(self) -> dict:
@@ -186,7 +189,10 @@ class PipelineEngine(EngineManager):
         return {**super().metrics(), "ranks": self.rank_totals, "pipeline_error": self.broken}
 
     def shutdown(self) -> None:
-        """Send every other rank home (they return from `follow`)."""
+        """Send every other rank home (they return from `follow`); a broken pipeline
+        (whose engine thread may be stuck holding the lock) has none to send."""
+        if self.broken is not None:
+            return
         with self._lock:
             if self.broken is None:
                 self._say({"op": "stop"})
