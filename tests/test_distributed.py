@@ -227,6 +227,9 @@ def test_llm_routes_to_a_pipeline_server_and_gets_the_single_process_text(llm_en
         figures = json.loads(logged.stdout)[0]["response_json"]
         assert [r["rank"] for r in figures["ranks"]] == [0, 1]
         assert figures["misses"] == sum(r["misses"] for r in figures["ranks"])
+        shown = subprocess.run(llm + ["mlxs", "stats", "--live"], env=env, capture_output=True, text=True,
+                               timeout=60).stdout
+        assert "ranks (a pipeline" in shown and "wait s" in shown
         live = subprocess.run(llm + ["mlxs", "stats", "--live", "--json"], env=env, capture_output=True,
                               text=True, timeout=60)
         stats = json.loads(live.stdout)
