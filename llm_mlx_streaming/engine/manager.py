@@ -101,3 +101,11 @@ _manager = worker.Once(EngineManager)
 def get_manager() -> EngineManager:
     """The process-wide engine."""
     return _manager()
+
+
+def use_manager(engine: EngineManager) -> None:
+    """Make `engine` the process-wide one (a pipeline's rank 0), before anything used it."""
+    with _manager._lock:
+        if _manager._value is not None and _manager._value is not engine:
+            raise RuntimeError("the process-wide engine is already in use")
+        _manager._value = engine
