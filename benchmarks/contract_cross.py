@@ -8,6 +8,8 @@ a 4-bit KV cache in groups of 32 applies. Every cell runs at pool sizes all, top
 slots through `get_manager().run(LoadSpec, Request)`:
 
 - plain: greedy tokens and logprobs equal stock mlx-lm's `generate_step`;
+- overlap on: the same with every decode call overlapping its reads with compute and
+  reading ahead the next layer's predicted experts (experts/prefetch.py);
 - k 3: speculation with the ngram drafter and with drafters whose drafts are all right
   (oracle) and all wrong (adversary): greedy tokens equal stock mlx-lm's greedy tokens;
 - kv_bits 4: tokens and logprobs equal stock mlx-lm's quantized cache (kv_bits 4, groups
@@ -56,7 +58,7 @@ from fixtures.scripted import ScriptedDrafter  # noqa: E402
 EXPERTS, TOP_K, HEAD_DIM, N = 8, 2, 32, 10
 POOLS = {"all": None, "top-k": TOP_K, "2": 2}
 KV = KVSpec(4, 32, 0)
-FEATURES = ("plain", "k 3", "kv_bits 4", "tiled long prompt", "conversation cache", "llm CLI")
+FEATURES = ("plain", "overlap on", "k 3", "kv_bits 4", "tiled long prompt", "conversation cache", "llm CLI")
 PROMPT = "Tell me about tea"
 
 
@@ -75,10 +77,10 @@ def stock(model, prompt, step=2048, cache=None, **kwargs):
     return [t for t, _ in out], [np.array(l) for _, l in out]
 
 
-def engine(path, slots, request, tile=None):
+def engine(path, slots, request, tile=None, overlap="auto"):
     """(tokens, logprobs, stats) of one request on a fresh session, as `llm` runs it."""
     manager = get_manager()
-    spec = LoadSpec(Path(path), expert_slots=slots)
+    spec = LoadSpec(Path(path), expert_slots=slots, overlap=overlap)
     list(manager.queue_load(spec))
     manager.session.reset()
     tiled = tile_attention(manager.loaded.model, tile) if tile else None
@@ -110,12 +112,21 @@ class Cell:
         self.notes.append(why)
 
 
-def plain(path, model, prompt, cell):
+def plain(path, model, prompt, cell, overlap="auto") -> int:
+    """Checks each pool size; returns the experts read ahead in all."""
     expected = stock(model, prompt)
+    ahead = 0
     for name, slots in POOLS.items():
-        got = engine(path, slots, Request(prompt=prompt, max_tokens=N))
+        got = engine(path, slots, Request(prompt=prompt, max_tokens=N), overlap=overlap)
         if not same(got, expected):
             cell.fail(f"pool {name}: {got[0]} != stock {expected[0]}")
+        ahead += got[2].get("prefetch_loads") or 0
+    return ahead
+
+
+def overlapped(path, model, prompt, cell):
+    if not plain(path, model, prompt, cell, overlap="on"):
+        cell.notes.append("no expert was read ahead at any pool size")
 
 
 def speculation(path, model, prompt, cell):
@@ -261,7 +272,7 @@ def row(arch, root):
     model, config = load_model(path)
     prompt, degenerate = choose_prompt(model, config["vocab_size"])
     cells = {}
-    runs = {"plain": plain, "k 3": speculation, "kv_bits 4": kv_bits, "tiled long prompt": tiled}
+    runs = {"plain": plain, "overlap on": overlapped, "k 3": speculation, "kv_bits 4": kv_bits, "tiled long prompt": tiled}
     for feature in FEATURES:
         cell = cells[feature] = Cell()
         try:
