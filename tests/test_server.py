@@ -33,7 +33,7 @@ def served(tmp_path_factory, plugin_checkpoint):
         mp.setenv("LLM_USER_PATH", str(user_dir))
         env = LlmEnv(user_dir, plugin_checkpoint)
         # max_context 96: every reply is capped by the context, so fuzzed bodies stay short
-        env.write_settings(default_model="small", max_context=96,
+        env.write_settings(default_model="small", max_context=96, max_batch=1,  # one at a time
                            models={"small": {"path": str(plugin_checkpoint), "aliases": ["sm"], "expert_slots": 4}})
         server = Server(port=0, max_queue=8).start()
         env.server = server

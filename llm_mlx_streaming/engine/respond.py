@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from .. import syncs
 from ..errors import one_line
 from ..processors import with_history
 from ..stops import StopMatcher
@@ -69,7 +70,7 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
                                     kv_kwargs=kv.generate_kwargs())
     except (ValueError, spec.DraftError) as e:
         raise EngineError(one_line(e)) from None
-    before = provider.counters()
+    before, syncs_before = provider.counters(), syncs.count()
     mx.reset_peak_memory()
     start = time.perf_counter()
     ttft = last = None
@@ -111,7 +112,7 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
         session.fed(new_tokens)
         session.fed(generated)
     stats = fig.response_figures(provider, before, last, len(prompt), reused, len(new_tokens),
-                                 time.perf_counter() - start)
+                                 time.perf_counter() - start, syncs.count() - syncs_before)
     stats.update(figures.as_dict())
     stats.update(fig.kv_figures(session.cache, kv, kv_note, prefill_step, ttft))
     if recorder is not None:

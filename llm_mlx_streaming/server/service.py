@@ -86,11 +86,11 @@ class Service:
 
     def __init__(self, *, default_model: Optional[str] = None, api_key: Optional[str] = None,
                  secret: Optional[str] = None, max_queue: int = 8, hosts: tuple[str, ...] = (),
-                 origins: tuple[str, ...] = ()) -> None:
+                 origins: tuple[str, ...] = (), max_batch: int = 1) -> None:
         self.default_model = default_model
         self.hosts, self.origins = tuple(hosts), tuple(origins)  # server/guard.py
         self.api_key, self.secret = api_key, secret
-        self.gate = Gate(max_queue)
+        self.gate = Gate(max_queue, capacity=max_batch)
         self.runtime = RuntimeConfig()
         self.replies = ReplyMemory()
         self.model_id: Optional[str] = None  # the model last loaded or asked for
@@ -132,7 +132,9 @@ class Service:
         fields = {k: getattr(body, k) for k in body.model_fields_set if k in names}
         if body.max_completion_tokens is not None and "max_tokens" not in fields:
             fields["max_tokens"] = body.max_completion_tokens
-        return self.runtime.for_request({k: v for k, v in fields.items() if v is not None})
+        options = self.runtime.for_request({k: v for k, v in fields.items() if v is not None})
+        options.setdefault("max_batch", self.gate.capacity)  # the requests it admits at once may batch
+        return options
 
     async def generate(self, request: Request, body, model_id: str, messages: list, chat: bool):
         try:
