@@ -62,12 +62,17 @@ def live(url: str) -> dict:
         return json.loads(resp.read())
 
 
+def fresh(i: int, count=[0]) -> str:  # noqa: B006 - prompts never seen before: no KV reuse
+    count[0] += 1
+    return f"{PROMPTS[i % len(PROMPTS)]} ({count[0]})"
+
+
 def batch_round(url: str, b: int, tokens: int, **extra) -> dict:
     """B requests at once: aggregate figures from the engine's counters."""
     before = live(url)
     outs = [{} for _ in range(b)]
-    threads = [threading.Thread(target=ask, args=(url, PROMPTS[i % len(PROMPTS)] + f" ({i})", tokens, outs[i]),
-                                kwargs=extra) for i in range(b)]
+    threads = [threading.Thread(target=ask, args=(url, fresh(i), tokens, outs[i]), kwargs=extra)
+               for i in range(b)]
     start = time.perf_counter()
     for t in threads:
         t.start()
@@ -94,15 +99,14 @@ def batch_round(url: str, b: int, tokens: int, **extra) -> dict:
 def late_arrival(url: str, b: int, tokens: int) -> float:
     """Time to first token of a request sent while B-1 others decode."""
     outs = [{} for _ in range(b)]
-    threads = [threading.Thread(target=ask, args=(url, PROMPTS[i] + " (early)", tokens, outs[i]))
-               for i in range(b - 1)]
+    threads = [threading.Thread(target=ask, args=(url, fresh(i), tokens, outs[i])) for i in range(b - 1)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 300
     while b > 1 and not all("ttft" in o for o in outs[: b - 1]):  # every early one is decoding
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    ask(url, PROMPTS[b] + " (late)", tokens, outs[-1])
+    ask(url, fresh(b), tokens, outs[-1])
     for t in threads:
         t.join()
     return outs[-1]["ttft"]
@@ -120,7 +124,7 @@ def serve_rows(args) -> None:
         "models": {"bench": {"path": str(path), "expert_slots": slots}}}))
     print(f"checkpoint {path}, {slots} of {SHAPE['num_experts']} experts per layer resident (25%), "
           f"{args.tokens} tokens per request, {ROUND_TRIP_S * 1e3:.0f} ms per sync modeled; best of {args.rounds}")
-    print(f"{'B':>3} {'batch':>5} {'agg tok/s':>9} {'vs B=1':>6} {'req tok/s':>9} {'late TTFT s':>11} "
+    print(f"{'B':<16} {'batch':>5} {'agg tok/s':>9} {'vs B=1':>6} {'req tok/s':>9} {'late TTFT s':>11} "
           f"{'MB/tok':>7} {'experts/call':>12} {'syncs/tok':>9} {'vs B=1':>6} {'GPU tok/s':>9} {'vs B=1':>6}",
           flush=True)
     with Server(port=0, max_queue=16) as server:
@@ -134,7 +138,8 @@ def serve_rows(args) -> None:
             base = base or row
             assert row["unplaced"] == 0
             name = f"{b}" + (" (max_batch 1)" if extra else "")
-            print(f"{name:>3} {row['largest']:>5} {row['aggregate']:>9.2f} {row['aggregate'] / base['aggregate']:>5.2f}x "
+            ratio = row["aggregate"] / base["aggregate"]
+            print(f"{name:<16} {row['largest']:>5} {row['aggregate']:>9.2f} {ratio:>5.2f}x "
                   f"{row['per_request']:>9.2f} {'-' if ttft is None else format(ttft, '.3f'):>11} "
                   f"{row['mb_per_token']:>7.2f} {row['experts_per_call']:>12.1f} {row['syncs_per_token']:>9.2f} "
                   f"{row['syncs_per_token'] / base['syncs_per_token']:>5.2f}x {row['modeled']:>9.2f} "

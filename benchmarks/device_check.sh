@@ -43,5 +43,5 @@ echo "device_check on $gpu, mlx $device, $((SECONDS - start)) s; full output in 
 printf '%-22s %-12s %6s  %s\n' check status time "last line"
 printf '%s\n' "${rows[@]}"
 for name in speculation-demo syncs-speculation batching; do
-  echo; echo "== $name"; grep -E '^ *([0-9]+%|[0-9]+ |resident| +B )' "$LOGS/$name.log"
+  echo; echo "== $name"; grep -E '^ *[0-9]+%|^[0-9]+ |^ *resident|^B ' "$LOGS/$name.log"
 done

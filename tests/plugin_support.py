@@ -4,10 +4,32 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
 from click.testing import CliRunner
+
+
+@contextmanager
+def serving(user_dir: Path, checkpoint: Path, **settings):
+    """An llm user dir serving `checkpoint` as 'small' (4 expert slots) with `settings`,
+    and a server for it on a free loopback port, stopped at the end."""
+    import pytest
+
+    from llm_mlx_streaming.server.run import Server
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LLM_USER_PATH", str(user_dir))
+        env = LlmEnv(user_dir, checkpoint)
+        env.write_settings(default_model="small", **settings,
+                           models={"small": {"path": str(checkpoint), "aliases": ["sm"], "expert_slots": 4}})
+        server = Server(port=0, max_queue=8).start()
+        env.server = server
+        try:
+            yield env
+        finally:
+            server.stop()
 
 
 class LlmEnv:

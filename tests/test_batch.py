@@ -17,19 +17,19 @@ from llm_mlx_streaming.engine.manager import EngineManager
 from llm_mlx_streaming.engine.request import Request
 
 MOE = [a for a in ARCHITECTURES if a != "qwen3"]  # qwen3: the factory's dense draft model
-JOINS = {0: 0, 1: 2, 2: 5}  # request -> the pass before which it joins
-MAX_TOKENS = [10, 6, 9]
+JOINS = {0: 0, 1: 0, 2: 2, 3: 5}  # request -> the pass before which it joins (0, 1: prefilled together)
+MAX_TOKENS = [10, 6, 9, 7]
 
 
 def _prompts(path):
-    return [prompt_tokens(vocab_size(path), n=n, seed=i) for i, n in enumerate((9, 14, 5))]
+    return [prompt_tokens(vocab_size(path), n=n, seed=i) for i, n in enumerate((9, 14, 5, 11))]
 
 
 def _stock(path, prompts) -> list[list[int]]:
     """Stock mlx-lm: BatchGenerator on the checkpoint loaded by plain mlx-lm."""
     model, tokenizer = mlx_load(str(path))
     stop = StopSequences([[t] for t in tokenizer.eos_token_ids])
-    gen = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=1)
+    gen = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4)
     tokens: dict[int, list[int]] = {}
     uids, step = {}, 0
     while len(uids) < len(prompts) or gen._generation_batch.uids or gen._prompt_batch.uids \

@@ -18,29 +18,18 @@ import urllib.request
 
 import pytest
 
-from plugin_support import LlmEnv, assert_ok, assert_one_line_error
+from plugin_support import LlmEnv, assert_ok, assert_one_line_error, serving
 
 PROMPTS = ["hello there", "tell me a story", "what is a disk", "name three colours"]
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, plugin_checkpoint):
-    """An llm user dir serving the tiny checkpoint as 'small', and a server for it."""
-    from llm_mlx_streaming.server.run import Server
-
-    user_dir = tmp_path_factory.mktemp("served") / "llm"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LLM_USER_PATH", str(user_dir))
-        env = LlmEnv(user_dir, plugin_checkpoint)
-        # max_context 96: every reply is capped by the context, so fuzzed bodies stay short
-        env.write_settings(default_model="small", max_context=96, max_batch=1,  # one at a time
-                           models={"small": {"path": str(plugin_checkpoint), "aliases": ["sm"], "expert_slots": 4}})
-        server = Server(port=0, max_queue=8).start()
-        env.server = server
-        try:
-            yield env
-        finally:
-            server.stop()
+    """An llm user dir serving the tiny checkpoint as 'small', and a server for it that
+    runs one request at a time (max_batch 1; tests/test_server_batch.py batches)."""
+    # max_context 96: every reply is capped by the context, so fuzzed bodies stay short
+    with serving(tmp_path_factory.mktemp("served") / "llm", plugin_checkpoint, max_context=96, max_batch=1) as env:
+        yield env
 
 
 def client(served):

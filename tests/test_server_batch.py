@@ -9,26 +9,14 @@ import threading
 
 import pytest
 
-from plugin_support import LlmEnv
+from plugin_support import serving
 from test_server import PROMPTS, call, chat_body, client, in_thread, wait_for
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, plugin_checkpoint):
-    from llm_mlx_streaming.server.run import Server
-
-    user_dir = tmp_path_factory.mktemp("batched") / "llm"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LLM_USER_PATH", str(user_dir))
-        env = LlmEnv(user_dir, plugin_checkpoint)
-        env.write_settings(default_model="small", max_batch=4,
-                           models={"small": {"path": str(plugin_checkpoint), "expert_slots": 4}})
-        server = Server(port=0, max_queue=8).start()
-        env.server = server
-        try:
-            yield env
-        finally:
-            server.stop()
+    with serving(tmp_path_factory.mktemp("batched") / "llm", plugin_checkpoint, max_batch=4) as env:
+        yield env
 
 
 def _queued(served) -> int:

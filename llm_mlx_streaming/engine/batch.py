@@ -19,7 +19,7 @@ from ..stops import StopMatcher
 from . import figures as fig
 from .generation import Channel, Started
 from .request import Injected, Request
-from .respond import _disk_cache, _from_disk, _kv_layout, _save_to_disk, _stopped, token_budget
+from .respond import disk_cache_for, cache_from_disk, kv_layout, save_to_disk, stopped, token_budget
 from .planner import PREFILL_STEP
 
 TILE = 2048  # longer chunks take TiledAttention's path, written for one sequence's cache
@@ -81,7 +81,7 @@ class Batch:
         self.engine, self.capacity = engine, capacity
         self.prefill_step = min(prefill_step or PREFILL_STEP, TILE)
         self.generator = BatchGenerator(engine.loaded.model, completion_batch_size=capacity,
-                                        prefill_batch_size=1, prefill_step_size=self.prefill_step)
+                                        prefill_batch_size=capacity, prefill_step_size=self.prefill_step)
         self.members: dict[int, Member] = {}
 
     def admit(self, request: Request, out: Channel) -> None:
@@ -92,10 +92,10 @@ class Batch:
         loaded, session = engine.loaded, engine.session
         prompt = [int(t) for t in request.prompt]
         max_tokens = token_budget(prompt, request, engine.max_tokens, engine.context_length)
-        kv, kv_note = _kv_layout(loaded, request.kv)
+        kv, kv_note = kv_layout(loaded, request.kv)
         cache, new_tokens, reused = session.reuse_for(prompt, kv)
-        disk = _disk_cache(engine, request, kv, engine.carried)
-        cache, new_tokens, reused, from_disk = _from_disk(disk, session, loaded, prompt, kv, cache, new_tokens,
+        disk = disk_cache_for(engine, request, kv, engine.carried)
+        cache, new_tokens, reused, from_disk = cache_from_disk(disk, session, loaded, prompt, kv, cache, new_tokens,
                                                           reused)
         session.reset()  # the batch owns that cache now; a later request must not trim it
         out.put("started", Started(loaded.tokenizer, engine.checkpoint, prompt, reused))
@@ -147,7 +147,7 @@ class Batch:
             generation_tps=member.tokens / (now - member.first) if now > member.first else 0.0,
             peak_memory=mx.get_peak_memory() / 1e9, finish_reason=r.finish_reason,
         )
-        member.last = _stopped(response, member.stops)
+        member.last = stopped(response, member.stops)
         member.out.put("response", member.last)
         if r.finish_reason is not None:
             self._finish(r.uid, r.prompt_cache, r.all_tokens)
@@ -169,7 +169,7 @@ class Batch:
         ttft = None if member.first is None else member.first - member.start
         stats.update(fig.kv_figures(cache, member.kv, member.kv_note, self.prefill_step, ttft))
         stats["batch"] = member.largest
-        _save_to_disk(member.disk, engine.session, member.from_disk, stats, engine.carried.warned)
+        save_to_disk(member.disk, engine.session, member.from_disk, stats, engine.carried.warned)
         engine.finished(stats)
         member.out.put("done", stats)
         self._leave(uid, kept=True)

@@ -52,10 +52,10 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
     max_tokens = token_budget(prompt, request, default_max_tokens, provider.context_length)
     for processor in request.budget_aware:  # constrained decoding closes within it
         processor.limit_tokens(max_tokens)
-    kv, kv_note = _kv_layout(loaded, request.kv)
+    kv, kv_note = kv_layout(loaded, request.kv)
     cache, new_tokens, reused = session.reuse_for(prompt, kv)
-    disk = _disk_cache(provider, request, kv, carried)
-    cache, new_tokens, reused, from_disk = _from_disk(disk, session, loaded, prompt, kv, cache, new_tokens, reused)
+    disk = disk_cache_for(provider, request, kv, carried)
+    cache, new_tokens, reused, from_disk = cache_from_disk(disk, session, loaded, prompt, kv, cache, new_tokens, reused)
     out.put("started", Started(loaded.tokenizer, provider.checkpoint, prompt, reused))
 
     prefill_step = request.prefill_step or PREFILL_STEP
@@ -95,7 +95,7 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
                 ttft = time.perf_counter() - start
             out.check_cancelled()
             generated.append(response.token)
-            last = _stopped(response, stops)
+            last = stopped(response, stops)
             out.put("response", last)
             if stops.hit is not None:
                 break
@@ -117,7 +117,7 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
     stats.update(fig.kv_figures(session.cache, kv, kv_note, prefill_step, ttft))
     if recorder is not None:
         _write_trace(recorder, request.trace_path, provider.checkpoint.name, stats, carried.warned)
-    _save_to_disk(disk, session, from_disk, stats, carried.warned)
+    save_to_disk(disk, session, from_disk, stats, carried.warned)
     return stats
 
 
@@ -141,7 +141,7 @@ def token_budget(prompt: list[int], request: Request, default_max_tokens: int, c
     return min(max_tokens, limit - len(prompt)) if limit else max_tokens
 
 
-def _stopped(response, stops: StopMatcher):
+def stopped(response, stops: StopMatcher):
     """`response` with its text cut at a stop sequence (finish "stop"), or the held-back
     text flushed at the end."""
     text = stops.feed(response.text)
@@ -152,7 +152,7 @@ def _stopped(response, stops: StopMatcher):
     return replace(response, text=text) if text != response.text else response
 
 
-def _kv_layout(loaded, spec):
+def kv_layout(loaded, spec):
     """(the KV layout the loaded model runs `spec` with, a note when it differs);
     a layout the model cannot take is an EngineError."""
     from mlx.utils import tree_flatten
@@ -164,7 +164,7 @@ def _kv_layout(loaded, spec):
 
 
 # -- the conversation cache on disk (engine/disk_cache.py) ------------------------------
-def _disk_cache(provider: ModelProvider, request: Request, kv, carried: Carried):
+def disk_cache_for(provider: ModelProvider, request: Request, kv, carried: Carried):
     """The conversation cache for this request's checkpoint and KV layout, or None."""
     spec = request.conversation_cache
     if spec is None:  # this turn changes the session's cache unseen: a later one writes it whole
@@ -176,7 +176,7 @@ def _disk_cache(provider: ModelProvider, request: Request, kv, carried: Carried)
     return carried.disk
 
 
-def _from_disk(disk, session, loaded, prompt, kv, cache, new_tokens, reused):
+def cache_from_disk(disk, session, loaded, prompt, kv, cache, new_tokens, reused):
     """A longer prefix than the session holds, from disk, when there is one; the last
     item is how many tokens came from disk."""
     if disk is None or reused >= len(prompt) - 1:
@@ -189,7 +189,7 @@ def _from_disk(disk, session, loaded, prompt, kv, cache, new_tokens, reused):
     return cache, new_tokens, reused, reused
 
 
-def _save_to_disk(disk, session, from_disk: int, stats: dict, warned: set) -> None:
+def save_to_disk(disk, session, from_disk: int, stats: dict, warned: set) -> None:
     """Save the session's cache for a later process; a failed write is a warning and a
     figure, never a lost reply."""
     stats["disk_cache_tokens"] = from_disk
