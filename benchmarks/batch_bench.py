@@ -2,7 +2,9 @@
 
 On engine_bench's checkpoint (qwen3_moe shape, 4-bit, 128 experts, top-8, 4 layers,
 25% of each layer's experts resident) a server runs in this process with max_batch 8.
-For B = 1, 2, 4, 8 it sends B requests at once (64 tokens each) and prints aggregate
+For B = 1, 2, 4, 8 it sends B requests that arrive together (queued while the engine
+thread is held, then let go at once; 64 tokens each, prompts never seen before, so
+no KV is reused) and prints aggregate
 and per-request tokens/s, MB read and host syncs per generated token, distinct experts
 per MoE layer call, and the modeled GPU rate: tokens / (measured time + syncs x 2 ms),
 the round trip an Apple GPU pays for each host synchronisation (a router read-back)
@@ -68,14 +70,24 @@ def fresh(i: int, count=[0]) -> str:  # noqa: B006 - prompts never seen before: 
 
 
 def batch_round(url: str, b: int, tokens: int, **extra) -> dict:
-    """B requests at once: aggregate figures from the engine's counters."""
+    """B requests arriving together (queued behind a job holding the engine thread, then
+    released at once): aggregate figures from the engine's counters."""
+    from llm_mlx_streaming.engine import worker
+
     before = live(url)
     outs = [{} for _ in range(b)]
     threads = [threading.Thread(target=ask, args=(url, fresh(i), tokens, outs[i]), kwargs=extra)
                for i in range(b)]
-    start = time.perf_counter()
+    go = threading.Event()
+    worker.submit(lambda out: go.wait(600))
     for t in threads:
         t.start()
+    deadline = time.monotonic() + 300
+    while live(url)["requests_queued"] < b:
+        assert time.monotonic() < deadline, "the requests did not queue"
+        time.sleep(0.01)
+    start = time.perf_counter()
+    go.set()
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
