@@ -135,23 +135,26 @@ def serve_rows(args) -> None:
         "default_model": "bench", "max_batch": max(args.batches), "conversation_cache": False,
         "models": {"bench": {"path": str(path), "expert_slots": slots}}}))
     print(f"checkpoint {path}, {slots} of {SHAPE['num_experts']} experts per layer resident (25%), "
-          f"{args.tokens} tokens per request, {ROUND_TRIP_S * 1e3:.0f} ms per sync modeled; best of {args.rounds}")
+          f"{args.tokens} tokens per request, {ROUND_TRIP_S * 1e3:.0f} ms per sync modeled; medians of {args.rounds} rounds")
     print(f"{'B':<16} {'batch':>5} {'agg tok/s':>9} {'vs B=1':>6} {'req tok/s':>9} {'late TTFT s':>11} "
           f"{'MB/tok':>7} {'experts/call':>12} {'syncs/tok':>9} {'vs B=1':>6} {'GPU tok/s':>9} {'vs B=1':>6}",
           flush=True)
     with Server(port=0, max_queue=16) as server:
         batch_round(server.url, 1, 8)  # warm-up: loads the model, fills the pools
+        kinds = [(b, {}) for b in args.batches] + [(4, {"max_batch": 1})]
+        runs: dict[int, list[dict]] = {i: [] for i in range(len(kinds))}
+        for _ in range(args.rounds):  # the Bs take turns, so a change of the machine's load hits them all
+            for i, (b, extra) in enumerate(kinds):
+                runs[i].append(batch_round(server.url, b, args.tokens, **extra))
         base = None
-        rows = [(b, {}) for b in args.batches] + [(4, {"max_batch": 1})]
-        for b, extra in rows:
-            row = max((batch_round(server.url, b, args.tokens, **extra) for _ in range(args.rounds)),
-                      key=lambda r: r["aggregate"])
+        for i, (b, extra) in enumerate(kinds):
+            row = {key: statistics.median(r[key] for r in runs[i]) for key in runs[i][0]}
             ttft = late_arrival(server.url, b, args.tokens) if not extra else None
             base = base or row
             assert row["unplaced"] == 0
             name = f"{b}" + (" (max_batch 1)" if extra else "")
             ratio = row["aggregate"] / base["aggregate"]
-            print(f"{name:<16} {row['largest']:>5} {row['aggregate']:>9.2f} {ratio:>5.2f}x "
+            print(f"{name:<16} {row['largest']:>5.0f} {row['aggregate']:>9.2f} {ratio:>5.2f}x "
                   f"{row['per_request']:>9.2f} {'-' if ttft is None else format(ttft, '.3f'):>11} "
                   f"{row['mb_per_token']:>7.2f} {row['experts_per_call']:>12.1f} {row['syncs_per_token']:>9.2f} "
                   f"{row['syncs_per_token'] / base['syncs_per_token']:>5.2f}x {row['modeled']:>9.2f} "
@@ -188,7 +191,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--batches", default="1,2,4,8")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds per B (the fastest is printed)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds over every B (medians are printed)")
     parser.add_argument("--speculation", action="store_true", help="only the k 0 / 3 / auto syncs rows")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]

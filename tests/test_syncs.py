@@ -84,3 +84,12 @@ def test_speculation_counts_its_verify_reads(qwen, counted):
     assert counted["reads"] > counted["layer_calls"]  # each pass also reads its choice back
     assert stats["syncs"] == counted["reads"] + counted["evals"]
     engine.unload()
+
+
+def test_llm_mlxs_stats_sums_syncs_over_responses():
+    from llm_mlx_streaming.cli.stats import _stat_lines, aggregate
+
+    rows = [{"stats": {"syncs": 8, "generated_tokens": 4}}, {"stats": {"syncs": 2, "generated_tokens": 6}}]
+    totals = aggregate(rows)
+    assert totals["syncs"] == 10 and totals["syncs_per_token"] == 1.0  # a ratio of sums
+    assert ["host syncs", "10 (1.0 per generated token)"] in _stat_lines(totals)

@@ -213,6 +213,8 @@ def _stat_lines(st: dict) -> list[list[str]]:
             extra.append(f"page cache {st['page_cache']}")
         lines.append(["expert reads", st["store"] + (f" ({', '.join(extra)})" if extra else "")])
     lines += _long_context_lines(st)
+    if isinstance(st.get("batch"), int):
+        lines.append(["batch", f"decoded in a batch of up to {st['batch']} requests"])
     if (spec := _speculation_line(st)) is not None:
         lines.append(spec)
     return lines
