@@ -140,7 +140,7 @@ def serve_rows(args) -> None:
           f"{'MB/tok':>7} {'experts/call':>12} {'syncs/tok':>9} {'vs B=1':>6} {'GPU tok/s':>9} {'vs B=1':>6}",
           flush=True)
     with Server(port=0, max_queue=16) as server:
-        batch_round(server.url, 1, 8)  # warm-up: loads the model, fills the pools
+        ask(server.url, fresh(0), 8, {})  # warm-up: loads the model (not behind a held engine), fills the pools
         kinds = [(b, {}) for b in args.batches] + [(4, {"max_batch": 1})]
         runs: dict[int, list[dict]] = {i: [] for i in range(len(kinds))}
         for _ in range(args.rounds):  # the Bs take turns, so a change of the machine's load hits them all

@@ -27,13 +27,9 @@ def submit(job: Callable[[Channel], None], tag=None) -> Generation:
 def take_queued(accept: Callable) -> tuple | None:
     """For the job now running (a batch): the next queued job's (tag, channel), taken
     off the queue, when `accept(tag)`; None when the queue is empty or its head is not
-    accepted, so jobs still run in order. The taker runs it and then calls `finished`."""
+    accepted, so jobs still run in order. The taker runs it and sets the channel's
+    `finished` when it is over (a caller waiting in `Generation.close` goes on)."""
     return _engine_thread().take(accept)
-
-
-def finished(channel: Channel) -> None:
-    """A taken job is over: a caller waiting in `Generation.close` may go on."""
-    channel.finished.set()
 
 
 class _EngineThread:
