@@ -39,13 +39,20 @@ def schema_grammar(schema) -> str:
             raise SchemaError(f"the schema is not valid JSON: {exc}") from None
     if not isinstance(schema, dict):
         raise SchemaError("the schema must be a JSON object")
+    return checked_grammar(lambda: llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=COMPILE_OPTIONS))
+
+
+def checked_grammar(make, what: str = "the schema") -> str:
+    """The grammar `make()` builds, validated; SchemaError in one line if it is not valid."""
+    import llguidance
+
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=COMPILE_OPTIONS)
+        grammar = make()
     except ValueError as exc:
-        raise SchemaError(f"the schema cannot be compiled: {_short(exc)}") from None
+        raise SchemaError(f"{what} cannot be compiled: {_short(exc)}") from None
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
-        raise SchemaError(f"the schema cannot be compiled: {_short(messages[0])}")
+        raise SchemaError(f"{what} cannot be compiled: {_short(messages[0])}")
     return grammar
 
 
@@ -159,10 +166,15 @@ class SchemaProcessor:
             self._window = max(CLOSING_MIN_TOKENS, 2 * self._shortest_document())
         return self._window
 
-    def _preferred(self, allowed, text: str):
-        """The allowed tokens that close what compact JSON `text` leaves open, or all."""
+    def _preferred(self, allowed, text: str, matcher):
+        """The end of the reply when `matcher` may end there (a grammar that allows more,
+        like one more tool call, is not taken up on it); else the allowed tokens that
+        close what compact JSON `text` leaves open, or all."""
         import numpy as np
 
+        eos = self.tokenizer.eos_token_id
+        if matcher.is_accepting() and allowed[eos]:
+            return np.arange(len(allowed)) == eos
         first = token_table(self.tokenizer, len(allowed))[0]
         for group in closers(text):
             preferred = allowed & np.isin(first, list(group))
@@ -175,7 +187,8 @@ class SchemaProcessor:
         open (a string, a number, an array or object), when there are any: a model
         that would go on (a random one writes strings forever) still ends with a
         complete document. The grammar's mask stays the authority."""
-        return self._preferred(allowed, self.tokenizer.decode([int(t) for t in tokens[self.start:].tolist()]))
+        text = self.tokenizer.decode([int(t) for t in tokens[self.start:].tolist()])
+        return self._preferred(allowed, text, self.matcher)
 
     def _shortest_document(self, limit: int = 4096) -> int:
         """Tokens a document takes from the current state when every step closes what
@@ -189,7 +202,7 @@ class SchemaProcessor:
         while not matcher.is_stopped() and steps < limit:
             bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
             allowed = np.unpackbits(bits, bitorder="little")[:n_vocab].astype(bool)
-            allowed = self._preferred(allowed, text)
+            allowed = self._preferred(allowed, text, matcher)
             choice = int(np.argmax(np.where(allowed, lengths, -1)))
             if not allowed[choice] or not matcher.consume_token(choice) or matcher.is_error():
                 break

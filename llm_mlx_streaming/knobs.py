@@ -15,6 +15,7 @@ from pydantic import ConfigDict, Field, create_model, field_validator
 
 from . import values
 from .experts.policies import DEFAULT_POLICY, POLICIES as POLICY_CLASSES
+from .experts.prefetch import OVERLAP_MODES
 from .experts.store import DEFAULT_THREADS, PAGE_CACHE_MODES
 
 BUNDLED_NAME = "tiny-moe"
@@ -64,6 +65,11 @@ KNOBS: tuple[Knob, ...] = (
                  description="Sample only from the k most likely tokens (0: no limit)"),
     _option_only(name="seed", type=int, description="Random seed, for repeatable sampling"),
     _option_only(
+        name="top_logprobs", type=int, bounds={"ge": 0, "le": 20},
+        description="Record each generated token's log-probability and this many most likely "
+        "alternatives (0: none) in the response's JSON (logprobs)",
+    ),
+    _option_only(
         name="repetition_penalty", type=float, bounds={"ge": 1, "le": 5},
         description=f"Make tokens among the last {REPETITION_CONTEXT} this many times less likely "
         f"(mlx-lm's repetition penalty); 1: off (default {BUNDLED_REPETITION_PENALTY} for the bundled "
@@ -76,6 +82,21 @@ KNOBS: tuple[Knob, ...] = (
     _option_only(
         name="thinking", type=bool, check=values.parse_switch,
         description="on/off: the chat template's thinking switch (enable_thinking), where the template has one",
+    ),
+    _option_only(
+        name="thinking_budget", type=int, bounds={"ge": 1},
+        description="Most tokens of reasoning: the think block is closed after this many (for models "
+        "whose think tags are single tokens, as Qwen3's)",
+    ),
+    _option_only(
+        name="tool_choice", type=str, check=values.tool_choice,
+        description="With tools (-T): auto (default: the model decides), none (the tools are not shown "
+        "to the model), required (it must call one), or a tool's name (it must call that one); required "
+        "and a name are enforced by constrained decoding",
+    ),
+    _option_only(
+        name="parallel_tool_calls", type=bool, check=values.parse_switch,
+        description="With tools: on (default): a reply may hold several calls; off: at most one",
     ),
     # -- the expert pools ------------------------------------------------------------
     Knob(
@@ -95,10 +116,11 @@ KNOBS: tuple[Knob, ...] = (
         "max_context tokens, a reserve and as many expert slots as fit (`llm mlxs plan`). A size like "
         f"12GB, 12G, 1.5GiB, or auto: {AUTO_BUDGET_SHARE:.0%} of this machine's physical memory.",
     ),
-    _setting_only(
+    Knob(
         name="max_context", type=int, default=values.DEFAULT_MAX_CONTEXT, bounds={"ge": 1},
         description="Longest conversation (prompt + reply, in tokens) the KV cache is planned for; "
-        "longer prompts are refused and replies stop there.",
+        "longer prompts are refused and replies stop there. As an option: a lower limit for one prompt "
+        "(the setting is what the KV cache and the memory plan are made for).",
     ),
     _setting_only(name="threads", type=int, default=DEFAULT_THREADS, bounds={"ge": 1, "le": 256},
                   description="Threads reading experts from disk."),
@@ -106,6 +128,13 @@ KNOBS: tuple[Knob, ...] = (
         name="page_cache", type=Literal[PAGE_CACHE_MODES], default="keep",
         description="keep: expert reads go through the OS page cache (a free second tier); "
         "bypass: keep them out of it (macOS F_NOCACHE, Linux fadvise DONTNEED).",
+    ),
+    _setting_only(
+        name="overlap", type=Literal[OVERLAP_MODES], default="auto",
+        description="on: a decode step computes its resident experts while its misses are read, and "
+        "reads ahead the experts the next layer is predicted to need; off: read first, then compute; "
+        "auto: on where the reads wait on the disk (pages not in the page cache), off where the page "
+        "cache serves them (on a GPU: overlap, no read-ahead).",
     ),
     _setting_only(
         name="trace", type=bool, default=False, check=values.parse_switch,
@@ -212,14 +241,14 @@ def build_settings(name: str, base, extra_fields: dict):
     )
 
 
-def build_options(base):
-    """llm's `Options` for the model: every option, None when not given."""
-    knobs = [k for k in KNOBS if k.option]
+def build_options(base, names: Optional[tuple[str, ...]] = None, model_name: str = "Options"):
+    """llm's `Options` for the model: every option (or those in `names`), None when not given."""
+    knobs = [k for k in KNOBS if k.option and (names is None or k.name in names)]
     fields = {}
     for k in knobs:
         text = k.description + (f" (default: `llm mlxs config {k.name}`)" if k.setting else "")
         fields[k.name] = (Optional[k.type], Field(None, description=text, **k.bounds))
-    return create_model("Options", __base__=base, __validators__=_validators(knobs), **fields)
+    return create_model(model_name, __base__=base, __validators__=_validators(knobs), **fields)
 
 
 SETTINGS_CONFIG = ConfigDict(extra="forbid", validate_assignment=True)

@@ -66,50 +66,85 @@ def template_messages(prompt, think_start=None, think_end=None) -> tuple[list[di
 
 
 def openai_messages(prompt) -> list[dict]:
-    """llm's message chain as OpenAI messages; replies carry the ids they were generated
-    as (the `tokens` extension), so the server reuses its KV cache exactly."""
-    from llm.parts import ReasoningPart, TextPart
+    """llm's message chain as OpenAI messages (tool calls and results included); replies
+    carry the ids they were generated as (the `tokens` extension), so the server reuses
+    its KV cache exactly."""
+    import json
+
+    from llm.parts import ReasoningPart, TextPart, ToolCallPart
 
     out = []
     for message in prompt.messages:
+        if message.role == "tool":
+            out.extend({"role": "tool", "tool_call_id": m["tool_call_id"], "content": m["content"]}
+                       for m in tool_result_messages(message))
+            continue
         if message.role not in ("system", "user", "assistant"):
-            raise PromptError(f"mlx-stream cannot send '{message.role}' messages (no tool support)")
+            raise PromptError(f"mlx-stream cannot send '{message.role}' messages")
         text, reasoning = [], []
         for part in message.parts:
             if isinstance(part, ReasoningPart):
                 reasoning.append(part.text)
             elif isinstance(part, TextPart):
                 text.append(part.text)
-            else:
+            elif not isinstance(part, ToolCallPart):
                 raise PromptError(f"mlx-stream supports text only, not {type(part).__name__}")
         item = {"role": message.role, "content": "".join(text)}
         if reasoning and any(reasoning):
             item["reasoning_content"] = "".join(reasoning)
+        if calls := assistant_tool_calls(message.parts):
+            item["tool_calls"] = [{**c, "function": {"name": c["function"]["name"],
+                                                     "arguments": json.dumps(c["function"]["arguments"])}}
+                                  for c in calls]
         if message.role == "assistant" and (tokens := stored_tokens(message)) is not None:
             item["tokens"] = tokens
         out.append(item)
     return out
 
 
-def llm_messages(messages, known=lambda text: None) -> list:
+def llm_messages(messages, known=lambda text, calls=(): None) -> list:
     """OpenAI chat messages (the server's bodies) as llm's; an assistant reply without
-    its `tokens` gets them from `known(text)` -> (reasoning, tokens) or None."""
-    from llm.parts import Message, ReasoningPart, TextPart
+    its `tokens` gets them from `known(text, calls)` -> (reasoning, tokens) or None.
+    A message's tool calls come from its `calls()`: [{"id", "name", "arguments"}]."""
+    from llm.parts import Message, TextPart
 
-    out = []
-    for m in messages:
+    out, called = [], {}
+    for i, m in enumerate(messages):
         text = m.text()
         role = "system" if m.role == "developer" else m.role
-        if role != "assistant":
+        if role == "tool":
+            if m.tool_call_id not in called:
+                raise PromptError(f"messages.{i}.tool_call_id: no earlier assistant message made the call "
+                                  f"{m.tool_call_id!r}")
+            out.append(tool_result_message(m.tool_call_id, called[m.tool_call_id], text))
+        elif role == "assistant":
+            calls = m.calls()
+            called.update((c["id"], c["name"]) for c in calls)
+            reasoning, tokens = m.reasoning_content or "", m.tokens
+            if tokens is None and (found := known(text, calls)) is not None:
+                reasoning, tokens = reasoning or found[0], found[1]
+            out.append(assistant_message(text, reasoning, tokens, calls))
+        else:
             out.append(Message(role=role, parts=[TextPart(text=text)]))
-            continue
-        reasoning, tokens = m.reasoning_content or "", m.tokens
-        if tokens is None and (found := known(text)) is not None:
-            reasoning, tokens = reasoning or found[0], found[1]
-        parts = [ReasoningPart(text=reasoning)] if reasoning else []
-        parts.append(TextPart(text=text, provider_metadata=reply_metadata(tokens) if tokens else None))
-        out.append(Message(role="assistant", parts=parts))
     return out
+
+
+def assistant_message(text: str, reasoning: str = "", tokens: Optional[list[int]] = None, calls=()):
+    """An earlier reply as llm's message: its reasoning, text and tool calls
+    ({"id", "name", "arguments": dict}), with the token ids it was generated as."""
+    from llm.parts import Message, ReasoningPart, TextPart, ToolCallPart
+
+    parts = [ReasoningPart(text=reasoning)] if reasoning else []
+    parts.append(TextPart(text=text, provider_metadata=reply_metadata(tokens) if tokens else None))
+    parts.extend(ToolCallPart(name=c["name"], arguments=c["arguments"], tool_call_id=c["id"]) for c in calls)
+    return Message(role="assistant", parts=parts)
+
+
+def tool_result_message(tool_call_id: str, name: str, output: str):
+    """A tool's result, as llm's `tool` message."""
+    from llm.parts import Message, ToolResultPart
+
+    return Message(role="tool", parts=[ToolResultPart(name=name, output=output, tool_call_id=tool_call_id)])
 
 
 def raw_message(text: str):

@@ -27,8 +27,9 @@ from .client.client import running_server
 from .constrained import SchemaError, SchemaProcessor, cut_short_notice, schema_grammar
 from .messages import PromptError, reply_metadata
 from .prompting import encode_text, render_prompt, stream_event
-from .reply_split import ReplySplitter, TOOL, UNFINISHED_TOOL, opens_thinking
-from .tools import ToolError, function_tools, parse_tool_calls, template_tools
+from .reply_split import TOOL, TOOL_TEXT, UNFINISHED_TOOL, ReplySplitter, opens_thinking
+from .tools import (AUTO, NONE, CallReader, ToolError, check_tool_choice, forced_call_grammar, function_tools,
+                    shown_tools, template_tools)
 
 __all__ = ["BUNDLED_REPETITION_PENALTY", "REPETITION_CONTEXT", "Options", "MlxStreamModel"]
 
@@ -60,14 +61,31 @@ class BuiltPrompt:
     budget_aware: tuple = ()  # those of them told the reply's token budget (a schema's)
 
 
-def build_prompt(tokenizer, prompt, *, thinking, tools, grammar, processors: list) -> BuiltPrompt:
-    """Token ids for llm's `prompt`, with `processors` and, for a `--schema` (`grammar`),
-    the processor that constrains the reply to it."""
+def build_prompt(tokenizer, prompt, *, thinking, tools, grammar, processors: list, forced=None,
+                 thinking_budget: Optional[int] = None) -> BuiltPrompt:
+    """Token ids for llm's `prompt`, with `processors` (and the reasoning cap of
+    `thinking_budget`) and, for a `--schema` (`grammar`) or a forced tool call
+    (`forced(generation prompt)` -> its grammar), the processor that constrains the reply to it."""
     tokens, generation_prompt = render_prompt(tokenizer, prompt, thinking=thinking, tools=tools)
+    if thinking_budget and thinking is not False:
+        processors = [*processors, _reasoning_cap(tokenizer, tokens, generation_prompt, thinking_budget)]
+    if forced is not None:
+        grammar = forced(generation_prompt)
     budget_aware: tuple = ()
     if grammar is not None:
         budget_aware = (SchemaProcessor(grammar, tokenizer),)
     return BuiltPrompt(tokens, generation_prompt, [*processors, *budget_aware], budget_aware)
+
+
+def _reasoning_cap(tokenizer, tokens: list[int], generation_prompt: str, budget: int):
+    from .processors import reasoning_cap
+
+    start, end = getattr(tokenizer, "think_start", None), getattr(tokenizer, "think_end", None)
+    ids = [tokenizer.encode(tag, add_special_tokens=False) if tag else [] for tag in (start, end)]
+    if not all(len(i) == 1 for i in ids):
+        raise PromptError("thinking_budget: this model's think tags are not single tokens, so the block "
+                          "cannot be closed at a budget")
+    return reasoning_cap(len(tokens), opens_thinking(generation_prompt, start, end), ids[0][0], ids[1][0], budget)
 
 
 class MlxStreamModel(llm.Model):
@@ -110,9 +128,17 @@ class MlxStreamModel(llm.Model):
             ready = engine.tokenizer_for(r.load)
             if on_generation is not None:
                 on_generation(ready)
-            built = build_prompt(ready.tokenizer, prompt, thinking=options.thinking, tools=tools,
-                                 grammar=grammar, processors=repetition_processors(r.repetition_penalty))
-        generation = engine.run(r.load, r.request(built.tokens, built.processors, built.budget_aware))
+            forced = _forcing(ready.tokenizer, tools, options, grammar)
+            tools = shown_tools(tools, options.tool_choice)
+            built = build_prompt(ready.tokenizer, prompt, thinking=options.thinking, tools=tools, grammar=grammar,
+                                 processors=repetition_processors(r.repetition_penalty), forced=forced,
+                                 thinking_budget=options.thinking_budget)
+        request = r.request(built.tokens, built.processors, built.budget_aware)
+        end_tag = ready.tokenizer.tool_call_end if tools else None
+        one_call = bool(end_tag) and options.parallel_tool_calls is False
+        if one_call:  # the reply ends with its first call
+            request.stop = (*request.stop, end_tag)
+        generation = engine.run(r.load, request)
         if on_generation is not None:
             on_generation(generation)
         generated: list[int] = []
@@ -126,25 +152,49 @@ class MlxStreamModel(llm.Model):
                 start, end, opens_thinking(built.generation_prompt, start, end),
                 *((tokenizer.tool_call_start, tokenizer.tool_call_end) if tools else ()),
             )
+            reader = CallReader(tokenizer, tools)
             eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
             raw: list[str] = []  # the reply's text as generated (tags and markup included)
+            logprobs: Optional[list] = [] if options.top_logprobs is not None else None
+            finish = None
             for result in generation:
                 if result.token not in eos or result.finish_reason != "stop":
                     generated.append(int(result.token))
+                    if logprobs is not None:
+                        logprobs.append(_logprob_entry(tokenizer, result))
                 raw.append(result.text)
+                finish = result.finish_reason
                 for kind, chunk in splitter.feed(result.text):
-                    yield from _events(kind, chunk, tokenizer, tools, response, generated)
+                    yield from _events(kind, chunk, tokenizer, reader, response, generated)
         for kind, chunk in splitter.flush():
-            yield from _events(kind, chunk, tokenizer, tools, response, generated)
+            if kind == UNFINISHED_TOOL and one_call and finish == "stop":  # stopped at the call's end tag
+                kind = TOOL
+            yield from _events(kind, chunk, tokenizer, reader, response, generated)
         # The reply's own token ids, logged with it, so a later turn can
         # reuse the KV cache exactly (see prompting.py).
         yield stream_event("text", "", reply_metadata(_spelled(tokenizer, generated, "".join(raw))))
 
         stats = _jsonable({**r.plan_figures, **generation.stats})
-        _check_schema_closed(stats, built.budget_aware, generated)
+        if logprobs is not None:
+            stats["logprobs"] = logprobs
+        _check_schema_closed(stats, built.budget_aware if grammar else (), generated)
         response.set_usage(input=len(generation.started.prompt_tokens), output=stats.get("generated_tokens"))
         response.response_json = stats
         response.set_resolved_model(r.resolved_model)
+
+
+def _forcing(tokenizer, tools: list[dict], options, grammar):
+    """What builds the grammar of the tool call `options.tool_choice` forces, once the
+    generation prompt is known (it may open a think block), or None."""
+    if options.tool_choice in (None, AUTO, NONE):
+        return None
+    check_tool_choice(options.tool_choice, tools)
+    if grammar:
+        raise ToolError("a schema and a forced tool call (tool_choice) cannot be combined")
+    start, end = getattr(tokenizer, "think_start", None), getattr(tokenizer, "think_end", None)
+    return lambda generation_prompt: forced_call_grammar(
+        tokenizer, tools, options.tool_choice, options.parallel_tool_calls,
+        thinking=opens_thinking(generation_prompt, start, end))
 
 
 def _check_schema_closed(stats: dict, budget_aware: tuple, reply: list[int]) -> None:
@@ -202,30 +252,44 @@ def _spelled(tokenizer, generated: list[int], text: str, scan: int = 32) -> list
     return generated
 
 
-def _events(kind: str, chunk: str, tokenizer, tools: list[dict], response, generated: list[int]):
-    """Stream events for one piece of the split reply. A tool-call block becomes
-    llm tool calls (events and `response.add_tool_call`); markup its parser cannot
-    read, or cut off by the end of the reply, is shown as the text the model wrote."""
-    from llm.parts import StreamEvent
-
-    if kind == TOOL:
-        calls = parse_tool_calls(tokenizer, chunk, tools)
-        if calls is None:
-            yield stream_event("text", f"{tokenizer.tool_call_start}{chunk}{tokenizer.tool_call_end}")
+def _events(kind: str, chunk: str, tokenizer, reader: CallReader, response, generated: list[int]):
+    """Stream events for one piece of the split reply. A tool call is streamed as the
+    reader reads it and becomes an llm tool call (`response.add_tool_call`) when its
+    block ends; a block that is no call is shown as the text the model wrote."""
+    if kind == TOOL_TEXT:
+        for event in reader.piece(chunk):
+            yield _call_event(*event)
+    elif kind in (TOOL, UNFINISHED_TOOL):
+        closed = reader.close(chunk, finished=kind == TOOL)
+        if closed is None:
+            end = tokenizer.tool_call_end if kind == TOOL else ""
+            yield stream_event("text", f"{tokenizer.tool_call_start}{chunk}{end}")
             return
+        events, calls = closed
         for call in calls:
-            response.add_tool_call(llm.ToolCall(
-                name=call["name"], arguments=call["arguments"], tool_call_id=call["id"]
-            ))
-            yield StreamEvent(type="tool_call_name", chunk=call["name"], tool_call_id=call["id"])
-            # the ids so far ride on the call: a reply that ends in tool calls has no
-            # text part to carry them (prompting.py splices them into the next turn)
-            yield StreamEvent(type="tool_call_args", chunk=json.dumps(call["arguments"]), tool_call_id=call["id"],
-                              provider_metadata=reply_metadata(generated))
-    elif kind == UNFINISHED_TOOL:
-        yield stream_event("text", f"{tokenizer.tool_call_start}{chunk}")
+            response.add_tool_call(llm.ToolCall(name=call["name"], arguments=call["arguments"],
+                                                tool_call_id=call["id"]))
+        for event in events[:-1]:
+            yield _call_event(*event)
+        # the ids so far ride on the call: a reply that ends in tool calls has no text
+        # part to carry them (prompting.py splices them into the next turn)
+        yield _call_event(*events[-1], metadata=reply_metadata(generated))
     elif chunk:
         yield stream_event(kind, chunk)
+
+
+def _call_event(kind: str, call_id: str, chunk: str, metadata: Optional[dict] = None):
+    from llm.parts import StreamEvent
+
+    return StreamEvent(type=f"tool_call_{'name' if kind == 'name' else 'args'}", chunk=chunk, tool_call_id=call_id,
+                       provider_metadata=metadata)
+
+
+def _logprob_entry(tokenizer, result) -> dict:
+    """A generated token with its log-probability and the most likely alternatives."""
+    logprob, top = result.logprobs
+    return {"token": tokenizer.decode([int(result.token)]), "logprob": logprob,
+            "top_logprobs": [{"token": tokenizer.decode([i]), "logprob": value} for i, value in top]}
 
 
 def _jsonable(stats: dict) -> dict:

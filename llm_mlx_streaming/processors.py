@@ -30,6 +30,24 @@ class Stateless:
         return self.processor(tokens, logits)
 
 
+def reasoning_cap(prompt_length: int, opened: bool, start_id: int, end_id: int, budget: int) -> Stateless:
+    """Close the think block (force `end_id`) once it holds `budget` tokens: a function of
+    the history alone (the reply is what follows the prompt's `prompt_length` tokens), so
+    a cached prefix or a speculative pass sees what a cold run sees."""
+
+    def cap(tokens: mx.array, logits: mx.array) -> mx.array:
+        reply = tokens[prompt_length:].tolist()
+        if end_id in reply or not (opened or start_id in reply):
+            return logits
+        used = len(reply) if opened else len(reply) - reply.index(start_id) - 1
+        if used < budget:
+            return logits
+        only_end = mx.arange(logits.shape[-1]) == end_id
+        return mx.where(only_end, mx.zeros_like(logits), mx.full(logits.shape, -mx.inf, logits.dtype))
+
+    return Stateless(cap)
+
+
 class Budgeted(Protocol):
     """A processor that shapes the reply to fit its token budget (constrained.py's
     schema closes its document before the budget runs out)."""

@@ -16,12 +16,14 @@ from typing import Optional
 from .stops import partial_suffix
 
 TEXT, REASONING, TOOL = "text", "reasoning", "tool_call"
+TOOL_TEXT = "tool_call_text"  # a piece of tool-call markup as it arrives (the block follows whole)
 UNFINISHED_TOOL = "tool_call_unfinished"  # markup cut off by the end of the reply
 
 
 class ReplySplitter:
     """`feed(text)` -> [(kind, chunk)]: "text" and "reasoning" pieces as they become
-    certain, and ("tool_call", inner markup) once a tool-call block is closed."""
+    certain, the pieces of a tool-call block ("tool_call_text") as they do, and
+    ("tool_call", inner markup) once the block is closed."""
 
     def __init__(self, think_start: Optional[str], think_end: Optional[str], reasoning: bool = False,
                  tool_start: Optional[str] = None, tool_end: Optional[str] = None):
@@ -77,6 +79,8 @@ class ReplySplitter:
     def _inside(self, chunk: str, out: list) -> None:
         if self.state == TOOL:
             self._tool += chunk
+            if chunk:
+                out.append((TOOL_TEXT, chunk))
         elif chunk:
             out.append((REASONING, chunk))
 

@@ -45,6 +45,7 @@ class RunConfig:
     min_p: float = 0.0
     top_k: int = 0
     seed: Optional[int] = None
+    top_logprobs: Optional[int] = None
     repetition_penalty: float = 1.0
     stop: Sequence[str] = ()
     thinking: Optional[bool] = None
@@ -62,6 +63,7 @@ class RunConfig:
             prompt=tokens, max_tokens=self.max_tokens, stop=self.stop, conversation_cache=self.conversation_cache,
             logits_processors=logits_processors, budget_aware=budget_aware, temperature=self.temperature,
             top_p=self.top_p, min_p=self.min_p, top_k=self.top_k, seed=self.seed, max_context=self.max_context,
+            top_logprobs=self.top_logprobs,
             trace_path=self.trace_path, k=self.k, draft=self.draft, draft_path=self.draft_path,
             kv=self.kv, prefill_step=self.prefill_step, max_batch=self.max_batch,
         )
@@ -91,18 +93,20 @@ def resolve(name: Optional[str], options, settings: Settings) -> RunConfig:
         load=LoadSpec(
             path=path, expert_slots=slots, policy=options.policy or settings.policy or DEFAULT_POLICY,
             threads=settings.threads, page_cache=settings.page_cache, packed=settings.packed != "off",
+            overlap=settings.overlap,
         ),
         slots_source=source,
         budget=budget,
         kv=kv,
         prefill_step=prefill_step(options, settings, path, budget, kv, layout),
         max_tokens=settings.max_tokens if options.max_tokens is None else options.max_tokens,
-        max_context=settings.max_context,
+        max_context=context_limit(options, settings),
         temperature=options.temperature or 0.0,
         top_p=options.top_p or 0.0,
         min_p=options.min_p or 0.0,
         top_k=options.top_k or 0,
         seed=options.seed,
+        top_logprobs=options.top_logprobs,
         repetition_penalty=repetition_penalty(options, name),
         stop=tuple(options.stop or ()),
         thinking=options.thinking,
@@ -115,6 +119,18 @@ def resolve(name: Optional[str], options, settings: Settings) -> RunConfig:
         max_batch=options.max_batch or 1,
         plan_figures={"slots_from": source, **({"memory_budget_bytes": budget} if budget is not None else {})},
     )
+
+
+def context_limit(options, settings: Settings) -> int:
+    """The prompt's context: the setting, or an option below it (the KV cache and the
+    memory plan are made for the setting, so an option above it is refused)."""
+    if options.max_context is None:
+        return settings.max_context
+    if options.max_context > settings.max_context:
+        raise MlxStreamError(f"max_context {options.max_context} is above the max_context setting "
+                             f"({settings.max_context} tokens) the KV cache is planned for; raise that with "
+                             "`llm mlxs config max_context N`")
+    return options.max_context
 
 
 def checked_name(name: Optional[str], settings: Settings) -> str:

@@ -151,6 +151,13 @@ def stop(value):
     return items
 
 
+def tool_choice(value):
+    """auto, none, required, or a tool's name (checked against the tools when they are known)."""
+    if isinstance(value, str) and not value.strip():
+        raise ValueError("use auto, none, required or a tool's name")
+    return value.strip() if isinstance(value, str) else value
+
+
 def names(value) -> list[str]:
     """A list of names as stored: a JSON list, or one string of comma-separated names."""
     if isinstance(value, str):

@@ -11,27 +11,6 @@ from pathlib import Path
 from click.testing import CliRunner
 
 
-@contextmanager
-def serving(user_dir: Path, checkpoint: Path, **settings):
-    """An llm user dir serving `checkpoint` as 'small' (4 expert slots) with `settings`,
-    and a server for it on a free loopback port, stopped at the end."""
-    import pytest
-
-    from llm_mlx_streaming.server.run import Server
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LLM_USER_PATH", str(user_dir))
-        env = LlmEnv(user_dir, checkpoint)
-        env.write_settings(default_model="small", **settings,
-                           models={"small": {"path": str(checkpoint), "aliases": ["sm"], "expert_slots": 4}})
-        server = Server(port=0, max_queue=8).start()
-        env.server = server
-        try:
-            yield env
-        finally:
-            server.stop()
-
-
 class LlmEnv:
     def __init__(self, user_dir: Path, checkpoint: Path):
         self.user_dir = Path(user_dir)
@@ -113,3 +92,16 @@ def mlx_lm_text(path: Path, messages: list[dict], max_tokens: int) -> str:
     model, tokenizer = _stock(str(path))
     tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     return generate(model, tokenizer, tokens, max_tokens=max_tokens)
+
+
+@contextmanager
+def serving(env: LlmEnv, **kwargs):
+    """`env` with a server for its user dir on a free loopback port (`env.server`),
+    stopped at the end."""
+    from llm_mlx_streaming.server.run import Server
+
+    env.server = Server(port=0, **kwargs).start()
+    try:
+        yield env
+    finally:
+        env.server.stop()

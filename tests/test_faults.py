@@ -64,6 +64,29 @@ def interrupt_at_line(n: int):
     return tracer, seen
 
 
+def interrupt_each_line(pool, prepare, step, after=None) -> int:
+    """Run `step(prepare())` interrupted at its 1st, 2nd, ... line in TRACED code, until
+    it runs to its end; the pool must be sound after each (then `after` runs with the
+    same argument). Returns how many runs were interrupted."""
+    n = interrupted = 0
+    while True:
+        n += 1
+        arg = prepare()
+        tracer, seen = interrupt_at_line(n)
+        sys.settrace(tracer)
+        try:
+            step(arg)
+        except KeyboardInterrupt:
+            interrupted += 1
+        finally:
+            sys.settrace(None)
+        assert_pool_sound(pool)
+        if seen[0] < n:  # the step finished before the n-th line: every line was hit
+            return interrupted
+        if after is not None:
+            after(arg)
+
+
 def test_an_interrupt_at_any_step_of_ensure_loses_no_slot(qwen):
     loaded = load_streaming(qwen, expert_slots=SLOTS)
     try:
@@ -71,26 +94,18 @@ def test_an_interrupt_at_any_step_of_ensure_loses_no_slot(qwen):
         expected = greedy_tokens(loaded.model, prompt, 8)
         pool = loaded.pools[0]
         rng = np.random.default_rng(1)
-        n, interrupted = 0, 0
-        while True:
-            n += 1
+
+        def prepare():
             # A full pool, so that the next call must evict (the bookkeeping is traced too).
             pool.ensure(np.arange(SLOTS))
-            needed = rng.choice(np.arange(SLOTS, EXPERTS), TOP_K, replace=False)
-            tracer, seen = interrupt_at_line(n)
-            sys.settrace(tracer)
-            try:
-                pool.ensure(needed)
-            except KeyboardInterrupt:
-                interrupted += 1
-            finally:
-                sys.settrace(None)
-            assert_pool_sound(pool)
-            if seen[0] < n:  # ensure finished before the n-th line: every step was hit
-                break
+            return rng.choice(np.arange(SLOTS, EXPERTS), TOP_K, replace=False)
+
+        def after(needed):
             pool.ensure(needed)
             assert all(pool.slot_of[e] >= 0 for e in needed)
             assert_pool_sound(pool)
+
+        interrupted = interrupt_each_line(pool, prepare, pool.ensure, after)
         assert interrupted > 20
         assert greedy_tokens(loaded.model, prompt, 8) == expected
         assert sum(p.bad_slots() for p in loaded.pools) == 0

@@ -282,6 +282,59 @@ def test_tool_calls_reach_the_python_api(tools_env):
     assert result.output == "5"
 
 
+def test_tool_choice_forces_a_valid_call_and_none_hides_the_tools(tools_env):
+    def add(a: int, b: int) -> int:
+        "Add two numbers"
+        return a + b
+
+    model = llm.get_model("mlx-stream")
+    for seed in range(5):  # random weights: only the grammar makes these calls
+        response = model.prompt("2 + 3?", tools=[add], tool_choice="add", temperature=1.0, seed=seed,
+                                max_tokens=120)
+        [call] = response.tool_calls()
+        assert call.name == "add" and set(call.arguments) == {"a", "b"}
+        assert all(isinstance(v, int) for v in call.arguments.values())
+    response = model.prompt("2 + 3?", tools=[add], tool_choice="none", max_tokens=4)
+    assert response.text() is not None and response.tool_calls() == []
+    tokenizer = _tokenizer(tools_env.read_settings()["models"]["tools"]["path"])
+    assert "add" not in tokenizer.decode(tools_env.prompts[-1].started.prompt_tokens)  # not shown
+    assert_llm_option_error(tools_env.run("-m", "mlx-stream", "-T", "llm_version", "-o", "tool_choice", "nope",
+                                          "hi"), "tool_choice 'nope'")
+
+
+def test_a_forced_tool_call_may_first_close_the_think_block_the_template_opened(tools_env):
+    import llguidance
+    import llguidance.hf
+
+    from llm_mlx_streaming.tools import forced_call_grammar, template_tools
+
+    tokenizer = _tokenizer(tools_env.read_settings()["models"]["tools"]["path"])
+    tools = template_tools([llm.Tool(name="f", input_schema={"type": "object", "properties": {}})])
+    grammar = forced_call_grammar(tokenizer, tools, "required", thinking=True)
+    hf = tokenizer._tokenizer
+    matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(hf, n_vocab=len(hf)), grammar, log_level=0)
+    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    assert matcher.consume_tokens(tokenizer.encode("first a thought</think>\n\n" + call))
+    assert matcher.is_accepting()
+    matcher.reset()
+    matcher.consume_tokens(tokenizer.encode(call))
+    assert not matcher.is_accepting()  # a call inside the open think block is still thought
+
+
+def test_a_tool_call_format_that_is_not_json_cannot_be_forced():
+    from types import SimpleNamespace
+
+    from mlx_lm.tool_parsers import qwen3_coder
+
+    from llm_mlx_streaming.tools import ToolError, forced_call_grammar, template_tools
+
+    tokenizer = SimpleNamespace(has_tool_calling=True, tool_parser=qwen3_coder.parse_tool_call,
+                                tool_call_start=qwen3_coder.tool_call_start, tool_call_end=qwen3_coder.tool_call_end)
+    tools = template_tools([llm.Tool(name="f", input_schema={"type": "object", "properties": {}})])
+    with pytest.raises(ToolError, match="cannot be enforced; use tool_choice auto"):
+        forced_call_grammar(tokenizer, tools, "required")
+
+
 def test_unparseable_tool_markup_is_shown_as_written(tools_env):
     tools_env.script = ["<tool_call>\nnot json\n</tool_call>"]
     out = assert_ok(tools_env.run("-m", "mlx-stream", "-T", "llm_version", "hi")).stdout
@@ -306,6 +359,7 @@ def test_reply_splitter_cuts_tool_markup_split_anywhere():
         assert "".join(kinds["text"]) == "abc", cut
         assert "".join(kinds["reasoning"]) == "r"
         assert kinds["tool_call"] == ["{x}"] and kinds["tool_call_unfinished"] == ["{y"]
+        assert "".join(kinds["tool_call_text"]) == "{x}{y"  # the markup as it arrives
 
 
 # -- the next turn reuses a reply cut by a stop sequence or ending in a tool call -------
@@ -356,3 +410,15 @@ def test_tools_in_llm_chat(tools_env):
     turns = tools_env.turns()
     assert len(turns) == 3 and len({t["thread_id"] for t in turns}) == 1
     assert turns[2]["stats"]["reused_tokens"] > turns[1]["stats"]["prompt_tokens"]
+
+
+def test_top_logprobs_are_recorded_alike_with_and_without_speculative_decoding(llm_env):
+    model = llm.get_model("mlx-stream")
+    runs = [model.prompt("hello there", max_tokens=8, top_logprobs=2, k=k) for k in (0, 2)]
+    for response in runs:
+        response.text()
+    plain, drafted = (response.response_json["logprobs"] for response in runs)
+    assert runs[1].response_json["k"] == 2 and len(plain) == 8
+    assert [(e["token"], [t["token"] for t in e["top_logprobs"]]) for e in plain] == \
+        [(e["token"], [t["token"] for t in e["top_logprobs"]]) for e in drafted]
+    assert all(abs(a["logprob"] - b["logprob"]) < 1e-3 for a, b in zip(plain, drafted))

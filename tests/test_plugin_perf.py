@@ -66,6 +66,7 @@ def planned_env(llm_env):
         ("max_context", "8192", 8192, "8192", "0"),
         ("threads", "4", 4, "4", "many"),
         ("page_cache", "bypass", "bypass", "bypass", "drop"),
+        ("overlap", "on", "on", "on", "sometimes"),
         ("trace", "on", True, "on", "maybe"),
         ("packed", "off", "off", "off", "yes"),
     ],

@@ -65,3 +65,21 @@ def test_llm_help_does_not_import_mlx():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_reasoning_cap_closes_the_think_block_at_its_budget():
+    import mlx.core as mx
+
+    from llm_mlx_streaming.processors import reasoning_cap
+
+    START, END, prompt = 7, 8, [1, 2, 3]
+    logits = mx.zeros((1, 10))
+
+    def forced(reply, opened):
+        out = reasoning_cap(len(prompt), opened, START, END, budget=2)(mx.array(prompt + reply), logits)
+        return out[0].tolist()[END] == 0 and out[0].tolist()[0] == -float("inf")
+
+    assert [forced(r, True) for r in ([], [4], [4, 5], [4, 5, 6])] == [False, False, True, True]
+    assert not forced([4, 5, END, 6, 6], True)  # closed already: nothing to do
+    assert [forced(r, False) for r in ([4, 5, 6], [4, START, 5], [4, START, 5, 6])] == [False, False, True]
+

@@ -12,51 +12,20 @@ import os
 import socket
 import stat
 import threading
-import time
-import urllib.error
 import urllib.request
 
 import pytest
 
-from plugin_support import LlmEnv, assert_ok, assert_one_line_error, serving
+from plugin_support import LlmEnv, assert_ok, assert_one_line_error
+from server_support import call, in_process, served, wait_for  # noqa: F401 (served: a fixture)
 
 PROMPTS = ["hello there", "tell me a story", "what is a disk", "name three colours"]
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory, plugin_checkpoint):
-    """An llm user dir serving the tiny checkpoint as 'small', and a server for it that
-    runs one request at a time (max_batch 1; tests/test_server_batch.py batches)."""
-    # max_context 96: every reply is capped by the context, so fuzzed bodies stay short
-    with serving(tmp_path_factory.mktemp("served") / "llm", plugin_checkpoint, max_context=96, max_batch=1) as env:
-        yield env
 
 
 def client(served):
     import openai
 
     return openai.OpenAI(base_url=served.server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def in_process(messages, **options) -> str:
-    """The plugin's own greedy output for `messages`, never routed to the server."""
-    import llm
-    from llm.parts import Message, TextPart
-
-    chain = [Message(role=m["role"], parts=[TextPart(text=m["content"])]) for m in messages]
-    return llm.get_model("mlx-stream").prompt(messages=chain, no_server=True, **options).text()
-
-
-def call(served, method, path, body=None, headers=None, raw=None):
-    """(status, headers, parsed JSON body) of one request."""
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    request = urllib.request.Request(served.server.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as resp:
-            return resp.status, resp.headers, json.loads(resp.read() or b"null")
-    except urllib.error.HTTPError as e:
-        return e.code, e.headers, json.loads(e.read() or b"null")
 
 
 def raw_status(served, rest: bytes) -> int:
@@ -116,13 +85,6 @@ def in_thread(fn, *args):
     t = threading.Thread(target=work, daemon=True)
     t.start()
     return t, out
-
-
-def wait_for(predicate, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 # -- the OpenAI API ------------------------------------------------------------------
@@ -453,6 +415,12 @@ def test_api_key_discovery_file_and_stale_files(tmp_path, monkeypatch, plugin_ch
         assert status == 401 and body["error"]["code"] == "invalid_api_key"
         assert call(env, "GET", "/v1/models", headers={"Authorization": "Bearer wrong"})[0] == 401
         assert call(env, "GET", "/v1/models", headers={"Authorization": "Bearer sesame"})[0] == 200
+        # changing the engine's parameters is a write: it needs the key too
+        assert call(env, "POST", "/api/engine/config", {"max_tokens": 3})[0] == 401
+        assert call(env, "GET", "/api/engine/config")[0] == 401
+        key = {"Authorization": "Bearer sesame"}
+        assert call(env, "GET", "/api/engine/config", headers=key)[2]["max_tokens"] == 256
+        assert call(env, "POST", "/api/engine/config", {"max_tokens": 3}, headers=key)[2]["max_tokens"] == 3
         # the llm CLI authenticates with the per-server secret from the discovery file
         assert_ok(env.run("-m", "mlx-stream", "hi", "-o", "max_tokens", "2"))
         assert env.turns()[-1]["stats"]["served_by"] == server.url
@@ -496,9 +464,11 @@ def test_schemathesis_finds_no_server_error(served):
     url = served.server.url
     schema = schemathesis.openapi.from_url(url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert {op.path for op in operations} >= {"/v1/chat/completions", "/api/engine/config", "/api/stats"}
+    assert {op.path for op in operations} >= {"/v1/chat/completions", "/api/engine/config", "/api/stats",
+                                              "/v1/messages", "/v1/messages/count_tokens", "/api/chat",
+                                              "/api/generate", "/api/tags", "/api/show", "/api/ps"}
 
-    @settings(max_examples=40, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=120, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(case=st.one_of([op.as_strategy() for op in operations]))
     def no_server_error(case):
@@ -676,7 +646,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("/v1/chat/completions", "tool_choice", "required"),
     ("/v1/chat/completions", "presence_penalty", 0.5),
-    ("/v1/chat/completions", "logprobs", True),
+    ("/v1/chat/completions", "top_logprobs", 2),
     ("/v1/completions", "logit_bias", {"5": 1.0}),
 ])
 def test_a_field_that_is_not_honoured_is_a_400_naming_it(served, path, field, value):
@@ -694,8 +664,53 @@ def test_a_message_field_that_is_not_honoured_is_a_400_naming_it(served):
 
 def test_openai_fields_at_their_no_op_value_are_accepted(served):
     body = {**CHAT, "user": "u1", "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
-            "logprobs": False, "tools": [], "tool_choice": "none", "parallel_tool_calls": True,
+            "logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none", "parallel_tool_calls": True,
             "response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True,
                                                                        "schema": {"type": "object"}}}}
     status, _, reply = call(served, "POST", "/v1/chat/completions", body)
     assert status == 200, reply
+    assert reply["choices"][0].get("logprobs") is None and "logprobs" not in reply["mlx_stream"]["stats"]
+
+
+def test_logprobs_of_chat_and_completions(served):
+    """Each generated token's log-probability, with the most likely alternatives: greedy
+    decoding takes the likeliest, so it is the first alternative."""
+    c = client(served)
+    messages = [{"role": "user", "content": "hello there"}]
+    reply = c.chat.completions.create(model="mlx-stream", messages=messages, max_tokens=6, logprobs=True,
+                                      top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    # (the reply's text drops its first token's leading space, as mlx-lm's detokenizer does)
+    text = reply.choices[0].message.content
+    assert "".join(e.token for e in content) in (text, " " + text)
+    assert len(content) == reply.usage.completion_tokens
+    for e in content:
+        assert len(e.top_logprobs) == 3 and e.logprob <= 0 and bytes(e.bytes).decode() == e.token
+        assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+        assert e.logprob == e.top_logprobs[0].logprob
+    plain = c.chat.completions.create(model="mlx-stream", messages=messages, max_tokens=6)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == text
+
+    streamed = []
+    for chunk in c.chat.completions.create(model="mlx-stream", messages=messages, max_tokens=6, logprobs=True,
+                                           stream=True):
+        for choice in chunk.choices:
+            streamed += choice.logprobs.content if choice.logprobs else []
+    assert [(e.token, e.logprob, e.top_logprobs) for e in streamed] == [(e.token, e.logprob, []) for e in content]
+
+    completion = c.completions.create(model="mlx-stream", prompt="abc def", max_tokens=5, logprobs=2)
+    logprobs = completion.choices[0].logprobs
+    assert "".join(logprobs.tokens) in (completion.choices[0].text, " " + completion.choices[0].text)
+    assert len(logprobs.token_logprobs) == 5
+    assert all(len(top) <= 2 for top in logprobs.top_logprobs) and logprobs.text_offset[0] == 0
+
+
+def test_llm_top_logprobs_is_logged_the_same_routed_or_in_process(served):
+    assert_ok(served.run("-m", "mlx-stream", "hi", "-o", "top_logprobs", "2", "-o", "max_tokens", "3"))
+    routed = served.turns()[-1]["stats"]
+    assert_ok(served.run("-m", "mlx-stream", "hi", "-o", "top_logprobs", "2", "-o", "max_tokens", "3",
+                         "-o", "no_server", "1"))
+    local = served.turns()[-1]["stats"]
+    assert routed["served_by"] == served.server.url and "served_by" not in local
+    assert routed["logprobs"] == local["logprobs"] and len(local["logprobs"]) == 3
+    assert all(len(e["top_logprobs"]) == 2 for e in local["logprobs"])

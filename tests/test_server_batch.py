@@ -9,13 +9,13 @@ import threading
 
 import pytest
 
-from plugin_support import serving
-from test_server import PROMPTS, call, chat_body, client, in_thread, wait_for
+from server_support import call, small_server, wait_for
+from test_server import PROMPTS, chat_body, client, in_thread
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, plugin_checkpoint):
-    with serving(tmp_path_factory.mktemp("batched") / "llm", plugin_checkpoint, max_batch=4) as env:
+    with small_server(tmp_path_factory.mktemp("batched") / "llm", plugin_checkpoint, max_batch=4) as env:
         yield env
 
 

@@ -63,6 +63,28 @@ def test_a_foreign_host_is_refused_on_every_route(guarded, method, path, body):
     assert "evil.example" in reply["error"]["message"]
 
 
+CHAT = {"model": "mlx-stream", "messages": [{"role": "user", "content": "hi"}]}
+OTHER_APIS = [("POST", "/v1/messages", {**CHAT, "max_tokens": 1}), ("POST", "/v1/messages/count_tokens", CHAT),
+              ("POST", "/api/chat", {**CHAT, "stream": False}), ("POST", "/api/chat", {"model": "mlx-stream",
+                                                                                     "keep_alive": 0}),
+              ("POST", "/api/generate", {"model": "mlx-stream", "prompt": "hi", "stream": False}),
+              ("GET", "/api/tags", None), ("POST", "/api/show", {"model": "mlx-stream"}), ("GET", "/api/ps", None),
+              ("GET", "/api/version", None), ("POST", "/api/pull", {"model": "x"})]
+
+
+@pytest.mark.parametrize("method,path,body", OTHER_APIS)
+@pytest.mark.parametrize("header", ["Host", "Origin"])
+def test_a_foreign_host_or_origin_is_refused_in_each_apis_error_shape(guarded, method, path, body, header):
+    value = f"evil.example:{guarded.server.port}" if header == "Host" else "http://evil.example"
+    status, _, reply = send(guarded, method, path, body, **{header: value})
+    assert status == 403, reply
+    if path.startswith("/v1/messages"):
+        assert reply["type"] == "error" and reply["error"]["type"] == "permission_error"
+        assert "evil.example" in reply["error"]["message"]
+    else:
+        assert set(reply) == {"error"} and "evil.example" in reply["error"]
+
+
 def test_a_foreign_host_does_not_change_the_engine_config(guarded):
     before = send(guarded, "GET", "/api/engine/config")[2]
     assert send(guarded, "POST", "/api/engine/config", {"k": 3}, Host="evil.example")[0] == 403
@@ -122,3 +144,23 @@ def test_the_names_are_settings_with_one_line_errors(llm_env):
     assert_ok(llm_env.run("mlxs", "config", "server_hosts", "a.lan, b.lan"))
     assert llm_env.read_settings()["server_hosts"] == ["a.lan", "b.lan"]
     assert_one_line_error(llm_env.run("mlxs", "config", "server_origins", "http://a b"), "server_origins")
+
+
+def test_the_host_check_is_on_by_default_and_star_turns_it_off():
+    import asyncio
+
+    from llm_mlx_streaming.server.guard import Guard
+
+    sent = []
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    async def record(message):
+        if message["type"] == "http.response.start":
+            sent.append(message["status"])
+
+    scope = {"type": "http", "path": "/v1/models", "method": "GET", "headers": [(b"host", b"evil.example")]}
+    for guard in (Guard(app), Guard(app, hosts=["studio.lan"]), Guard(app, hosts=["*"])):
+        asyncio.run(guard(scope, None, record))
+    assert sent == [403, 403, 200]

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from llm_mlx_streaming.experts import store as store_mod
+from llm_mlx_streaming.experts.residency import resident_pages
 from llm_mlx_streaming.experts.store import ChecksumError, ExpertStore
 
 
@@ -152,8 +153,6 @@ def test_unknown_page_cache_mode_is_refused():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_bypass_really_leaves_the_range_out_of_the_page_cache(tmp_path):
-    import mmap
-
     path = tmp_path / "big.bin"
     path.write_bytes(os.urandom(4 << 20))
     fd = os.open(path, os.O_RDONLY)
@@ -162,23 +161,11 @@ def test_bypass_really_leaves_the_range_out_of_the_page_cache(tmp_path):
     store = ExpertStore(2, page_cache="bypass")
     store.read([(path, 1 << 20, [np.empty(1 << 20, np.uint8)])])
     store.close()
-    resident = _resident_pages(fd, 4 << 20, mmap)
+    resident = resident_pages(fd, 0, 4 << 20)
     os.close(fd)
     assert resident[256:512].sum() == 0  # the 1 MiB just read is not cached
-
-
-def _resident_pages(fd, size, mmap):
-    """mincore(2) through ctypes: which pages of the file are in the page cache."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    vec = (ctypes.c_ubyte * (size // 4096))()
-    assert libc.mincore(ctypes.c_void_p(addr), size, vec) == 0
-    libc.munmap(ctypes.c_void_p(addr), size)
-    return np.frombuffer(bytes(vec), dtype=np.uint8) & 1
+    keep = ExpertStore(2, page_cache="keep")
+    keep.read([(path, 1 << 20, [np.empty(1 << 20, np.uint8)])])
+    assert keep.uncached_share([(path, 1 << 20, 1 << 20)]) == 0.0  # what mincore says
+    assert keep.uncached_share([(path, 3 << 20, 1 << 20)]) == 1.0
+    keep.close()

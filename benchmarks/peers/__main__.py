@@ -14,6 +14,7 @@ installs a model); boyle reads the safetensors. `--no-pack` skips that (remove
 `mlxs-packed/` and `benchmarks/.cache/bigrig-home` first to measure without them).
 
     python benchmarks/peers [--tokens 64] [--runs 2] [--repeat 3] [--fractions 0.25,0.5] [--no-pack] [--json F]
+    python benchmarks/peers --iobound 600 [--repeat 2]   # every child in a 600 MB memory cgroup (root)
     python benchmarks/peers --report F      # the table again, from a --json file
     python benchmarks/peers --large [--large-limit-gb 16] [--large-fractions 0.1,0.25]
 
@@ -67,13 +68,16 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2, help="measured warm runs per child (after 1 warm-up)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="cycles over every row, interleaved; runs of all cycles pooled (median)")
-    parser.add_argument("--fractions", default="0.25,0.5", help="shares of experts resident")
+    parser.add_argument("--fractions", default=None, help="shares of experts resident (0.25,0.5)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per child (900; --large: 3600)")
     parser.add_argument("--no-shims", action="store_true", help="run the peers only as shipped")
     parser.add_argument("--no-pack", action="store_true",
                         help="no packed copies: every engine reads the safetensors (remove existing ones first)")
     parser.add_argument("--json", help="also write every measurement here")
     parser.add_argument("--report", metavar="JSON", help="print the table again from a --json file")
+    parser.add_argument("--iobound", type=float, metavar="MB",
+                        help="run every child in a memory cgroup of MB megabytes (root), so the checkpoint "
+                        "cannot stay in the page cache and decode reads wait on the disk (default --fractions 0.25)")
     parser.add_argument("--large", action="store_true", help="the bigger-than-memory checkpoint")
     parser.add_argument("--large-limit-gb", type=float, default=16.0, help="RLIMIT_AS of each --large run (GiB)")
     parser.add_argument("--large-fractions", default="0.1,0.25")
@@ -95,9 +99,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=8, help=argparse.SUPPRESS)
     parser.add_argument("--limit-experts", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--source", default="safetensors", choices=("safetensors", "packed"), help=argparse.SUPPRESS)
+    parser.add_argument("--overlap", default="auto", help=argparse.SUPPRESS)
+    parser.add_argument("--page-cache", default="keep", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tokens is None:
         args.tokens = 16 if args.large else 64
+    if args.fractions is None:
+        args.fractions = "0.25" if args.iobound else "0.25,0.5"
     if args.timeout is None:
         args.timeout = 3600.0 if args.large else 900.0
     if args.child:

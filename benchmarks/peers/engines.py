@@ -33,7 +33,7 @@ class Stock:
 class Ours:
     name = "ours"
 
-    def __init__(self, path: str, fraction: float, shims: bool):
+    def __init__(self, path: str, fraction: float, shims: bool, overlap: str = "auto", page_cache: str = "keep"):
         sys.path.insert(0, str(ROOT))
         from llm_mlx_streaming.engine.manager import EngineManager
         from llm_mlx_streaming.engine.request import Request
@@ -43,7 +43,8 @@ class Ours:
         config = json.loads((Path(path) / "config.json").read_text())
         self.slots = max(1, round(config["num_experts"] * fraction))
         self.engine = EngineManager()
-        self.engine.load(path, expert_slots=self.slots)  # the engine's default policy
+        # the engine's default policy
+        self.engine.load(path, expert_slots=self.slots, overlap=overlap, page_cache=page_cache)
         self.policy = self.engine.policy
         store = self.engine.loaded.store
         self.packed = getattr(store, "packed", None) is not None  # one read per expert
@@ -68,7 +69,8 @@ class Ours:
 
     def counters(self):
         c = self.engine.counters()
-        return {"hits": c.hits, "misses": c.misses, "bytes": c.bytes_read, "read_seconds": c.read_seconds}
+        return {"hits": c.hits, "misses": c.misses, "bytes": c.bytes_read, "read_seconds": c.read_seconds,
+                "overlapped": c.overlapped, "prefetch_loads": c.prefetch_loads, "prefetch_hits": c.prefetch_hits}
 
 
 class BigRig:
@@ -134,6 +136,9 @@ ENGINES = {"stock": Stock, "ours": Ours, "bigrig": BigRig, "boyle": Boyle}
 # cache is its pool, and its RSS counts those pages); its slot pool copies experts into
 # slots, as ours and boyle's do. Both are measured; they are BigRig's own switches.
 VARIANTS = {"slot pool": {"BIGRIG_VIEWS_PREFILL": "0", "BIGRIG_VIEWS_DECODE": "0"}}
+# Ours with the overlap forced either way (the plain row is the default, `auto`).
+OURS_VARIANTS = {"overlap on": ["--overlap", "on"], "overlap off": ["--overlap", "off"],
+                 "bypass": ["--page-cache", "bypass"]}
 
 
 def one_run(eng, prompt: list[int], tokens: int) -> dict:
@@ -169,6 +174,9 @@ def one_run(eng, prompt: list[int], tokens: int) -> dict:
         res["prefill_mb"] = (c1["bytes"] - c0["bytes"]) / 1e6
         if c2.get("read_seconds") is not None:
             res["decode_read_seconds"] = c2["read_seconds"] - c1["read_seconds"]
+        for k in ("overlapped", "prefetch_loads", "prefetch_hits"):
+            if k in c2:
+                res[k] = c2[k] - c1[k]
     return res
 
 
@@ -177,7 +185,8 @@ def child_main(args) -> None:
     package = PEERS[args.child][2] if args.child in PEERS else None
     try:
         t = time.perf_counter()
-        eng = ENGINES[args.child](args.path, args.fraction, not args.no_shims)
+        own = {"overlap": args.overlap, "page_cache": args.page_cache} if args.child == "ours" else {}
+        eng = ENGINES[args.child](args.path, args.fraction, not args.no_shims, **own)
         result["load_seconds"] = time.perf_counter() - t
         result["slots"] = getattr(eng, "slots", None)
         result["shims"] = getattr(eng, "shims", [])

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 from .common import BIGRIG_HOME, CACHE, ENTRY, MARK, PEERS, PEERS_VENV, PROMPT, ROOT, SHAPE
-from .engines import VARIANTS
+from .cgroup import CgroupError, MemoryCgroup
+from .engines import OURS_VARIANTS, VARIANTS
 from .report import report
 
 
@@ -135,11 +136,14 @@ def warm_cache(files: list[Path]) -> str:
 
 
 def run_child(python: str, argv: list[str], timeout: float, env: dict | None = None,
-              as_limit: int | None = None) -> dict:
-    """Run one child; its @@RESULT line, or a row saying why there is none."""
+              as_limit: int | None = None, cgroup=None) -> dict:
+    """Run one child (inside `cgroup`, a MemoryCgroup, when given); its @@RESULT line,
+    or a row saying why there is none."""
     def limit():
         if as_limit:
             resource.setrlimit(resource.RLIMIT_AS, (as_limit, as_limit))
+        if cgroup is not None:
+            cgroup.enter()
 
     cmd = [python, str(ENTRY)] + argv
     full_env = {**os.environ, **(env or {})}
@@ -180,16 +184,16 @@ def run_child(python: str, argv: list[str], timeout: float, env: dict | None = N
     tail = [l for l in err.strip().splitlines() if l.strip()][-1:] or [f"exit code {proc.returncode}"]
     why = f"timed out after {timeout:.0f}s" if timed_out else tail[0].strip()[:300]
     if proc.returncode and proc.returncode < 0:
-        why = f"killed by signal {-proc.returncode}; {why}"
+        why = f"killed by signal {-proc.returncode}" + (" (the memory limit)" if cgroup else "") + f"; {why}"
     return {"error": why, "rc": proc.returncode, "wall": elapsed, "peak_rss": hwm[0],
             "stderr_tail": err.strip().splitlines()[-15:]}
 
 
 def child_argv(engine: str, path: Path, fraction: float, tokens: int, runs: int, warmup: int,
-               shims: bool = True) -> list[str]:
+               shims: bool = True, variant: str = "") -> list[str]:
     argv = ["--child", engine, "--path", str(path), "--fraction", str(fraction), "--tokens", str(tokens),
             "--runs", str(runs), "--warmup", str(warmup), "--prompt", ",".join(map(str, PROMPT))]
-    return argv + ([] if shims else ["--no-shims"])
+    return argv + ([] if shims else ["--no-shims"]) + OURS_VARIANTS.get(variant, [])
 
 
 def normal_main(args) -> None:
@@ -203,6 +207,24 @@ def normal_main(args) -> None:
     expert_mb = sum(t.nbytes for k, t in index.tensors.items() if "switch_mlp" in k) / 1e6
     files = shard_files(path)
     print(f"checkpoint {path} ({expert_mb:.0f} MB of experts)", flush=True)
+    cgroup = None
+    if args.iobound:
+        try:
+            cgroup = MemoryCgroup(int(args.iobound * 1e6))
+        except CgroupError as e:
+            raise SystemExit(str(e)) from None
+        print(f"I/O-bound: every child but stock mlx-lm (the reference tokens) runs in a {cgroup.describe()}, "
+              f"below the {expert_mb:.0f} MB of experts; the page cache is emptied before each "
+              "(warm = a warm-up generation in the same process)", flush=True)
+    try:
+        _grid(args, path, files, cgroup, t_all)
+    finally:
+        if cgroup is not None:
+            cgroup.close()
+
+
+def _grid(args, path: Path, files: list[Path], cgroup, t_all: float) -> None:
+    """Every engine at every residency, cold and warm, then the raw reads and replays."""
     peers_py = str(ensure_peers_venv())
     ours_py = sys.executable
     if not args.no_pack:
@@ -218,14 +240,17 @@ def normal_main(args) -> None:
     def measure(engine, fraction, cache, shims=True, variant=""):
         py = ours_py if engine in ("stock", "ours") else peers_py
         files = shard_files(path)  # re-listed: the packed store may have appeared or gone
-        prep = drop_cache(files) if cache == "cold" else warm_cache(files)
+        prep = drop_cache(files) if cache == "cold" or cgroup else warm_cache(files)
         runs, warmup = (1, 0) if cache == "cold" else (args.runs, 1)
         t = time.perf_counter()
         load0 = os.getloadavg()[0]
-        argv = child_argv(engine, path, fraction, args.tokens, runs, warmup, shims)
-        if engine == "ours" and fraction == fractions[0]:  # its reads, for the I/O-efficiency replay
+        argv = child_argv(engine, path, fraction, args.tokens, runs, warmup, shims, variant)
+        if engine == "ours" and variant == io_variant and fraction == fractions[0]:  # for the replay
             argv += ["--reads", str(reads_file(cache))]
-        res = run_child(py, argv, T, {**env, **VARIANTS.get(variant, {})})
+        # stock holds the whole model, more than an I/O-bound limit: it runs unlimited,
+        # for the reference tokens
+        res = run_child(py, argv, T, {**env, **VARIANTS.get(variant, {})},
+                        cgroup=None if engine == "stock" else cgroup)
         res.update(cache=cache, prep=prep, engine=engine, fraction=fraction, variant=variant,
                    loadavg=(load0, os.getloadavg()[0]))
         loads.extend(res["loadavg"])
@@ -236,7 +261,10 @@ def normal_main(args) -> None:
         log.append(res)
         return res
 
-    engines = [("ours", "")] + ([] if args.no_shims else [(p, "") for p in PEERS] + [("bigrig", "slot pool")])
+    # The read path is judged on reads no read-ahead competes with: I/O-bound, "overlap off".
+    io_variant = "overlap off" if cgroup else ""
+    ours = [("ours", ""), ("ours", "overlap off")] + ([("ours", "overlap on"), ("ours", "bypass")] if cgroup else [])
+    engines = ours + ([] if args.no_shims else [(p, "") for p in PEERS] + [("bigrig", "slot pool")])
     found: dict = {}
     shipped = {}
     miss_batch = 6  # about a decode layer call's misses at 25% (top-8, hit rate ~0.25)
@@ -263,9 +291,9 @@ def normal_main(args) -> None:
         source = "packed" if ours_cold.get("packed") else "safetensors"
         for cache in ("cold", "warm"):
             files = shard_files(path)
-            prep = drop_cache(files) if cache == "cold" else warm_cache(files)
+            prep = drop_cache(files) if cache == "cold" or cgroup else warm_cache(files)
             r = run_child(ours_py, ["--raw", "--path", str(path), "--batch", str(miss_batch),
-                                    "--threads", "8", "--source", source], T)
+                                    "--threads", "8", "--source", source], T, cgroup=cgroup)
             r["prep"] = prep
             raw[cache].append(r)
         # 5. raw preadv of exactly our decode reads, from the cache state our run started in,
@@ -274,15 +302,16 @@ def normal_main(args) -> None:
             for paced in (True, False):
                 if reads_file(cache).exists():
                     files = shard_files(path)
-                    prep = drop_cache(files) if cache == "cold" else warm_cache(files)
+                    prep = drop_cache(files) if cache == "cold" or cgroup else warm_cache(files)
                     r = run_child(ours_py, ["--replay", str(reads_file(cache)), "--threads", "8"]
-                                  + (["--paced"] if paced else []), T)
+                                  + (["--paced"] if paced else []), T, cgroup=cgroup)
                     r["prep"] = prep
                     replay[cache].append(r)
 
     meta = {"fractions": fractions, "engines": engines, "miss_batch": miss_batch, "tokens": args.tokens,
             "repeat": args.repeat, "runs": args.runs, "seconds": time.perf_counter() - t_all,
-            "cpus": os.cpu_count()}
+            "cpus": os.cpu_count(), "iobound_mb": args.iobound,
+            "io_row": "ours" + (f" {io_variant}" if io_variant else "")}
     saved = {"found": {"|".join(map(str, k)): v for k, v in found.items()}, "shipped": shipped, "raw": raw,
              "replay": replay, "loads": loads, "meta": meta}
     if args.json:

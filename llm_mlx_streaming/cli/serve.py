@@ -1,4 +1,4 @@
-"""`llm mlxs serve`: keep the engine warm behind an OpenAI-compatible API (docs/server.md)."""
+"""`llm mlxs serve`: keep the engine warm behind the OpenAI, Anthropic and Ollama APIs (docs/server.md)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from .group import mlxs
               help="A web origin whose pages may call the API, with CORS (repeatable; * any; "
               "default: `llm mlxs config server_origins`)")
 def serve(host, port, model, api_key, max_queue, hosts, origins):
-    """Serve the mlx-stream models over an OpenAI-compatible HTTP API.
+    """Serve the mlx-stream models over HTTP: the OpenAI, Anthropic Messages and Ollama APIs.
 
     While it runs, `llm -m mlx-stream...`, `llm chat` and `llm -c` in this llm user
     dir send their prompts to it (`llm mlxs config server off` or -o no_server 1: not).

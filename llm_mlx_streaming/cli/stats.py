@@ -99,6 +99,9 @@ def aggregate(rows: list[dict]) -> dict:
         "unplaced": total("unplaced"),
         "calls_no_load": total("calls_no_load"),
         "calls_loaded": total("calls_loaded"),
+        "overlapped": total("overlapped"),
+        "prefetch_loads": total("prefetch_loads"),
+        "prefetch_hits": total("prefetch_hits"),
         "syncs": round(total("syncs"), 3),
         "syncs_per_token": round(total("syncs") / generated, 3) if generated else None,
         "peak_memory_bytes": max((_num(x, "peak_memory_bytes") for x in s), default=0),
@@ -191,6 +194,8 @@ def _stat_lines(st: dict) -> list[list[str]]:
         ["evictions", n("evictions")],
         ["read from disk", f"{n('mb_read', '{} MB')} in {n('read_seconds', '{} s')}"],
         ["layer calls", f"{n('calls_no_load')} with every expert resident, {n('calls_loaded')} that read experts"],
+        ["overlap", f"{n('overlapped')} calls computed during their reads, {n('prefetch_loads')} "
+                    f"experts read ahead, {n('prefetch_hits')} of them used"],
         ["unplaced routes", n("unplaced")],
         ["host syncs", f"{n('syncs')} ({n('syncs_per_token')} per generated token)"],
         ["peak memory", format_size(st.get("peak_memory_bytes")) if st.get("peak_memory_bytes") is not None else "-"],
@@ -211,6 +216,8 @@ def _stat_lines(st: dict) -> list[list[str]]:
             extra.append(f"{st['threads']} threads")
         if isinstance(st.get("page_cache"), str):
             extra.append(f"page cache {st['page_cache']}")
+        if isinstance(st.get("overlap"), str):
+            extra.append(f"overlap {st['overlap']}")
         lines.append(["expert reads", st["store"] + (f" ({', '.join(extra)})" if extra else "")])
     lines += _long_context_lines(st)
     if isinstance(st.get("batch"), int):

@@ -2,8 +2,8 @@
 
 Imported by the plugin on every prompt, so it stays light: the standard library's
 http.client, no server packages. A prompt routed here streams the same events the
-in-process path would (text, reasoning, then the reply's token ids), and the response
-records the server's figures plus `served_by`, so llm logs the same row.
+in-process path would (text, reasoning, tool calls, then the reply's token ids), and the
+response records the server's figures plus `served_by`, so llm logs the same row.
 """
 
 from __future__ import annotations
@@ -22,13 +22,11 @@ from ..messages import openai_messages
 from . import discovery
 from ..messages import reply_metadata
 from ..prompting import stream_event
+from ..tools import AUTO, NONE, REQUIRED, function_tools, template_tools
 
 def running_server(options, settings, prompt=None) -> Optional["ServerClient"]:
-    """The server a prompt with these options should go to, or None for in-process
-    (also for a prompt with tools, which the API here does not carry; the server's own
-    prompts say no_server)."""
-    if prompt is not None and (getattr(prompt, "tools", None) or getattr(prompt, "tool_results", None)):
-        return None
+    """The server a prompt with these options should go to, or None for in-process (the
+    server's own prompts say no_server)."""
     if getattr(options, "no_server", None) or getattr(settings, "server", "auto") == "off":
         return None
     info = discovery.read()
@@ -118,7 +116,7 @@ class ServerClient:
         disconnect and cancels the generation (the async model cancels through it)."""
         options = {k: v for k, v in prompt.options.model_dump(exclude_none=True).items() if k != "no_server"}
         body = {"model": model_id, "messages": openai_messages(prompt), "stream": True,
-                "stream_options": {"include_usage": True}, **options}
+                "stream_options": {"include_usage": True}, **options, **_tool_fields(prompt, options)}
         if prompt.schema:
             schema = prompt.schema
             if hasattr(schema, "model_json_schema"):
@@ -128,6 +126,7 @@ class ServerClient:
         if on_generation is not None:
             on_generation(_HangUp(conn))
         extension = None
+        calls = ToolDeltas()
         try:
             if resp.status != 200:
                 raise MlxStreamError(_message(_read_json(resp), resp.status))
@@ -141,12 +140,14 @@ class ServerClient:
                         yield stream_event("reasoning", delta["reasoning_content"])
                     if delta.get("content"):
                         yield stream_event("text", delta["content"])
+                    yield from calls.feed(delta.get("tool_calls") or [])
         except (OSError, EOFError, ValueError, http.client.HTTPException) as e:
             raise self._gone(e) from None
         finally:
             conn.close()
         if extension is None:
             raise self._gone(EOFError("the stream ended early"))
+        yield from calls.finish(response, reply_metadata(extension.get("tokens") or []))
         yield stream_event("text", "", reply_metadata(extension.get("tokens") or []))
         stats = dict(extension.get("stats") or {})
         stats["served_by"] = self.url
@@ -156,6 +157,57 @@ class ServerClient:
         response.set_usage(input=stats.get("prompt_tokens"), output=stats.get("generated_tokens"))
         if extension.get("resolved_model"):
             response.set_resolved_model(extension["resolved_model"])
+
+
+def _tool_fields(prompt, options: dict) -> dict:
+    """The prompt's tools and the tool options in the API's terms."""
+    fields = {}
+    if tools := template_tools(function_tools(prompt)):
+        fields["tools"] = tools
+    choice = options.get("tool_choice")
+    if choice not in (None, AUTO, NONE, REQUIRED):
+        fields["tool_choice"] = {"type": "function", "function": {"name": choice}}
+    if "top_logprobs" in options:
+        fields["logprobs"] = True
+    return fields
+
+
+class ToolDeltas:
+    """The tool calls of a streamed reply, as llm's events while they come, and as
+    llm tool calls at the end."""
+
+    def __init__(self) -> None:
+        self.calls: dict[int, dict] = {}
+
+    def feed(self, deltas: list) -> Iterator:
+        from llm.parts import StreamEvent
+
+        for delta in deltas:
+            function = delta.get("function") or {}
+            call = self.calls.get(delta.get("index"))
+            if call is None:
+                call = self.calls[delta.get("index")] = {"id": delta.get("id"), "name": function.get("name") or "",
+                                                          "arguments": ""}
+                yield StreamEvent(type="tool_call_name", chunk=call["name"], tool_call_id=call["id"])
+            if function.get("arguments"):
+                call["arguments"] += function["arguments"]
+                yield StreamEvent(type="tool_call_args", chunk=function["arguments"], tool_call_id=call["id"])
+
+    def finish(self, response, metadata: dict) -> Iterator:
+        """Hand the calls to `response`; the reply's ids ride on the last (a reply that
+        ends in calls has no text part to carry them)."""
+        import llm
+        from llm.parts import StreamEvent
+
+        for call in self.calls.values():
+            try:
+                arguments = json.loads(call["arguments"] or "{}")
+            except ValueError:
+                arguments = {"_raw": call["arguments"]}
+            response.add_tool_call(llm.ToolCall(name=call["name"], arguments=arguments, tool_call_id=call["id"]))
+        if self.calls:
+            last = list(self.calls.values())[-1]
+            yield StreamEvent(type="tool_call_args", chunk="", tool_call_id=last["id"], provider_metadata=metadata)
 
 
 class _HangUp:

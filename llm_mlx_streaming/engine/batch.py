@@ -11,7 +11,7 @@ cancellation. It runs on the engine thread under the provider's lock, like `resp
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .. import syncs
@@ -19,7 +19,8 @@ from ..stops import StopMatcher
 from . import figures as fig
 from .generation import Channel, Started
 from .request import Injected, Request
-from .respond import disk_cache_for, cache_from_disk, kv_layout, save_to_disk, stopped, token_budget
+from .respond import (cache_from_disk, disk_cache_for, kv_layout, save_to_disk, stopped, token_budget,
+                      token_logprobs)
 from .planner import PREFILL_STEP
 
 TILE = 2048  # longer chunks take TiledAttention's path, written for one sequence's cache
@@ -147,6 +148,8 @@ class Batch:
             generation_tps=member.tokens / (now - member.first) if now > member.first else 0.0,
             peak_memory=mx.get_peak_memory() / 1e9, finish_reason=r.finish_reason,
         )
+        if member.request.top_logprobs is not None:
+            response = replace(response, logprobs=token_logprobs(response, member.request.top_logprobs))
         member.last = stopped(response, member.stops)
         member.out.put("response", member.last)
         if r.finish_reason is not None:
@@ -169,6 +172,8 @@ class Batch:
         ttft = None if member.first is None else member.first - member.start
         stats.update(fig.kv_figures(cache, member.kv, member.kv_note, self.prefill_step, ttft))
         stats["batch"] = member.largest
+        if member.stops.hit is not None:
+            stats["stop_sequence"] = member.stops.hit
         save_to_disk(member.disk, engine.session, member.from_disk, stats, engine.carried.warned)
         engine.finished(stats)
         member.out.put("done", stats)

@@ -67,6 +67,8 @@ def read_figures(counts: dict) -> dict:
         "calls_no_load": counts["calls_no_load"],
         "calls_loaded": counts["calls_loaded"],
         "overlapped": counts["overlapped"],
+        "prefetch_loads": counts["prefetch_loads"],
+        "prefetch_hits": counts["prefetch_hits"],
     }
 
 
@@ -100,6 +102,7 @@ def response_figures(provider, before: PoolCounters, last, prompt: int, reused: 
         "store": store_in_use(provider.loaded),
         "threads": provider.threads,
         "page_cache": provider.page_cache,
+        "overlap": provider.overlap,
         "checkpoint": str(provider.checkpoint),
         "finish_reason": last.finish_reason if last else None,
     }
@@ -133,6 +136,7 @@ def engine_figures(manager) -> dict:
         "policy": manager.policy,
         "threads": manager.threads,
         "page_cache": manager.page_cache,
+        "overlap": manager.overlap,
         "store": store_in_use(manager.loaded),
         "max_tokens": manager.max_tokens,
         "peak_rss_bytes": peak_rss_bytes(),

@@ -24,6 +24,7 @@ from ..experts.index import CheckpointIndex
 from ..experts.policies import DEFAULT_POLICY
 from ..experts.packed import CHECK_MODES, open_packed
 from ..experts.pool import ExpertPool
+from ..experts.prefetch import Overlap, find_router
 from ..experts.store import DEFAULT_THREADS, ExpertStore
 from ..experts.switch import StreamingExperts, attach_pool, expert_containers
 from .prefill import tile_attention
@@ -45,6 +46,7 @@ class StreamingModel:
     attachments: dict = field(default_factory=dict)
     expert_slots: int | Sequence[int] | None = None  # as last given to build_pools
     policy: str = DEFAULT_POLICY
+    overlap: Overlap = field(default_factory=Overlap)  # reads overlapping compute, read-ahead
 
     @property
     def pools(self) -> list[ExpertPool]:
@@ -77,14 +79,15 @@ class StreamingModel:
 def load_streaming(
     path: str | Path, *, expert_slots: int | None = None, policy: str = DEFAULT_POLICY,
     threads: int = DEFAULT_THREADS, page_cache: str = "keep", packed: bool = True,
-    packed_check: str = "first",
+    packed_check: str = "first", overlap: str = "auto",
 ) -> StreamingModel:
     """Load `path` with mlx-lm, streaming its experts through pools of `expert_slots`.
 
     Reads use `threads` reader threads; `page_cache` is "keep" (through the OS cache)
     or "bypass". With `packed`, the checkpoint's packed store (experts/packed.py) is
     used when present and valid, its records checked on their first read
-    (`packed_check="first"`) or on every read ("always").
+    (`packed_check="first"`) or on every read ("always"). `overlap` ("auto", "on",
+    "off") is when decode reads overlap compute and read ahead (experts/prefetch.py).
     """
     from mlx_lm.utils import load_model, load_tokenizer
 
@@ -98,7 +101,8 @@ def load_streaming(
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise CheckpointError(f"{path}: mlx-lm cannot load this checkpoint: {one_line(e)}") from None
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
-    loaded = StreamingModel(path, model, tokenizer, config, ExpertStore(threads, page_cache))
+    loaded = StreamingModel(path, model, tokenizer, config, ExpertStore(threads, page_cache),
+                            overlap=Overlap(overlap))
     containers = expert_containers(model)
     if not containers:
         print(f"{path.name}: no MoE layer, running fully resident", file=sys.stderr)
@@ -110,6 +114,7 @@ def load_streaming(
         loaded.layers.append(module)
         loaded.dtypes.append({k: v.dtype for k, v in params.items()})
         _replace(model, name, module)
+    _link_read_ahead(model, [name for name, _ in containers], loaded)
     try:
         if packed and loaded.layers:
             loaded.store.packed = open_packed(path, [m.layout for m in loaded.layers], packed_check)
@@ -136,11 +141,28 @@ def _attribute_arrays(model: nn.Module) -> list:
             if isinstance(v, mx.array)]
 
 
-def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+def _link_read_ahead(model: nn.Module, names: list[str], loaded: StreamingModel) -> None:
+    """Give each MoE layer the model's Overlap and the next MoE layer with its router,
+    so a decode call can read ahead what the next layer is predicted to need."""
+    for i, module in enumerate(loaded.layers):
+        module.overlap = loaded.overlap
+        if i + 1 < len(names):
+            block = _parent(model, names[i + 1])[0]
+            router = find_router(block, loaded.layers[i + 1].layout.num_experts)
+            module.ahead = (loaded.layers[i + 1], router) if router is not None else None
+
+
+def _parent(model: nn.Module, name: str):
+    """The module holding `name`'s last part, and that part."""
     *parents, attr = name.split(".")
     obj = model
     for part in parents:
         obj = obj[int(part)] if isinstance(obj, list) else obj[part]
+    return obj, attr
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    obj, attr = _parent(model, name)
     if isinstance(obj, list):
         obj[int(attr)] = module
     else:

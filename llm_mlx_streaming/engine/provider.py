@@ -39,6 +39,7 @@ class ModelProvider:
         self.threads: int | None = None  # expert reader threads
         self.page_cache: str | None = None  # "keep" | "bypass"
         self.packed: bool | None = None  # use the checkpoint's packed store when valid
+        self.overlap = "auto"  # reads overlapping compute, read-ahead (experts/prefetch.py)
         self._retired = PoolCounters()  # counters of pools replaced by a rebuild
         self._lock = threading.RLock()
 
@@ -61,20 +62,22 @@ class ModelProvider:
         return config.get("max_position_embeddings") or text.get("max_position_embeddings")
 
     def load(self, path, *, expert_slots: int | list[int] | None = None, policy: str = DEFAULT_POLICY,
-             threads: int | None = None, page_cache: str | None = None, packed: bool | None = None) -> None:
+             threads: int | None = None, page_cache: str | None = None, packed: bool | None = None,
+             overlap: str | None = None) -> None:
         """Load `path` (a no-op if loaded); new pool settings rebuild only the pools.
 
-        `threads` (reader threads) and `page_cache` ("keep" or "bypass") apply to a loaded
-        model without reloading; `packed` (use the checkpoint's packed store when present
+        `threads` (reader threads), `page_cache` ("keep" or "bypass") and `overlap`
+        ("auto", "on", "off") apply to a loaded model without reloading; `packed` (use the checkpoint's packed store when present
         and valid) reloads it when it changes. None means the loader's default.
         """
         _check_params(expert_slots, policy)
         io = _io_params(threads, page_cache, packed)
+        overlap = _overlap_mode(overlap)
         path = Path(path).expanduser().resolve()
         with self._lock:
             if self.state == "loaded" and self.checkpoint == path:
                 if io["packed"] == self.packed:
-                    self.configure(expert_slots=expert_slots, policy=policy,
+                    self.configure(expert_slots=expert_slots, policy=policy, overlap=overlap,
                                    threads=io["threads"], page_cache=io["page_cache"])
                     return
             self.unload()
@@ -82,7 +85,8 @@ class ModelProvider:
             from .loading import load_streaming
 
             try:
-                self.loaded = load_streaming(path, expert_slots=expert_slots, policy=policy, **io)
+                self.loaded = load_streaming(path, expert_slots=expert_slots, policy=policy,
+                                             overlap=overlap, **io)
             except (CheckpointError, ValueError, OSError) as e:
                 self.state, self.error = "error", one_line(e)
                 raise EngineError(self.error) from None
@@ -95,27 +99,34 @@ class ModelProvider:
             _limit_buffer_cache(self.loaded)
             self.expert_slots, self.policy = expert_slots, policy
             self.threads, self.page_cache = io["threads"], io["page_cache"]
-            self.packed = io["packed"]
+            self.packed, self.overlap = io["packed"], overlap
             self.state = "loaded"
 
     def load_spec(self, spec: LoadSpec) -> None:
         """`load` for a request's LoadSpec; a failure is a LoadError."""
         try:
             self.load(spec.path, expert_slots=spec.expert_slots, policy=spec.policy,
-                      threads=spec.threads, page_cache=spec.page_cache, packed=spec.packed)
+                      threads=spec.threads, page_cache=spec.page_cache, packed=spec.packed,
+                      overlap=spec.overlap)
         except EngineError as e:
             raise LoadError(str(e)) from None
 
     def configure(self, *, expert_slots: int | list[int] | None = None, policy: str | None = None,
-                  threads: int | None = None, page_cache: str | None = None) -> None:
+                  threads: int | None = None, page_cache: str | None = None,
+                  overlap: str | None = None) -> None:
         """Change pool size or policy at run time, keeping the dense weights; change the
-        reader threads or page-cache mode (None: unchanged) without touching the pools."""
+        reader threads, page-cache mode or overlap (None: unchanged) without touching
+        the pools."""
         policy = policy or self.policy
         _check_params(expert_slots, policy)
         threads = self.threads if threads is None else threads
         page_cache = self.page_cache if page_cache is None else page_cache
         _io_params(threads, page_cache, None)
+        overlap = self.overlap if overlap is None else _overlap_mode(overlap)
         with self._lock:
+            if overlap != self.overlap:
+                self.require_loaded()
+                self.loaded.overlap.mode = self.overlap = overlap
             if (threads, page_cache) != (self.threads, self.page_cache):
                 self.require_loaded()
                 self._replace_store(threads, page_cache)
@@ -132,6 +143,8 @@ class ModelProvider:
         from ..experts.store import ExpertStore
 
         old = self.loaded.store
+        for pool in self.loaded.all_pools:
+            pool.settle_prefetch()  # no read ahead may still run on the old reader
         new = ExpertStore(threads, page_cache)
         new.packed = getattr(old, "packed", None)
         new.adopt(old)  # the files the model was loaded from, even if replaced since
@@ -144,6 +157,9 @@ class ModelProvider:
     def unload(self) -> None:
         with self._lock:
             if self.loaded is not None:
+                for pool in self.loaded.all_pools:
+                    if pool is not None:
+                        pool.settle_prefetch()
                 self.loaded.store.close()
             self.loaded = self.session = None
             self._retired = PoolCounters()
@@ -208,3 +224,15 @@ def _io_params(threads, page_cache, packed) -> dict:
     except ValueError as e:
         raise EngineError(str(e)) from None
     return {"threads": threads, "page_cache": page_cache, "packed": True if packed is None else bool(packed)}
+
+
+def _overlap_mode(overlap) -> str:
+    """`overlap` with the loader's default filled in; a bad one is an EngineError."""
+    from ..experts.prefetch import check_overlap
+
+    overlap = overlap or "auto"
+    try:
+        check_overlap(overlap)
+    except ValueError as e:
+        raise EngineError(str(e)) from None
+    return overlap

@@ -26,6 +26,7 @@ class LoadSpec:
     policy: str = DEFAULT_POLICY
     threads: Optional[int] = None
     page_cache: Optional[str] = None
+    overlap: Optional[str] = None  # "auto" | "on" | "off" (experts/prefetch.py)
     packed: Optional[bool] = None
 
 
@@ -56,6 +57,9 @@ class Request:
     top_k: int = 0
     seed: Optional[int] = None
     sampler: Optional[Callable] = None
+    # when set, each response's `logprobs` is (its token's log-probability, [(id, log-probability)]
+    # of this many most likely tokens), computed on the engine thread
+    top_logprobs: Optional[int] = None
     logits_processors: list = field(default_factory=list)
     # processors.Budgeted ones (also in logits_processors) told the reply's token budget
     # before the first token: a schema constraint closes its document within it

@@ -95,6 +95,8 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
                 ttft = time.perf_counter() - start
             out.check_cancelled()
             generated.append(response.token)
+            if request.top_logprobs is not None:
+                response = replace(response, logprobs=token_logprobs(response, request.top_logprobs))
             last = stopped(response, stops)
             out.put("response", last)
             if stops.hit is not None:
@@ -113,6 +115,8 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
         session.fed(generated)
     stats = fig.response_figures(provider, before, last, len(prompt), reused, len(new_tokens),
                                  time.perf_counter() - start, syncs.count() - syncs_before)
+    if stops.hit is not None:
+        stats["stop_sequence"] = stops.hit
     stats.update(figures.as_dict())
     stats.update(fig.kv_figures(session.cache, kv, kv_note, prefill_step, ttft))
     if recorder is not None:
@@ -139,6 +143,20 @@ def token_budget(prompt: list[int], request: Request, default_max_tokens: int, c
             raise EngineError("max_tokens is unlimited, but the model declares no context length")
         return limit - len(prompt)
     return min(max_tokens, limit - len(prompt)) if limit else max_tokens
+
+
+def token_logprobs(response, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """The sampled token's log-probability and the `top` most likely (id, log-probability)
+    of a response's logprobs row (after the logits processors, before temperature)."""
+    import mlx.core as mx
+
+    row = response.logprobs.reshape(-1)
+    ids = []
+    if top:
+        best = mx.argpartition(-row, kth=top - 1)[:top]
+        ids = syncs.tolist(best[mx.argsort(-row[best])])
+    values = syncs.tolist(row[mx.array([response.token, *ids])])
+    return values[0], list(zip(ids, values[1:]))
 
 
 def stopped(response, stops: StopMatcher):

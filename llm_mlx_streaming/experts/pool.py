@@ -9,6 +9,7 @@ that read it was evaluated before the next call of the same layer can start).
 
 from __future__ import annotations
 
+from concurrent.futures import wait
 from dataclasses import dataclass, fields
 
 import mlx.core as mx
@@ -32,6 +33,8 @@ class PoolCounters:
     calls_no_load: int = 0  # layer calls whose experts were all resident (any backend)
     calls_loaded: int = 0  # layer calls that had to read experts first
     overlapped: int = 0  # decode calls whose resident routes ran while the misses were read
+    prefetch_loads: int = 0  # experts read ahead of their layer's call (experts/prefetch.py)
+    prefetch_hits: int = 0  # of those, the ones that call then routed to
     unplaced: int = 0  # routes without their own expert's slot: must stay 0
 
     def add(self, other: "PoolCounters") -> None:
@@ -87,6 +90,8 @@ class ExpertPool:
         self._free = list(range(self.slots - 1, -1, -1))
         self.device_map = mx.zeros((self.num_experts,), dtype=mx.int32)
         self.identity = False  # slot == expert for every expert: no remap needed
+        self._ahead = None  # (targets, future): slots taken, bytes landing in the background
+        self._prefetched: set[int] = set()  # read ahead and published, not yet routed to
 
     @property
     def whole(self) -> bool:
@@ -100,7 +105,11 @@ class ExpertPool:
         """
         if len(needed) > self.slots:
             raise ValueError(f"{len(needed)} experts cannot fit in {self.slots} slots")
+        self.settle_prefetch()
         protected = set(int(e) for e in needed)
+        if self._prefetched:
+            self.counters.prefetch_hits += len(self._prefetched & protected)
+            self._prefetched.clear()
         misses = []
         for e in needed:
             e = int(e)
@@ -143,13 +152,78 @@ class ExpertPool:
         self.slot_of[victim] = -1
         self.expert_in[slot] = -1
         self.policy.forget(victim)
+        self._prefetched.discard(victim)
         self.counters.evictions += 1
         return slot
 
+    def start_prefetch(self, predicted) -> int:
+        """Begin reading the `predicted` experts that are not resident, in the
+        background, into free slots or the slots of victims outside `predicted`.
+
+        Nothing is published (and no policy told) until `settle_prefetch`, which every
+        other use of the pool runs first; returns the number of experts started."""
+        self.settle_prefetch()
+        predicted = list(dict.fromkeys(int(e) for e in predicted))
+        room = self.slots - sum(1 for e in predicted if self.slot_of[e] >= 0)
+        wanted = [e for e in predicted if self.slot_of[e] < 0][: max(room, 0)]
+        if not wanted:
+            return 0
+        try:
+            targets = [(e, self._take_slot(set(predicted))) for e in wanted]
+            self._ahead = (targets, self.store.background(self._read, targets))
+        except BaseException:
+            self._reconcile()
+            raise
+        return len(targets)
+
+    def settle_prefetch(self) -> None:
+        """Wait for the prefetch in flight and publish what it read.
+
+        A failed read frees its slots (the call that needs those experts reads them
+        itself, and reports the error if it persists); an interrupt waits until the read
+        has stopped writing before the slots are freed."""
+        if self._ahead is None:
+            return
+        targets, future = self._ahead
+        try:
+            result = future.result()
+            self._ahead = None
+            for e, slot in targets:
+                self.slot_of[e] = slot
+                self.expert_in[slot] = e
+            self._publish_map()
+        except OSError:
+            self._ahead = None
+            self._reconcile()
+            return
+        except BaseException:
+            _wait_out(future)
+            self._ahead = None
+            self._reconcile()
+            raise
+        self._prefetched.update(e for e, _ in targets)
+        c = self.counters
+        c.prefetch_loads += len(targets)
+        c.bytes_read += result.nbytes
+        c.read_seconds += result.seconds
+        c.reads += result.reads
+
+    def uncached_share(self, experts) -> float | None:
+        """Share of the `experts`' bytes on disk that the page cache does not hold (None:
+        unknown): whether reading them waits on the device."""
+        packed = self.store.packed.layer(self.layout.key) if self.store.packed else None
+        if packed is not None:
+            ranges = [(packed.file, packed.offset(int(e)), packed.expert_bytes) for e in experts]
+        else:
+            ranges = [(c.file, *c.span(int(e))) for e in experts for c in self.layout.components]
+        return self.store.uncached_share(ranges)
+
     def _reconcile(self) -> None:
         """After a failed or interrupted `ensure`: a slot holds an expert only when both
-        maps agree; every other slot is free again, and the device map says so."""
-        occupied = set()
+        maps agree; every other slot is free again, and the device map says so (a slot a
+        prefetch is still reading into stays taken until `settle_prefetch`)."""
+        occupied = {slot for _, slot in self._ahead[0]} if self._ahead else set()
+        self._prefetched &= {int(e) for e in self.expert_in if e >= 0}
         for slot, e in enumerate(self.expert_in):
             if e >= 0 and self.slot_of[e] == slot:
                 occupied.add(slot)
@@ -210,6 +284,7 @@ class ExpertPool:
 
     def bad_slots(self) -> int:
         """Compare every occupied slot with its expert's bytes on disk; count bad slots."""
+        self.settle_prefetch()
         bad = 0
         for slot, e in enumerate(self.expert_in):
             if e < 0:
@@ -228,3 +303,13 @@ class ExpertPool:
     def _publish_map(self) -> None:
         self.device_map = mx.array(np.maximum(self.slot_of, 0))
         self.identity = False
+
+
+def _wait_out(future) -> None:
+    """Wait until `future` is done, through further interrupts: its read writes into
+    slots that must not be handed out again before it stops."""
+    while not future.done():
+        try:
+            wait([future])
+        except KeyboardInterrupt:
+            continue

@@ -19,11 +19,13 @@ import os
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
+
+from . import residency
 
 DEFAULT_THREADS = 8  # see docs/benchmarks.md, "I/O"
 PAGE_CACHE_MODES = ("keep", "bypass")
@@ -61,6 +63,8 @@ class ExpertStore:
         self._fd_lock = threading.Lock()
         # the calling thread is one of the `threads` readers (see _read_runs)
         self._executor = ThreadPoolExecutor(max(1, self.threads - 1), thread_name_prefix="mlxs-read")
+        # one read ahead at a time (experts/prefetch.py), beside the calls' own reads
+        self._ahead = ThreadPoolExecutor(1, thread_name_prefix="mlxs-ahead")
 
     def _fd(self, file: Path) -> int:
         fd = self._fds.get(file)
@@ -160,11 +164,22 @@ class ExpertStore:
                 if not verify(job):
                     raise ChecksumError(f"{job[0]}: bytes at offset {job[1]} fail their checksum")
 
+    def background(self, fn: Callable, *args) -> Future:
+        """Run `fn(*args)` (a pool's read of experts ahead of their call) on the store's
+        read-ahead thread; the caller waits for it before using what it reads."""
+        return self._ahead.submit(fn, *args)
+
+    def uncached_share(self, ranges) -> float | None:
+        """Share of the `(file, offset, length)` ranges' pages that the page cache does
+        not hold (None: unknown)."""
+        return residency.uncached_share((self._fd(Path(f)), o, n) for f, o, n in ranges)
+
     def read_bytes(self, file: Path, offset: int, length: int) -> bytes:
         """Plain read, for verification."""
         return os.pread(self._fd(file), length, offset)
 
     def close(self) -> None:
+        self._ahead.shutdown(wait=True)
         self._executor.shutdown(wait=True)
         for fd in self._fds.values():
             os.close(fd)

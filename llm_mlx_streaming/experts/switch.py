@@ -42,6 +42,8 @@ class StreamingExperts(nn.Module):
         self.ordinal = ordinal  # position among the model's MoE layers
         self.pool: ExpertPool | None = None  # set by the loader
         self.observer = None  # called with (layer, needed ids, single token) when tracing
+        self.overlap = None  # the model's Overlap (experts/prefetch.py), set by the loader
+        self.ahead = None  # (next MoE layer's module, its Router): what to read ahead for
 
     def __call__(self, x: mx.array, indices: mx.array, *args, **kwargs) -> mx.array:
         pool = self.pool
@@ -101,30 +103,47 @@ class StreamingExperts(nn.Module):
         return mx.concatenate([first, self.experts(x, slots[..., k // 2 :])], axis=-2)
 
     def _decode_call(self, x, indices, ids, needed) -> mx.array:
-        """A decode call: on a GPU the resident routes are computed while the misses are
-        read; on the CPU backend the misses are read first and both streams then share
-        the routes, because there reads and compute compete for the same cores, and
-        overlapping them measured slower (docs/benchmarks.md).
+        """A decode call. Where the model's `overlap` says so (on a GPU; on the CPU
+        backend where the misses wait on the device) the resident routes are computed
+        while the misses are read; otherwise the misses are read first and both streams
+        then share the routes, because page-cache reads and compute compete for the same
+        cores (docs/benchmarks.md). Then the next layer's predicted experts may be read
+        ahead (experts/prefetch.py).
 
         Each route's output is computed alone either way (below mlx-lm's sorting
         threshold), so splitting the routes in two and putting them back in router order
         gives the container's exact result. The misses' slots are never among the
         resident routes' slots: `ensure` does not evict an expert the call needs.
         """
-        pool = self.pool
-        resident = None if side_stream() is not None else pool.slot_of[ids] >= 0
-        if resident is None or resident.all() or not resident.any():
+        pool, side = self.pool, side_stream()
+        resident = pool.slot_of[ids] >= 0
+        if resident.all() or not resident.any() or not self._splits(needed, side is None):
             self._load(needed, ids)
+            self._read_ahead(x, indices, side is None)
             return self._two_ways(x, pool.remap(indices))
         lead = indices.shape[:-1]
         hit, miss = np.nonzero(resident)[0], np.nonzero(~resident)[0]
-        y_hit = self.experts(x, mx.array(pool.slot_of[ids[hit]]).reshape(*lead, -1))
+        with mx.stream(side or mx.default_stream(mx.default_device())):
+            y_hit = self.experts(x, mx.array(pool.slot_of[ids[hit]]).reshape(*lead, -1))
         mx.async_eval(y_hit)  # computes while the reader threads fill the misses' slots
         pool.counters.overlapped += 1
         self._load(needed, ids)
-        y_miss = self.experts(x, mx.array(pool.slot_of[ids[miss]]).reshape(*lead, -1))
+        self._read_ahead(x, indices, side is None)
+        y_miss = self._two_ways(x, mx.array(pool.slot_of[ids[miss]]).reshape(*lead, -1))
         order = mx.array(np.argsort(np.concatenate([hit, miss])))
         return mx.take(mx.concatenate([y_hit, y_miss], axis=-2), order, axis=-2)
+
+    def _splits(self, needed, gpu: bool) -> bool:
+        if self.overlap is None:
+            return gpu
+        return self.overlap.split(self.pool, needed[self.pool.slot_of[needed] < 0], gpu)
+
+    def _read_ahead(self, x, indices, gpu: bool) -> None:
+        """Start reading what the next MoE layer is predicted to route to."""
+        if self.overlap is not None and self.ahead is not None:
+            module, router = self.ahead
+            if module.pool is not None and not module.pool.whole:
+                self.overlap.read_ahead(module.pool, router, x, indices.shape[-1], gpu)
 
     def _expert_major(self, x, indices, ids, needed) -> mx.array:
         """More distinct experts than slots: run the routes in chunks of at most S
@@ -183,6 +202,8 @@ def attach_pool(module: StreamingExperts, dtypes: dict, slots: int | None, store
     if slots is None:
         slots = module.layout.num_experts
     pool = ExpertPool(module.layout, slots, dtypes, store, policy)
+    if module.pool is not None:
+        module.pool.settle_prefetch()  # no read may still land in the old slots
     module.experts.update(tree_unflatten(list(pool.arrays.items())))
     module.pool = None  # drop the old slots before filling the new ones
     if pool.slots == pool.num_experts:

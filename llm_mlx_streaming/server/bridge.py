@@ -11,8 +11,9 @@ generation at its next token.
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional, Sequence
 from ..messages import METADATA_KEY
 
 
@@ -24,6 +25,7 @@ class Result:
     tokens: list[int] = field(default_factory=list)
     resolved_model: Optional[str] = None
     text_events: int = 0  # events seen, a token count for a reply cut short
+    tool_calls: list[dict] = field(default_factory=list)  # {"id", "name", "arguments" (JSON text)}
 
     @property
     def prompt_tokens(self) -> int:
@@ -38,13 +40,61 @@ class Result:
     def finish_reason(self) -> Optional[str]:
         return self.stats.get("finish_reason")
 
+    def complete_calls(self) -> list[dict]:
+        """The calls whose arguments came whole, as {"id", "name", "input": dict} (a call
+        cut short is in the reply's text as the markup the model wrote)."""
+        out = []
+        for call in self.tool_calls:
+            try:
+                arguments = json.loads(call["arguments"] or "{}")
+            except json.JSONDecodeError:
+                continue
+            if isinstance(arguments, dict):
+                out.append({"id": call["id"], "name": call["name"], "input": arguments})
+        return out
+
+
+class Reply:
+    """What a run said, gathered as it streams: the text, the reasoning, the result."""
+
+    def __init__(self) -> None:
+        self._text: list[str] = []
+        self._reasoning: list[str] = []
+        self.result = Result()
+
+    def add(self, kind: str, value) -> None:
+        if kind == "done":
+            self.result = value
+        elif kind in ("text", "reasoning"):  # the result holds the tool calls
+            (self._reasoning if kind == "reasoning" else self._text).append(value)
+
+    @property
+    def text(self) -> str:
+        return "".join(self._text)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self._reasoning)
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return self.result.finish_reason
+
 
 class Run:
-    """A prompt running as a task; `events()` yields ("text"|"reasoning", chunk) and
-    ends with ("done", Result) (also when cancelled); `cancel()` stops it."""
+    """A prompt running as a task; `events()` yields ("text"|"reasoning", chunk),
+    ("tool_call", {"id", "name"}) when a call begins and ("tool_arguments", {"id",
+    "text"}) for each piece of its arguments (JSON text, as generated) as the reply
+    comes, and ends with ("done", Result) (also when cancelled); `cancel()` stops it.
 
-    def __init__(self, model_id: str, messages: list, options: dict, schema: Optional[dict] = None) -> None:
+    `tools` are llm `Tool`s the model may call (not executed here: the calls are the
+    reply); `options` may hold `tool_choice` ("auto", "none", "required" or a tool's
+    name) and `parallel_tool_calls`, the plugin's options of those names."""
+
+    def __init__(self, model_id: str, messages: list, options: dict, schema: Optional[dict] = None,
+                 tools: Sequence = ()) -> None:
         self.model_id, self.messages, self.options, self.schema = model_id, messages, options, schema
+        self.tools = list(tools)
         self.result = Result()
         self.cancelled = False
         self._task: Optional[asyncio.Task] = None
@@ -81,7 +131,9 @@ class Run:
 
         try:
             model = llm.get_async_model(self.model_id)
-            response = model.prompt(messages=self.messages, schema=self.schema, no_server=True, **self.options)
+            response = model.prompt(messages=self.messages, schema=self.schema, tools=self.tools or None,
+                                    no_server=True, **self.options)
+            calls: dict = {}  # tool call id -> the call in the result
             async for event in response.astream_events():
                 tokens = ((event.provider_metadata or {}).get(METADATA_KEY) or {}).get("tokens")
                 if tokens is not None:
@@ -89,6 +141,13 @@ class Run:
                 if event.chunk and event.type in ("text", "reasoning"):
                     self.result.text_events += 1
                     await self._put(event.type, event.chunk)
+                elif event.type == "tool_call_name":
+                    calls[event.tool_call_id] = {"id": event.tool_call_id, "name": event.chunk, "arguments": ""}
+                    self.result.tool_calls.append(calls[event.tool_call_id])
+                    await self._put("tool_call", {"id": event.tool_call_id, "name": event.chunk})
+                elif event.type == "tool_call_args" and event.chunk:
+                    calls[event.tool_call_id]["arguments"] += event.chunk
+                    await self._put("tool_arguments", {"id": event.tool_call_id, "text": event.chunk})
             self.result.stats = dict(response.response_json or {})
             self.result.resolved_model = response.resolved_model
             await self._put("done", self.result)

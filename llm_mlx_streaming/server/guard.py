@@ -70,7 +70,8 @@ class Guard:
         if not (self.origins and origin):
             return []
         return [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin"),
-                (b"access-control-allow-headers", b"authorization, content-type"),
+                (b"access-control-allow-headers", b"authorization, x-api-key, content-type, anthropic-version, "
+                 b"anthropic-beta, anthropic-dangerous-direct-browser-access"),
                 (b"access-control-allow-methods", b"GET, POST, OPTIONS")]
 
     async def __call__(self, scope, receive, send):
@@ -82,11 +83,11 @@ class Guard:
         if host and not self.host_allowed(host):
             refusal = ApiError(403, f"Host {host_name(host)!r} is not a name this server answers to; "
                                "add it with `llm mlxs config server_hosts`", code="host_not_allowed")
-            return await refusal.response()(scope, receive, send)
+            return await refusal.response(scope["path"])(scope, receive, send)
         if origin and not self.origin_allowed(origin, host):
             refusal = ApiError(403, f"Origin {origin!r} is not allowed; add it with "
                                "`llm mlxs config server_origins`", code="origin_not_allowed")
-            return await refusal.response()(scope, receive, send)
+            return await refusal.response(scope["path"])(scope, receive, send)
         cors = self._cors(origin)
         if cors and scope["method"] == "OPTIONS":  # a preflight: answered here
             await send({"type": "http.response.start", "status": 204, "headers": cors})

@@ -1,7 +1,9 @@
-"""HTTP-level pieces: OpenAI-style error objects, the body size limit.
+"""HTTP-level pieces: error objects in each API's own shape, the body size limit.
 
-Every error the server answers is OpenAI's error object (`{"error": {"message", "type",
-"param", "code"}}`) with a one-line message, never a traceback.
+Every error the server answers has a one-line message, never a traceback, in the shape
+of the API the path belongs to: OpenAI's `{"error": {"message", "type", "param", "code"}}`,
+Anthropic's `{"type": "error", "error": {"type", "message"}}` under /v1/messages, and
+Ollama's `{"error": "..."}` under its /api/ routes.
 """
 
 from __future__ import annotations
@@ -25,11 +27,26 @@ class ApiError(Exception):
         self.status, self.message, self.kind, self.code, self.param = status, one_line(message), kind, code, param
         self.headers = headers
 
-    def response_body(self) -> dict:
+    def response_body(self, path: str = "") -> dict:
+        """The error object of the API `path` belongs to."""
+        if path.startswith(ANTHROPIC_PATHS):
+            return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(self.status, "api_error"),
+                                               "message": self.message}}
+        if path in OLLAMA_PATHS:
+            return {"error": self.message}
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.response_body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        return JSONResponse(self.response_body(path), status_code=self.status, headers=self.headers)
+
+
+ANTHROPIC_PATHS = ("/v1/messages",)
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 422: "invalid_request_error",
+                   503: "overloaded_error"}
+OLLAMA_SERVED = ("chat", "generate", "tags", "show", "ps", "version")
+OLLAMA_REFUSED = ("pull", "push", "create", "copy", "delete", "embed", "embeddings")  # in Ollama's shape
+OLLAMA_PATHS = frozenset(f"/api/{name}" for name in OLLAMA_SERVED + OLLAMA_REFUSED)
 
 
 def _too_large() -> ApiError:
@@ -50,7 +67,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            return await _too_large().response()(scope, receive, send)
+            return await _too_large().response(scope["path"])(scope, receive, send)
         body, more = bytearray(), True
         while more:
             message = await receive()
@@ -59,7 +76,7 @@ class BodyLimit:
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > MAX_BODY_BYTES:
-                return await _too_large().response()(scope, receive, send)
+                return await _too_large().response(scope["path"])(scope, receive, send)
         replayed = False
 
         async def replay():

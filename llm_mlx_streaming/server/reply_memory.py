@@ -3,6 +3,7 @@ a reply back as text still extends the KV cache (messages.llm_messages asks here
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 
 
@@ -13,15 +14,33 @@ class ReplyMemory:
 
     def __init__(self, size: int = 64) -> None:
         self.size = size
-        self._by_text: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()
+        self._by_reply: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()
 
-    def remember(self, text: str, reasoning: str, tokens: list[int]) -> None:
+    def remember(self, text: str, reasoning: str, tokens: list[int], calls=()) -> None:
         if tokens:
-            self._by_text[text] = (reasoning, tokens)
-            self._by_text.move_to_end(text)
-            while len(self._by_text) > self.size:
-                self._by_text.popitem(last=False)
+            key = _key(text, calls)
+            self._by_reply[key] = (reasoning, tokens)
+            self._by_reply.move_to_end(key)
+            while len(self._by_reply) > self.size:
+                self._by_reply.popitem(last=False)
 
-    def known(self, text: str):
-        """(reasoning, token ids) of a reply this server gave with this text, or None."""
-        return self._by_text.get(text)
+    def known(self, text: str, calls=()):
+        """(reasoning, token ids) of a reply this server gave with this text and these
+        tool calls ({"name", "arguments"}), or None."""
+        return self._by_reply.get(_key(text, calls))
+
+
+def _key(text: str, calls) -> str:
+    """A reply by what a client sends back: its text and its calls (their ids are the
+    server's, but a client may rewrite them)."""
+    return json.dumps([text, [[c["name"], _arguments(c["arguments"])] for c in calls]])
+
+
+def _arguments(arguments):
+    """Arguments as a value, whatever their spacing (a call cut short keeps its text)."""
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments

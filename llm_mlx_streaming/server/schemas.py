@@ -15,7 +15,9 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
+from ..knobs import build_options
 from ..model import Options
+from .openai_tools import ToolCall, ToolChoice, ToolSpec, choice_option
 
 # Options fields that mean nothing inside the server (it always runs in-process).
 SERVER_ONLY = ("no_server",)
@@ -33,28 +35,64 @@ class TextContent(BaseModel):
 
 STRICT = ConfigDict(extra="forbid")
 
+
+class StrictModel(BaseModel):
+    model_config = STRICT
+
+
+def engine_values(body, names) -> dict:
+    """The engine options `body` sets among `names` (None: not set)."""
+    return {k: getattr(body, k) for k in body.model_fields_set if k in names and getattr(body, k) is not None}
+
+
+def engine_fields(model_name: str, exclude: tuple[str, ...] = ()):
+    """The engine options as body fields of another API's request (a base model), less
+    those that API has under its own name."""
+    names = tuple(n for n in engine_option_names() if n not in exclude)
+    return build_options(StrictModel, names=names, model_name=model_name)
+
 # OpenAI fields accepted only at the value that changes nothing, {field: allowed values}.
-NO_OP_FIELDS = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
-                "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
-                "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False)}
+NO_OP_FIELDS = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {})}
+# Fields of an assistant message as OpenAI returns it, accepted back only empty.
+EMPTY_MESSAGE_FIELDS = ("refusal", "audio", "function_call", "annotations")
 
 
 class ChatMessage(BaseModel):
     model_config = STRICT
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextContent], None] = None
     reasoning_content: Optional[str] = Field(None, description="An assistant message's reasoning")
+    tool_calls: Optional[list[ToolCall]] = Field(None, description="An assistant message's tool calls")
+    tool_call_id: Optional[str] = Field(None, description="A tool message's call: the result is its answer")
+    refusal: Optional[str] = Field(None, description="Only null")
+    audio: Optional[dict[str, Any]] = Field(None, description="Only null")
+    function_call: Optional[dict[str, Any]] = Field(None, description="Only null (tool_calls replace it)")
+    annotations: Optional[list[Any]] = Field(None, description="Only null or []")
     tokens: Optional[list[int]] = Field(
         None,
         description="Extension: the token ids an assistant message was generated as "
         "(a response's mlx_stream.tokens); with them the KV cache is reused exactly",
     )
 
+    @model_validator(mode="after")
+    def _fields_of_its_role(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message makes tool calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("tool_call_id: a tool message, and only a tool message, answers a call")
+        for name in EMPTY_MESSAGE_FIELDS:
+            if getattr(self, name):
+                raise ValueError(f"{name}: not supported by this server (accepted: null)")
+        return self
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def calls(self) -> list[dict]:
+        return [call.call() for call in self.tool_calls or []]
 
 
 class StreamOptions(BaseModel):
@@ -106,11 +144,6 @@ class _GenerationRequest(Options):
     presence_penalty: Optional[float] = Field(None, description="Only 0")
     frequency_penalty: Optional[float] = Field(None, description="Only 0")
     logit_bias: Optional[dict[str, float]] = Field(None, description="Only {}")
-    logprobs: Optional[Union[bool, int]] = Field(None, description="Not implemented: only false")
-    top_logprobs: Optional[int] = Field(None, description="Not implemented: only 0")
-    tools: Optional[list[dict[str, Any]]] = Field(None, description="Not implemented: only []")
-    tool_choice: Optional[Union[str, dict[str, Any]]] = Field(None, description='Not implemented: only "none"')
-    parallel_tool_calls: Optional[bool] = None
 
     @model_validator(mode="after")
     def _refuse_what_is_not_implemented(self):
@@ -122,12 +155,53 @@ class _GenerationRequest(Options):
         return self
 
 
+    def engine_fields(self, names) -> dict:
+        """The set fields among the plugin's option `names`, as the options take them."""
+        fields = engine_values(self, names)
+        if self.max_completion_tokens is not None and "max_tokens" not in fields:
+            fields["max_tokens"] = self.max_completion_tokens
+        return fields
+
+
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: Optional[bool] = Field(None, description="true: each generated token's log-probability "
+                                     "(choices[].logprobs; streamed: in the closing chunk)")
+    tools: Optional[list[ToolSpec]] = Field(None, description="Functions the model may call; the calls "
+                                            "are the reply (message.tool_calls), the client runs them")
+    tool_choice: Optional[ToolChoice] = Field(
+        None, description="auto (default), none (the tools are not shown to the model), required (a call "
+        "to one of them) or {type: function, function: {name}} (a call to that one); required and a name "
+        "are enforced by constrained decoding")
+    parallel_tool_calls: Optional[bool] = Field(None, description="false: at most one call per reply")
+
+    @model_validator(mode="after")
+    def _top_logprobs_with_logprobs(self):
+        if self.top_logprobs and not self.logprobs:  # 0 is the no-op value
+            raise ValueError("top_logprobs: needs logprobs true")
+        return self
+
+    def engine_fields(self, names) -> dict:
+        fields = super().engine_fields(names)
+        if "tool_choice" in fields:
+            fields["tool_choice"] = choice_option(fields["tool_choice"])
+        if self.logprobs:
+            fields["top_logprobs"] = self.top_logprobs or 0
+        else:
+            fields.pop("top_logprobs", None)
+        return fields
 
 
 class CompletionRequest(_GenerationRequest):
     prompt: Union[str, list[str]] = Field(description="Raw text, encoded without the chat template")
+    logprobs: Optional[int] = Field(None, ge=0, le=20, description="Each generated token's log-probability "
+                                    "and this many most likely alternatives (choices[].logprobs)")
+
+    def engine_fields(self, names) -> dict:
+        fields = super().engine_fields(names)
+        if self.logprobs is not None:
+            fields["top_logprobs"] = self.logprobs
+        return fields
 
     def text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else "".join(self.prompt)
@@ -142,14 +216,16 @@ class Usage(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str]
     reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: Optional[str]
+    logprobs: Optional[dict[str, Any]] = None
 
 
 class ChatCompletion(BaseModel):
@@ -168,6 +244,7 @@ class TextChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: Optional[str]
+    logprobs: Optional[dict[str, Any]] = None
 
 
 class Completion(BaseModel):

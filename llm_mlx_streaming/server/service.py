@@ -8,7 +8,6 @@ the property-based tests are generated from that schema (see docs/server.md).
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import time
 from contextlib import asynccontextmanager
@@ -16,15 +15,16 @@ from typing import Any, Optional
 
 from fastapi import APIRouter, Body, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import StreamingResponse
 
 from ..client.discovery import public_id
 from ..errors import one_line
 from ..run_config import resolve
-from .bridge import Result, Run
-from .gate import Gate, QueueFull
+from . import anthropic, ollama
+from .catalog import model_ids
+from .gate import Gate
 from ..messages import llm_messages
 from .guard import Guard
+from .openai_tools import llm_tools
 from .http_layer import ApiError, BodyLimit, error_for
 from .reply_memory import ReplyMemory
 from .runtime import POOL_KEYS, ConfigError, RuntimeConfig, touches_pools
@@ -38,48 +38,8 @@ from .schemas import (
     engine_option_names,
 )
 from .shapes import ChatShape, TextShape
+from .turns import answer, take_turn
 from ..messages import raw_message
-
-RETRY_AFTER_SECONDS = 2
-
-
-class Turn:
-    """A request's hold on the gate and its run: finishing cancels the run if it is
-    still going and passes the turn on, once."""
-
-    def __init__(self, service: "Service", run: Run) -> None:
-        self.service, self.run = service, run
-        self._done = False
-
-    @property
-    def finished(self) -> bool:
-        return self._done
-
-    def finish(self, served: bool = False) -> None:
-        if self._done:
-            return
-        self._done = True
-        if not self.run.finished:
-            self.run.cancel()
-        self.service.served += served
-        self.service.gate.release()
-
-
-class GatedStream(StreamingResponse):
-    """A stream that gives back its turn however it ends (done, error, disconnect)."""
-
-    def __init__(self, turn: Turn, content, **kwargs) -> None:
-        super().__init__(content, **kwargs)
-        self.turn = turn
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            if not self.turn.finished:  # the client went before the end
-                self.turn.service.disconnects += 1
-            self.turn.finish()
-
 
 class Service:
     """The server's state: the gate, the runtime parameters, the replies it gave."""
@@ -99,16 +59,18 @@ class Service:
         self.rebuild_error: Optional[str] = None
         self.disconnects = 0  # clients that went before their reply was complete
         self._tasks: set = set()
+        self._unload_timer: Optional[asyncio.TimerHandle] = None  # Ollama's keep_alive
+        self.unload_due: Optional[float] = None  # when it unloads the model (a time.time())
 
     # -- requests -------------------------------------------------------------
     def check_api_key(self, request: Request) -> None:
         if self.api_key is None:
             return
         header = request.headers.get("authorization", "")
-        token = header[7:].strip() if header[:7].lower() == "bearer " else ""
+        token = header[7:].strip() if header[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
         keys = [k for k in (self.api_key, self.secret) if k]
         if not token or not any(secrets.compare_digest(token.encode(), k.encode()) for k in keys):
-            raise ApiError(401, "missing or wrong API key: send Authorization: Bearer KEY",
+            raise ApiError(401, "missing or wrong API key: send Authorization: Bearer KEY (or x-api-key: KEY)",
                            code="invalid_api_key")
 
     def model_for(self, name: Optional[str]) -> str:
@@ -127,88 +89,46 @@ class Service:
                            code="model_not_found", param="model")
         return model.model_id
 
-    def request_options(self, body) -> dict:
-        names = engine_option_names()
-        fields = {k: getattr(body, k) for k in body.model_fields_set if k in names}
-        if body.max_completion_tokens is not None and "max_tokens" not in fields:
-            fields["max_tokens"] = body.max_completion_tokens
-        options = self.runtime.for_request({k: v for k, v in fields.items() if v is not None})
-        options.setdefault("max_batch", self.gate.capacity)  # the requests it admits at once may batch
-        return options
+    async def generate(self, request: Request, body, model_id: str, messages: list, chat: bool, tools=()):
+        """Answer `body` (its `engine_fields(names)` give the plugin's options, among them
+        tool_choice and parallel_tool_calls) with `messages` (llm's) and `tools` (llm `Tool`s)."""
+        shape = (ChatShape if chat else TextShape)(model_id, body)
+        schema = body.response_format.schema_dict() if body.response_format else None
+        return await answer(self, request, shape, model_id, messages, body.engine_fields(engine_option_names()),
+                            schema, body.stream, tools)
 
-    async def generate(self, request: Request, body, model_id: str, messages: list, chat: bool):
+    async def load(self, model_id: str) -> None:
+        """Load `model_id` in its turn, and return once it is loaded."""
+        await take_turn(self)
+        self.keep_loaded()
         try:
-            await self.gate.acquire()
-        except QueueFull:
-            raise ApiError(503, f"the server is busy: {self.gate.waiting} requests already wait; retry later",
-                           kind="server_error", code="queue_full",
-                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
-        try:
-            options = self.request_options(body)  # now: a config change made while it waited applies
-            schema = body.response_format.schema_dict() if body.response_format else None
-            run = Run(model_id, messages, options, schema).start()
-        except BaseException:
+            self.model_id = model_id
+            await asyncio.to_thread(self._load_blocking, model_id)
+        finally:
             self.gate.release()
-            raise
-        self.model_id = model_id
-        turn = Turn(self, run)
-        # A client that goes away cancels the run; once a stream has started, the
-        # streaming response watches for that itself.
-        watcher = asyncio.get_running_loop().create_task(self._cancel_on_disconnect(request, run))
+
+    async def unload(self, first: bool = False) -> None:
+        """Unload the model in its turn (`first`: right after the run now going)."""
+        await take_turn(self, first=first)
         try:
-            events = turn.run.events()
-            first = await _first(events)  # a load or prompt error is still an HTTP error
-            shape = (ChatShape if chat else TextShape)(model_id, body)
-            if body.stream:
-                watcher.cancel()
-                return GatedStream(turn, self._stream(turn, events, first, shape), media_type="text/event-stream")
-            return await self._whole(turn, events, first, shape)
-        except Exception as e:
-            turn.finish()
-            raise error_for(e) from None
-        except BaseException:
-            turn.finish()
-            raise
+            await asyncio.to_thread(_engine().unload)
         finally:
-            watcher.cancel()
+            self.gate.release()
 
-    async def _whole(self, turn: Turn, events, first, shape) -> dict:
-        text, reasoning, result = [], [], Result()
-        try:
-            async for kind, value in _chain(first, events):
-                if kind == "done":
-                    result = value
-                else:
-                    (reasoning if kind == "reasoning" else text).append(value)
-        finally:
-            turn.finish(served=not turn.run.cancelled)
-        self.replies.remember("".join(text), "".join(reasoning), result.tokens)
-        return shape.whole("".join(text), "".join(reasoning), result.finish_reason, result)
+    def schedule_unload(self, first: bool = True) -> None:
+        self._spawn(self.unload(first=first))
 
-    async def _stream(self, turn: Turn, events, first, shape):
-        text, reasoning, result = [], [], Result()
-        try:
-            yield _sse(shape.opening())
-            async for kind, value in _chain(first, events):
-                if kind == "done":
-                    result = value
-                    break
-                (reasoning if kind == "reasoning" else text).append(value)
-                yield _sse(shape.delta(**{kind: value}))
-            self.replies.remember("".join(text), "".join(reasoning), result.tokens)
-            turn.finish(served=True)
-            yield _sse(shape.closing(result.finish_reason, result))
-            if shape.include_usage:
-                yield _sse(shape.usage_chunk(result))
-        except Exception as e:  # the status line is sent: the error goes in the stream
-            yield _sse(error_for(e).response_body())
-        yield "data: [DONE]\n\n"
+    def unload_after(self, seconds: float) -> None:
+        """Unload once `seconds` have passed without another request (Ollama's keep_alive)."""
+        self.keep_loaded()
+        self._unload_timer = asyncio.get_running_loop().call_later(seconds, self.schedule_unload, False)
+        self.unload_due = time.time() + seconds
 
-    async def _cancel_on_disconnect(self, request: Request, run: Run) -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        self.disconnects += 1
-        run.cancel()
+    def keep_loaded(self) -> None:
+        """A request came: an unload timed by an earlier one's keep_alive is off."""
+        if self._unload_timer is not None:
+            self._unload_timer.cancel()
+        self._unload_timer = self.unload_due = None
 
     # -- runtime config -------------------------------------------------------
     def config(self) -> dict:
@@ -297,25 +217,6 @@ def _engine():
     return get_manager()
 
 
-async def _first(events):
-    try:
-        return await events.__anext__()
-    except StopAsyncIteration:  # pragma: no cover - a run always ends with "done"
-        return ("done", Result())
-
-
-async def _chain(first, events):
-    yield first
-    if first[0] == "done":
-        return
-    async for item in events:
-        yield item
-
-
-def _sse(data: dict) -> str:
-    return f"data: {json.dumps(data)}\n\n"
-
-
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 422, 503)}
 
 
@@ -334,7 +235,7 @@ def create_app(service: Service) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
-        return exc.response()
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
@@ -344,11 +245,12 @@ def create_app(service: Service) -> FastAPI:
         message = err.get("msg", "invalid request").removeprefix("Value error, ")
         if err.get("type") == "extra_forbidden":
             message = "not a field this server knows (docs/server.md lists the fields)"
-        return ApiError(400, f"{where}: {message}" if where else message, param=where or None).response()
+        refusal = ApiError(400, f"{where}: {message}" if where else message, param=where or None)
+        return refusal.response(request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request, exc: Exception):
-        return error_for(exc).response()
+        return error_for(exc).response(request.url.path)
 
     @app.get("/health")
     async def health() -> dict:
@@ -358,21 +260,16 @@ def create_app(service: Service) -> FastAPI:
 
     @api.get("/v1/models", response_model=ModelList)
     async def models() -> dict:
-        import llm
-
-        from ..model import MlxStreamModel
-
-        ids = [m.model.model_id for m in llm.get_models_with_aliases() if isinstance(m.model, MlxStreamModel)]
         created = int(time.time())
         return {"object": "list", "data": [{"id": i, "object": "model", "created": created, "owned_by": "mlx-stream"}
-                                           for i in ids]}
+                                           for i in model_ids()]}
 
     @api.post("/v1/chat/completions", responses={200: {"model": ChatCompletion, "description":
               "The reply, or with stream: true an SSE stream of chat.completion.chunk objects"}})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         model_id = service.model_for(body.model)
         return await service.generate(request, body, model_id, llm_messages(body.messages, service.replies.known),
-                                      chat=True)
+                                      chat=True, tools=llm_tools(body.tools))
 
     @api.post("/v1/completions", responses={200: {"model": Completion, "description":
               "The text, or with stream: true an SSE stream of text_completion objects"}})
@@ -397,4 +294,6 @@ def create_app(service: Service) -> FastAPI:
             raise ApiError(422, str(e), code="invalid_config") from None
 
     app.include_router(api)
+    app.include_router(anthropic.router(service))
+    app.include_router(ollama.router(service))
     return app

@@ -1,4 +1,4 @@
-"""The OpenAI layouts of a reply: chat or text, streamed chunks or one body.
+"""The OpenAI layouts of a reply: chat or text, one body or server-sent events.
 
 Both carry the `mlx_stream` extension (the engine's figures, the reply's token ids, the
 checkpoint) so `llm` can log exactly what an in-process run logs.
@@ -6,15 +6,26 @@ checkpoint) so `llm` can log exactly what an in-process run logs.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Optional
 
-from .bridge import Result
+from .bridge import Reply, Result
+from .openai_tools import reply_calls
+
+
+def sse(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+DONE = "data: [DONE]\n\n"
 
 
 class Shape:
-    """How one route's chunks and bodies look."""
+    """How one OpenAI route's chunks and bodies look."""
+
+    media_type = "text/event-stream"
 
     def __init__(self, model_id: str, body) -> None:
         self.model = model_id
@@ -35,47 +46,109 @@ class Shape:
     def extension(result: Result) -> dict:
         return {"stats": result.stats, "tokens": result.tokens, "resolved_model": result.resolved_model}
 
-    def usage_chunk(self, result: Result) -> dict:
-        return {**self._base([]), "usage": self.usage(result)}
+    def closing(self, reply: Reply) -> list[str]:
+        choice = {"index": 0, **self.last_choice, "finish_reason": self.finish(reply), **self.logprobs(reply.result)}
+        frames = [sse({**self._base([choice]), "mlx_stream": self.extension(reply.result)})]
+        if self.include_usage:
+            frames.append(sse({**self._base([]), "usage": self.usage(reply.result)}))
+        return frames + [DONE]
+
+    def failure(self, error) -> list[str]:
+        return [sse(error.response_body()), DONE]
+
+    @staticmethod
+    def finish(reply: Reply) -> Optional[str]:
+        return reply.finish_reason
 
 
 class ChatShape(Shape):
     prefix, chunk_object = "chatcmpl", "chat.completion.chunk"
+    last_choice = {"delta": {}}
 
-    def opening(self) -> dict:
-        return self._base([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+    @staticmethod
+    def logprobs(result: Result) -> dict:
+        return _chat_logprobs(result)
 
-    def delta(self, text: str = "", reasoning: str = "") -> dict:
-        delta = {"reasoning_content": reasoning} if reasoning else {"content": text}
-        return self._base([{"index": 0, "delta": delta, "finish_reason": None}])
+    def __init__(self, model_id: str, body) -> None:
+        super().__init__(model_id, body)
+        self.calls: dict[str, int] = {}  # tool call id -> its index in the reply
 
-    def closing(self, finish: Optional[str], result: Result) -> dict:
-        return {**self._base([{"index": 0, "delta": {}, "finish_reason": finish}]),
-                "mlx_stream": self.extension(result)}
+    def opening(self) -> list[str]:
+        return [sse(self._base([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]))]
 
-    def whole(self, text: str, reasoning: str, finish, result: Result) -> dict:
-        message = {"role": "assistant", "content": text}
-        if reasoning:
-            message["reasoning_content"] = reasoning
+    def delta(self, kind: str, value) -> list[str]:
+        if kind == "tool_call":  # a call begins: its id and name
+            index = self.calls.setdefault(value["id"], len(self.calls))
+            [call] = reply_calls([{**value, "arguments": ""}])
+            delta = {"tool_calls": [{"index": index, **call}]}
+        elif kind == "tool_arguments":  # a piece of its arguments
+            delta = {"tool_calls": [{"index": self.calls[value["id"]], "function": {"arguments": value["text"]}}]}
+        else:
+            delta = {"reasoning_content": value} if kind == "reasoning" else {"content": value}
+        return [sse(self._base([{"index": 0, "delta": delta, "finish_reason": None}]))]
+
+    @staticmethod
+    def finish(reply: Reply) -> Optional[str]:
+        """OpenAI's finish_reason: a reply that ends in tool calls ends for them."""
+        calls = reply.result.tool_calls
+        return "tool_calls" if calls and reply.finish_reason == "stop" else reply.finish_reason
+
+    def whole(self, reply: Reply) -> dict:
+        calls = reply.result.tool_calls
+        message = {"role": "assistant", "content": reply.text or (None if calls else "")}
+        if reply.reasoning:
+            message["reasoning_content"] = reply.reasoning
+        if calls:
+            message["tool_calls"] = reply_calls(calls)
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-                "usage": self.usage(result), "mlx_stream": self.extension(result)}
+                "choices": [{"index": 0, "message": message, "finish_reason": self.finish(reply),
+                             **self.logprobs(reply.result)}],
+                "usage": self.usage(reply.result), "mlx_stream": self.extension(reply.result)}
 
 
 class TextShape(Shape):
     prefix, chunk_object = "cmpl", "text_completion"
+    last_choice = {"text": ""}
 
-    def opening(self) -> dict:
-        return self._base([{"index": 0, "text": "", "finish_reason": None}])
+    @staticmethod
+    def logprobs(result: Result) -> dict:
+        return _text_logprobs(result)
 
-    def delta(self, text: str = "", reasoning: str = "") -> dict:
-        return self._base([{"index": 0, "text": text, "finish_reason": None}])
+    def opening(self) -> list[str]:
+        return [sse(self._base([{"index": 0, "text": "", "finish_reason": None}]))]
 
-    def closing(self, finish: Optional[str], result: Result) -> dict:
-        return {**self._base([{"index": 0, "text": "", "finish_reason": finish}]),
-                "mlx_stream": self.extension(result)}
+    def delta(self, kind: str, value: str) -> list[str]:
+        return [sse(self._base([{"index": 0, "text": value if kind == "text" else "", "finish_reason": None}]))]
 
-    def whole(self, text: str, reasoning: str, finish, result: Result) -> dict:
+    def whole(self, reply: Reply) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": text, "finish_reason": finish}],
-                "usage": self.usage(result), "mlx_stream": self.extension(result)}
+                "choices": [{"index": 0, "text": reply.text, "finish_reason": reply.finish_reason,
+                             **self.logprobs(reply.result)}],
+                "usage": self.usage(reply.result), "mlx_stream": self.extension(reply.result)}
+
+
+def _chat_logprobs(result: Result) -> dict:
+    """A chat choice's `logprobs`, when they were asked for."""
+    entries = result.stats.get("logprobs")
+    if entries is None:
+        return {}
+    return {"logprobs": {"content": [{**_with_bytes(e), "top_logprobs": [_with_bytes(t) for t in e["top_logprobs"]]}
+                                     for e in entries]}}
+
+
+def _with_bytes(entry: dict) -> dict:
+    return {"token": entry["token"], "logprob": entry["logprob"], "bytes": list(entry["token"].encode())}
+
+
+def _text_logprobs(result: Result) -> dict:
+    """A completion choice's `logprobs` (the legacy layout), when they were asked for."""
+    entries = result.stats.get("logprobs")
+    if entries is None:
+        return {}
+    offsets, at = [], 0
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {"logprobs": {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                         "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+                         "text_offset": offsets}}

@@ -1,0 +1,83 @@
+"""The models this server serves, and what their checkpoints say about them (for
+/v1/models and Ollama's /api/tags, /api/show, /api/ps), read from the files without
+loading anything."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from ..errors import MlxStreamError
+from ..registry import checkpoint_for
+from ..run_config import checked_name
+from ..settings import load_settings
+
+
+def model_ids() -> list[str]:
+    """Every registered model by the ids `llm` uses (mlx-stream, mlx-stream/<name>)."""
+    import llm
+
+    from ..model import MlxStreamModel
+
+    return [m.model.model_id for m in llm.get_models_with_aliases() if isinstance(m.model, MlxStreamModel)]
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    config: dict
+    template: str  # the chat template ("" when it has none)
+
+    @property
+    def family(self) -> str:
+        return str(self.config.get("model_type") or "")
+
+    @property
+    def context_length(self) -> Optional[int]:
+        return self.config.get("max_position_embeddings")
+
+    @property
+    def size(self) -> int:
+        return sum(f.stat().st_size for f in self.path.iterdir() if f.is_file())
+
+    @property
+    def modified_at(self) -> float:
+        return self.path.stat().st_mtime
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(str(self.path).encode()).hexdigest()
+
+    @property
+    def quantization(self) -> str:
+        bits = (self.config.get("quantization") or {}).get("bits")
+        return f"Q{bits}" if bits else ""
+
+
+def checkpoint(model_id: str) -> Optional[Checkpoint]:
+    """The checkpoint behind `model_id` (an id or alias llm knows), or None when its
+    files cannot be read."""
+    import llm
+
+    name = llm.get_model(model_id).name
+    settings = load_settings()
+    try:
+        path, _ = checkpoint_for(checked_name(name, settings), settings)
+        config = json.loads((path / "config.json").read_text())
+    except (MlxStreamError, OSError, ValueError):
+        return None
+    return Checkpoint(path, config, _template(path))
+
+
+def _template(path: Path) -> str:
+    jinja = path / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    try:
+        template = json.loads((path / "tokenizer_config.json").read_text()).get("chat_template")
+    except (OSError, ValueError):
+        return ""
+    return template if isinstance(template, str) else ""
