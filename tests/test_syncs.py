@@ -46,7 +46,7 @@ def _run(engine, prompt, **request):
 
 def test_a_streamed_layer_reads_the_router_back_once_per_call(qwen, counted):
     engine = EngineManager()
-    engine.load(qwen, expert_slots=4)
+    engine.load(qwen, expert_slots=4, overlap="off")  # no read-ahead: its predictions read back too
     tokens, stats = _run(engine, prompt_tokens(vocab_size(qwen), n=2))  # no call over 4 experts
     assert counted["evals"] == 0
     assert counted["reads"] == counted["layer_calls"] > 0
@@ -68,7 +68,7 @@ def test_whole_pools_need_no_read_back(qwen, counted):
 
 def test_over_capacity_calls_count_each_chunk_they_evaluate(qwen, counted):
     engine = EngineManager()
-    engine.load(qwen, expert_slots=2)
+    engine.load(qwen, expert_slots=2, overlap="off")
     _, stats = _run(engine, prompt_tokens(vocab_size(qwen), n=40))
     assert counted["evals"] > 0
     assert stats["syncs"] == counted["reads"] + counted["evals"]
@@ -77,7 +77,7 @@ def test_over_capacity_calls_count_each_chunk_they_evaluate(qwen, counted):
 
 def test_speculation_counts_its_verify_reads(qwen, counted):
     engine = EngineManager()
-    engine.load(qwen, expert_slots=4)
+    engine.load(qwen, expert_slots=4, overlap="off")  # no read-ahead: its predictions read back too
     prompt = prompt_tokens(vocab_size(qwen), n=12) * 3  # repeats: the ngram drafter proposes
     _, stats = _run(engine, prompt, k=3)
     assert stats["verify_passes"] > 0
