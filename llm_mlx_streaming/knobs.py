@@ -15,7 +15,6 @@ from pydantic import ConfigDict, Field, create_model, field_validator
 
 from . import values
 from .experts.policies import DEFAULT_POLICY, POLICIES as POLICY_CLASSES
-from .experts.prefetch import OVERLAP_MODES
 from .experts.store import DEFAULT_THREADS, PAGE_CACHE_MODES
 
 BUNDLED_NAME = "tiny-moe"
@@ -130,7 +129,7 @@ KNOBS: tuple[Knob, ...] = (
         "bypass: keep them out of it (macOS F_NOCACHE, Linux fadvise DONTNEED).",
     ),
     _setting_only(
-        name="overlap", type=Literal[OVERLAP_MODES], default="auto",
+        name="overlap", type=Literal[values.OVERLAP_MODES], default="auto",
         description="on: a decode step computes its resident experts while its misses are read, and "
         "reads ahead the experts the next layer is predicted to need; off: read first, then compute; "
         "auto: on where the reads wait on the disk (pages not in the page cache), off where the page "

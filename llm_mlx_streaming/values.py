@@ -20,6 +20,7 @@ KV_BITS = (4, 8)  # others are refused until measured on real models (docs/bench
 KV_GROUP_SIZES = (32, 64, 128)  # the group sizes mx.quantize accepts
 MAX_K = 32  # a pass of more positions than this is a prefill, not a verification
 MIN_PREFILL_STEP = 16
+OVERLAP_MODES = ("auto", "on", "off")  # experts/prefetch.py: when decode reads overlap compute
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 

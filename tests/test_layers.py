@@ -19,6 +19,7 @@ LAYERS = [
     {"model", "async_model", "run_config"},
     {"registry", "settings", "knobs", "prompting", "messages", "reply_split", "tools", "constrained", "logs_db",
      "client"},
+    {"distributed"},
     {"engine"},
     {"speculation"},
     {"experts", "checkpoints"},

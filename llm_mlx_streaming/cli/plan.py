@@ -27,8 +27,10 @@ from ..errors import CheckpointError
 @click.option("--max-context", type=click.IntRange(1), help="Tokens of KV cache to plan for (default: the max_context setting)")
 @click.option("--kv-bits", metavar="BITS", help="KV cache quantization to plan for: off, 4 or 8 (default: the kv_bits setting)")
 @click.option("--hit-rate", type=click.FloatRange(0, 1), help="Forecast disk reads per token at this hit rate (default: 0.5, 0.8 and 0.9)")
+@click.option("--budgets", metavar="SIZE,SIZE,...",
+              help="A pipeline of hosts (llm mlxs serve --hosts): each host's budget, rank 0's first")
 @click.option("json_", "--json", is_flag=True, help="Output as JSON")
-def plan(name, budget, max_context, kv_bits, hit_rate, json_):
+def plan(name, budget, max_context, kv_bits, hit_rate, budgets, json_):
     """How a memory budget is spent: dense weights, KV cache, reserve, expert slots.
 
     Reads only config.json and the safetensors headers; loads nothing. NAME is a
@@ -39,10 +41,15 @@ def plan(name, budget, max_context, kv_bits, hit_rate, json_):
     llm mlxs plan q30 --budget 12GB
     llm mlxs plan ~/models/Qwen3-30B-A3B-4bit --budget 16GB --max-context 8192 --json
     llm mlxs plan q30 --budget 12GB --max-context 65536 --kv-bits 4
+    llm mlxs plan q30 --budgets 24GB,24GB
     """
     settings = load_settings()
     label, path, entry = resolve_checkpoint(name, settings)
     options = _options(memory_budget=budget, kv_bits=kv_bits)
+    if budgets:
+        _plan_ranks(label, path, budgets, max_context or settings.max_context,
+                    kv_spec(options, settings), hit_rate, json_)
+        return
     value = budget_value(options, settings)
     nbytes = budget_bytes(value)
     context = max_context or settings.max_context
@@ -75,6 +82,28 @@ def plan(name, budget, max_context, kv_bits, hit_rate, json_):
             f"-o memory_budget {value} uses the plan.",
             err=True,
         )
+
+
+def _plan_ranks(label, path, budgets: str, context: int, kv, hit_rate, json_) -> None:
+    """One plan per rank of a pipeline: its layers, slots and the hit rate to expect."""
+    from ..distributed.plan import plan_ranks
+    from ..sizes import parse_size
+
+    try:
+        sizes = [parse_size(b.strip()) for b in budgets.split(",")]
+        ranks = plan_ranks(path, sizes, max_context=context, kv=kv)
+    except (PlanError, CheckpointError, ValueError, OSError) as exc:
+        raise MlxStreamError(f"Cannot plan {label} over {budgets}: {one_line(exc)}") from None
+    if json_:
+        click.echo(json.dumps([{"rank": r.rank, "layers": list(r.layers), "expected_hit_rate": r.expected_hit_rate,
+                                **r.plan.as_dict()} for r in ranks], indent=2))
+        return
+    for r in ranks:
+        rate = f", expected hit rate {r.expected_hit_rate:.0%} (uniform routing)" if r.expected_hit_rate else ""
+        first, last = r.layers[0], r.layers[1] - 1
+        layers = f"decoder layer {first}" if first == last else f"decoder layers {first}-{last}"
+        click.echo(f"Rank {r.rank}: {layers}{rate}")
+        click.echo(format_plan(r.plan, hit_rate=hit_rate))
 
 
 def _options(**flags):

@@ -24,13 +24,45 @@ from .group import mlxs
 @click.option("--allow-origin", "origins", multiple=True, metavar="ORIGIN",
               help="A web origin whose pages may call the API, with CORS (repeatable; * any; "
               "default: `llm mlxs config server_origins`)")
-def serve(host, port, model, api_key, max_queue, hosts, origins):
+@click.option("--hosts", "pipeline", metavar="HOST,HOST,...",
+              help="Run the model as a pipeline over these machines (mlx.launch; the first serves HTTP)")
+@click.option("--hostfile", type=click.Path(exists=True, dir_okay=False),
+              help="mlx.launch's hostfile, in place of --hosts")
+@click.option("--backend", type=click.Choice(["ring", "mpi"]), default="ring", show_default=True,
+              help="mlx.distributed backend between the --hosts")
+@click.option("--budgets", metavar="SIZE,SIZE,...",
+              help="With --hosts: each host's memory budget, rank 0's first; they weigh the layer split, "
+              "and a model without a slot count gets each rank's own plan (llm mlxs plan --budgets)")
+@click.option("--ring-port", type=click.IntRange(1024, 65535),
+              help="First TCP port the ring backend listens on, one more per rank (default: mlx.launch's)")
+@click.option("--pipeline-rank", is_flag=True, hidden=True)
+@click.pass_context
+def serve(ctx, host, port, model, api_key, max_queue, hosts, origins, pipeline, hostfile, backend,
+          budgets, ring_port, pipeline_rank):
     """Serve the mlx-stream models over HTTP: the OpenAI, Anthropic Messages and Ollama APIs.
 
     While it runs, `llm -m mlx-stream...`, `llm chat` and `llm -c` in this llm user
     dir send their prompts to it (`llm mlxs config server off` or -o no_server 1: not).
+    With --hosts (or --hostfile) it starts one rank per machine through mlx.launch;
+    each holds a range of the layers and its own expert pools, and the first serves.
     """
     from ..server.run import Server
+
+    if (pipeline or hostfile) and not pipeline_rank:
+        _launch(ctx, pipeline, hostfile, backend, ring_port)
+        return
+    if pipeline_rank:
+        from ..distributed.group import RankLost
+        from ..distributed.launch import join
+        from ..errors import MlxStreamError
+
+        try:
+            from ..settings import load_settings
+
+            if join(backend, _budgets(budgets), max_context=load_settings().max_context) is None:
+                return  # a following rank, sent home by rank 0
+        except (RankLost, ValueError) as e:
+            raise MlxStreamError(str(e)) from None
 
     server = Server(host=host, port=port, model=model, api_key=api_key, max_queue=max_queue,
                     hosts=list(hosts) if hosts else None, origins=list(origins) if origins else None)
@@ -42,7 +74,53 @@ def serve(host, port, model, api_key, max_queue, hosts, origins):
         server.serve()
     except KeyboardInterrupt:
         pass
+    if pipeline_rank:
+        from ..engine.manager import get_manager
+
+        get_manager().shutdown()
     click.echo("mlx-stream: server stopped", err=True)
+
+
+def _launch(ctx, pipeline, hostfile, backend, ring_port) -> None:
+    """Run this command on every host through mlx.launch, each as one rank."""
+    import subprocess
+
+    from ..distributed.launch import launch_command
+    from ..errors import MlxStreamError
+
+    passed = []
+    sizes = _budgets(ctx.params["budgets"])  # a bad one is refused before any rank starts
+    if sizes and pipeline and len(sizes) != len(pipeline.split(",")):
+        raise MlxStreamError(f"--budgets gives {len(sizes)} sizes for {len(pipeline.split(','))} hosts")
+    for name in ("host", "port", "model", "api_key", "max_queue", "budgets"):
+        value = ctx.params[name]
+        if value is not None:
+            passed += [f"--{name.replace('_', '-')}", str(value)]
+    for flag, values in (("--allow-host", ctx.params["hosts"]), ("--allow-origin", ctx.params["origins"])):
+        for value in values:
+            passed += [flag, value]
+    hosts = pipeline.split(",") if pipeline else None
+    try:
+        command = launch_command(hosts, hostfile, backend, [*passed, "--backend", backend, "--pipeline-rank"],
+                                 ring_port)
+    except ValueError as e:
+        raise MlxStreamError(str(e)) from None
+    what = f"{len(hosts)} ranks" if hosts else "the hostfile's ranks"
+    click.echo(f"mlx-stream: starting {what} with mlx.launch", err=True)
+    try:
+        subprocess.run(command, check=False)
+    except KeyboardInterrupt:
+        pass
+
+
+def _budgets(budgets: str | None) -> list[int] | None:
+    from ..errors import MlxStreamError
+    from ..sizes import parse_size
+
+    try:
+        return [parse_size(b.strip()) for b in budgets.split(",")] if budgets else None
+    except ValueError as e:
+        raise MlxStreamError(f"--budgets {budgets}: {e}") from None
 
 
 def _interrupt(signum, frame):

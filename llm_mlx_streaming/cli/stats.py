@@ -253,6 +253,8 @@ def stats(count, json_, database, live):
     if last.get("resolved_model"):
         click.echo(f"  checkpoint: {last['resolved_model']}")
     table(None, _stat_lines(last["stats"]), indent="  ")
+    if last["stats"].get("ranks"):
+        _rank_table("ranks (a pipeline; the figures above are every rank's together):", last["stats"]["ranks"])
     click.echo(f"\nLast {agg['responses']} response{'s' if agg['responses'] != 1 else ''}")
     table(None, _stat_lines(agg), indent="  ")
 
@@ -289,3 +291,15 @@ def _live(json_: bool) -> None:
 
     figures = {**st, **read_figures(st), "peak_memory_bytes": st.get("mlx_peak_memory_bytes")}
     table(None, _stat_lines(figures)[4:], indent="  ")
+    if st.get("ranks"):
+        _rank_table("ranks (a pipeline; the figures above are rank 0's), since the start:", st["ranks"])
+
+
+def _rank_table(title: str, ranks: list[dict]) -> None:
+    """Each rank of a pipeline: its layers, pool, lookups, reads and time waiting for the others."""
+    click.echo(f"  {title}")
+    table(["rank", "host", "layers", "slots", "hits", "misses", "hit rate", "MB read", "read s", "wait s"],
+          [[r["rank"], r["host"], f"{r['layers'][0]}-{r['layers'][1] - 1}", r["expert_slots"], r["hits"],
+            r["misses"], "-" if r["hit_rate"] is None else f"{r['hit_rate']:.1%}",
+            f"{r['bytes_read'] / 1e6:.1f}", f"{r['read_seconds']:.2f}", f"{r['wait_seconds']:.2f}"]
+           for r in ranks], indent="  ")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -79,7 +79,7 @@ class StreamingModel:
 def load_streaming(
     path: str | Path, *, expert_slots: int | None = None, policy: str = DEFAULT_POLICY,
     threads: int = DEFAULT_THREADS, page_cache: str = "keep", packed: bool = True,
-    packed_check: str = "first", overlap: str = "auto",
+    packed_check: str = "first", overlap: str = "auto", prepare: Callable | None = None,
 ) -> StreamingModel:
     """Load `path` with mlx-lm, streaming its experts through pools of `expert_slots`.
 
@@ -88,6 +88,9 @@ def load_streaming(
     used when present and valid, its records checked on their first read
     (`packed_check="first"`) or on every read ("always"). `overlap` ("auto", "on",
     "off") is when decode reads overlap compute and read ahead (experts/prefetch.py).
+    `prepare(model)` is called on the lazily built model before its expert containers
+    are found (a pipeline rank cuts it to its own layers there, so nothing of the
+    others' is read).
     """
     from mlx_lm.utils import load_model, load_tokenizer
 
@@ -100,6 +103,8 @@ def load_streaming(
         model, config = load_model(path, lazy=True, get_model_classes=classes_without_head)
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise CheckpointError(f"{path}: mlx-lm cannot load this checkpoint: {one_line(e)}") from None
+    if prepare is not None:
+        prepare(model)
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     loaded = StreamingModel(path, model, tokenizer, config, ExpertStore(threads, page_cache),
                             overlap=Overlap(overlap))

@@ -92,7 +92,8 @@ class EngineManager(ModelProvider):
             if load is not None:
                 self.load_spec(load)
             self.require_loaded()
-            if alone_reason(request, self.loaded.model) is None:
+            # a provider that steps its generations itself (a pipeline rank) runs them alone
+            if alone_reason(request, self.loaded.model) is None and type(self).steps is ModelProvider.steps:
                 return self._batch(load, request, out)
             stats = respond(self, request, out, self.carried, self.max_tokens)
             self.finished(stats)
@@ -145,3 +146,11 @@ _manager = worker.Once(EngineManager)
 def get_manager() -> EngineManager:
     """The process-wide engine."""
     return _manager()
+
+
+def use_manager(engine: EngineManager) -> None:
+    """Make `engine` the process-wide one (a pipeline's rank 0), before anything used it."""
+    with _manager._lock:
+        if _manager._value is not None and _manager._value is not engine:
+            raise RuntimeError("the process-wide engine is already in use")
+        _manager._value = engine

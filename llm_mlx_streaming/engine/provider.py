@@ -42,6 +42,7 @@ class ModelProvider:
         self.overlap = "auto"  # reads overlapping compute, read-ahead (experts/prefetch.py)
         self._retired = PoolCounters()  # counters of pools replaced by a rebuild
         self._lock = threading.RLock()
+        self.prepare = None  # load_streaming's `prepare` (a pipeline rank's layer range)
 
     @property
     def checkpoint(self) -> Path | None:
@@ -86,7 +87,7 @@ class ModelProvider:
 
             try:
                 self.loaded = load_streaming(path, expert_slots=expert_slots, policy=policy,
-                                             overlap=overlap, **io)
+                                             overlap=overlap, prepare=self.prepare, **io)
             except (CheckpointError, ValueError, OSError) as e:
                 self.state, self.error = "error", one_line(e)
                 raise EngineError(self.error) from None
@@ -168,6 +169,11 @@ class ModelProvider:
     def require_loaded(self) -> None:
         if self.state != "loaded":
             raise EngineError(self.error or "no model is loaded")
+
+    def steps(self, responses):
+        """The responses of one generation as respond() reads them; a pipeline rank
+        wraps them to step in lockstep with the other ranks."""
+        return responses
 
     # -- what the pools hold and did -------------------------------------------------
     def slots_per_layer(self) -> int | list[int] | None:

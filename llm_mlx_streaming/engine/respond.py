@@ -89,6 +89,7 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
             prompt_cache=cache,
             prefill_step_size=prefill_step, **kv.generate_kwargs(),
         )
+    responses = provider.steps(responses)
     try:
         for response in responses:
             if ttft is None:

@@ -22,8 +22,8 @@ import mlx.nn as nn
 import numpy as np
 
 from .. import syncs
+from ..values import OVERLAP_MODES
 
-OVERLAP_MODES = ("auto", "on", "off")
 FROM_DISK = 0.5  # a read counts as waiting on the device from this share of pages uncached
 SAMPLED = 2  # experts whose pages are looked up per decision
 

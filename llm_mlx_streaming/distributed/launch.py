@@ -1,0 +1,50 @@
+"""Starting the ranks: the `mlx.launch` command that runs one `llm mlxs serve` rank per
+host, and what each rank does once started (rank 0 serves, the others follow)."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Sequence
+
+BACKENDS = ("ring", "mpi")
+
+
+def launch_command(hosts: Sequence[str] | None, hostfile: str | None, backend: str,
+                   rank_args: Sequence[str], ring_port: int | None = None) -> list[str]:
+    """mlx.launch over `hosts` (or `hostfile`), each rank running this Python's
+    `llm mlxs serve` with `rank_args`; the ring listens from `ring_port` when given."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    if not launcher.exists():
+        found = shutil.which("mlx.launch")
+        if found is None:
+            raise ValueError("mlx.launch is not installed beside this Python (it comes with mlx)")
+        launcher = Path(found)
+    where = ["--hostfile", hostfile] if hostfile else ["--hosts", ",".join(hosts or ())]
+    if ring_port is not None:
+        where += ["--starting-port", str(ring_port)]
+    return [str(launcher), "--backend", backend, *where, "--", sys.executable,
+            "-m", "llm", "mlxs", "serve", *rank_args]
+
+
+def join(backend: str, budgets: list[int] | None = None, **plan_options):
+    """This rank's part: a PipelineEngine made the process-wide engine on rank 0
+    (returned, to serve), or None on another rank once rank 0 has sent it home.
+    `budgets`: each host's memory in bytes, planned with `plan_options`."""
+    from ..engine.manager import use_manager
+    from .engine import PipelineEngine, follow
+    from .group import init
+
+    group = init(backend)
+    if group.rank != 0:
+        follow(group)
+        return None
+    if budgets is not None and len(budgets) != group.size:
+        group.broadcast({"op": "stop"})
+        raise ValueError(f"{len(budgets)} budgets for {group.size} ranks")
+    engine = PipelineEngine(group, budgets, **plan_options)
+    use_manager(engine)
+    return engine
