@@ -106,10 +106,8 @@ class Batch:
             samplers=[request.make_sampler()], logits_processors=[list(request.logits_processors)],
             stop_sequences=[StopSequences([[t] for t in tokenizer.eos_token_ids])],
         )
-        detokenizer = tokenizer.detokenizer
-        detokenizer.reset()
         self.members[uid] = Member(request, out, prompt, reused, len(new_tokens), kv, kv_note, disk, from_disk,
-                                   StopMatcher(request.stop), detokenizer, engine.counters())
+                                   StopMatcher(request.stop), tokenizer.detokenizer, engine.counters())
 
     def step(self) -> None:
         """One pass: every member's next token, then the next chunk of a new member's
