@@ -192,6 +192,12 @@ KNOBS: tuple[Knob, ...] = (
         description="Web origins (e.g. http://mytool.lan:3000) whose browser pages may call `llm mlxs "
         "serve`, with CORS; others are answered 403, loopback pages are always allowed; * allows any.",
     ),
+    Knob(
+        name="max_batch", type=int, default=4, bounds={"ge": 1, "le": 64},
+        description="Most requests decoded together in one pass (continuous batching: they share each MoE "
+        "layer's host round-trip and expert reads); 1: one at a time. `llm mlxs serve` runs this many "
+        "requests at once; for one request, the largest batch it may join (1: it runs alone).",
+    ),
     _option_only(name="no_server", type=bool, check=values.parse_switch,
                  description="Run in this process even when `llm mlxs serve` is running"),
     # -- the conversation cache on disk ----------------------------------------------

@@ -54,6 +54,7 @@ class RunConfig:
     draft_path: Optional[Path] = None
     trace_path: Optional[Path] = None
     conversation_cache: Any = None  # engine.disk_cache.DiskCacheSpec, None: off
+    max_batch: int = 1
     plan_figures: dict = field(default_factory=dict)
 
     def request(self, tokens: Sequence[int], logits_processors: list, budget_aware: Sequence = ()) -> Request:
@@ -64,7 +65,7 @@ class RunConfig:
             top_p=self.top_p, min_p=self.min_p, top_k=self.top_k, seed=self.seed, max_context=self.max_context,
             top_logprobs=self.top_logprobs,
             trace_path=self.trace_path, k=self.k, draft=self.draft, draft_path=self.draft_path,
-            kv=self.kv, prefill_step=self.prefill_step,
+            kv=self.kv, prefill_step=self.prefill_step, max_batch=self.max_batch,
         )
 
 
@@ -114,6 +115,8 @@ def resolve(name: Optional[str], options, settings: Settings) -> RunConfig:
         draft_path=draft_path,
         trace_path=trace_file(name) if settings.trace else None,
         conversation_cache=conversation_cache_spec(settings),
+        # one process's own prompts come one at a time; `llm mlxs serve` batches (server/service.py)
+        max_batch=options.max_batch or 1,
         plan_figures={"slots_from": source, **({"memory_budget_bytes": budget} if budget is not None else {})},
     )
 

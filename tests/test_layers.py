@@ -23,7 +23,7 @@ LAYERS = [
     {"engine"},
     {"speculation"},
     {"experts", "checkpoints"},
-    {"processors", "values", "stops", "errors", "sizes"},
+    {"processors", "values", "stops", "errors", "sizes", "syncs"},
 ]
 
 # Arrows that point up (known knots, to be untied): none, and none may be added.

@@ -255,7 +255,7 @@ def test_full_queue_is_503_with_retry_after(tmp_path, monkeypatch, plugin_checkp
 
     monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "llm"))
     env = LlmEnv(tmp_path / "llm", plugin_checkpoint)
-    env.write_settings(default_model="small", models={"small": {"path": str(plugin_checkpoint), "expert_slots": 4}})
+    env.write_settings(default_model="small", max_batch=1, models={"small": {"path": str(plugin_checkpoint), "expert_slots": 4}})
     with Server(port=0, max_queue=1) as server:
         env.server = server
         running, _ = in_thread(call, env, "POST", "/v1/chat/completions", chat_body("a"))

@@ -102,6 +102,8 @@ def aggregate(rows: list[dict]) -> dict:
         "overlapped": total("overlapped"),
         "prefetch_loads": total("prefetch_loads"),
         "prefetch_hits": total("prefetch_hits"),
+        "syncs": round(total("syncs"), 3),
+        "syncs_per_token": round(total("syncs") / generated, 3) if generated else None,
         "peak_memory_bytes": max((_num(x, "peak_memory_bytes") for x in s), default=0),
         **_long_context_totals(s),
         **_speculation_totals(s, total),
@@ -195,6 +197,7 @@ def _stat_lines(st: dict) -> list[list[str]]:
         ["overlap", f"{n('overlapped')} calls computed during their reads, {n('prefetch_loads')} "
                     f"experts read ahead, {n('prefetch_hits')} of them used"],
         ["unplaced routes", n("unplaced")],
+        ["host syncs", f"{n('syncs')} ({n('syncs_per_token')} per generated token)"],
         ["peak memory", format_size(st.get("peak_memory_bytes")) if st.get("peak_memory_bytes") is not None else "-"],
     ]
     if st.get("read_mb_per_s") is not None:
@@ -217,6 +220,8 @@ def _stat_lines(st: dict) -> list[list[str]]:
             extra.append(f"overlap {st['overlap']}")
         lines.append(["expert reads", st["store"] + (f" ({', '.join(extra)})" if extra else "")])
     lines += _long_context_lines(st)
+    if isinstance(st.get("batch"), int):
+        lines.append(["batch", f"decoded in a batch of up to {st['batch']} requests"])
     if (spec := _speculation_line(st)) is not None:
         lines.append(spec)
     return lines
@@ -271,7 +276,8 @@ def _live(json_: bool) -> None:
                + ("  rebuilding pools" if st.get("rebuilding") else ""))
     rows = [
         ["model", f"{st.get('model') or '-'}  ({st.get('checkpoint') or 'nothing loaded'})"],
-        ["requests", f"{queue.get('served', 0)} served, {'1 running' if queue.get('running') else 'none running'}, "
+        ["requests", f"{queue.get('served', 0)} served, {st.get('batch') or 0} running (largest batch "
+                     f"{st.get('largest_batch') or 0}), "
                      f"{queue.get('queued', 0)} queued (at most {queue.get('max_queue')})"],
         ["last decode", "-" if st.get("last_decode_tps") is None else f"{st['last_decode_tps']} tok/s"],
         ["memory", f"peak RSS {format_size(st.get('peak_rss_bytes') or 0)}, "

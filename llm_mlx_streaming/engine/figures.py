@@ -11,6 +11,7 @@ import resource
 import sys
 from dataclasses import fields
 
+from .. import syncs
 from ..experts.pool import PoolCounters
 from .kv import bits_in_use, cache_bytes, kept_note
 
@@ -71,22 +72,30 @@ def read_figures(counts: dict) -> dict:
     }
 
 
+def sync_figures(syncs: float, tokens: int) -> dict:
+    """Host synchronisations (llm_mlx_streaming/syncs.py) and their share per generated token."""
+    return {"syncs": round(syncs, 3), "syncs_per_token": round(syncs / tokens, 3) if tokens else None}
+
+
 def response_figures(provider, before: PoolCounters, last, prompt: int, reused: int, prefilled: int,
-                     seconds: float) -> dict:
-    """One generation's figures; `last` is its final mlx-lm GenerationResponse."""
+                     seconds: float, syncs: float) -> dict:
+    """One generation's figures; `last` is its final mlx-lm GenerationResponse and
+    `syncs` the host synchronisations it made."""
     import mlx.core as mx
 
     now = provider.counters()
     delta = {f.name: getattr(now, f.name) - getattr(before, f.name) for f in fields(PoolCounters)}
+    generated = last.generation_tokens if last else 0
     return {
         "prompt_tokens": prompt,
         "reused_tokens": reused,
         "prefilled_tokens": prefilled,
-        "generated_tokens": last.generation_tokens if last else 0,
+        "generated_tokens": generated,
         "prefill_tps": round(last.prompt_tps, 2) if last else None,
         "decode_tps": round(last.generation_tps, 2) if last else None,
         "seconds": round(seconds, 3),
         **read_figures(delta),
+        **sync_figures(syncs, generated),
         "peak_memory_bytes": int(mx.get_peak_memory()),
         "expert_slots": provider.slots_per_layer(),
         "policy": provider.policy,
@@ -136,6 +145,10 @@ def engine_figures(manager) -> dict:
         "last_decode_tps": manager.last_decode_tps,
         "requests_served": manager.served,
         "requests_queued": manager.queued,
+        "batch": manager.batch,
+        "largest_batch": manager.largest_batch,
+        "generated_tokens": manager.generated,
+        **sync_figures(syncs.count() - manager.syncs_at_start, manager.generated),
         **manager.counters().as_dict(),
     }
 

@@ -14,11 +14,13 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+from .. import syncs
 from . import figures, worker
 from .figures import peak_rss_bytes, store_in_use
 from .generation import Channel, Generation, Started
 from .provider import EngineError, LoadError, ModelProvider
 from .request import LoadSpec, Request
+from .batch import Batch, admit_or_refuse, alone_reason
 from .respond import Carried, respond
 
 __all__ = ["EngineError", "EngineManager", "LoadError", "get_manager", "peak_rss_bytes", "store_in_use"]
@@ -34,6 +36,10 @@ class EngineManager(ModelProvider):
         self.last_decode_tps: float | None = None
         self.served = 0  # generations run to the end
         self.queued = 0  # requests waiting for the engine thread
+        self.generated = 0  # tokens generated, over every response
+        self.syncs_at_start = syncs.count()  # engine figures count host syncs from here
+        self.batch = 0  # requests in the running batch (engine/batch.py)
+        self.largest_batch = 0
         self._count_lock = threading.Lock()
         self.carried = Carried()
 
@@ -50,7 +56,7 @@ class EngineManager(ModelProvider):
         """
         with self._count_lock:
             self.queued += 1
-        return worker.submit(lambda out: self._serve(load, request, out))
+        return worker.submit(lambda out: self._serve(load, request, out), tag=(load, request))
 
     def queue_load(self, load: LoadSpec) -> Generation:
         """Queue "load `load` if needed" on its own (a server's warm start, a pool
@@ -86,10 +92,49 @@ class EngineManager(ModelProvider):
             if load is not None:
                 self.load_spec(load)
             self.require_loaded()
+            # a provider that steps its generations itself (a pipeline rank) runs them alone
+            if alone_reason(request, self.loaded.model) is None and type(self).steps is ModelProvider.steps:
+                return self._batch(load, request, out)
             stats = respond(self, request, out, self.carried, self.max_tokens)
-            self.last_stats, self.last_decode_tps = stats, stats["decode_tps"]
-            self.served += 1
+            self.finished(stats)
             out.put("done", stats)
+
+    def finished(self, stats: dict) -> None:
+        """A generation ran to its end with these figures."""
+        self.last_stats, self.last_decode_tps = stats, stats["decode_tps"]
+        self.served += 1
+        self.generated += stats["generated_tokens"]
+
+    def _batch(self, load: LoadSpec | None, request: Request, out: Channel) -> None:
+        """Decode `request` in a batch that the requests queued behind it join while
+        there is room and they can (engine/batch.py); a job that cannot join waits
+        until the batch is done, so jobs still run in order."""
+        capacity = request.max_batch
+
+        def joins(tag) -> bool:
+            if tag is None or len(running.members) >= capacity:
+                return False
+            their_load, theirs = tag
+            return ((their_load is None or their_load == load) and theirs.max_batch > len(running.members)
+                    and alone_reason(theirs, self.loaded.model) is None)
+
+        running = Batch(self, capacity, request.prefill_step)
+        running.admit(request, out)
+        try:
+            while running.members:
+                while (taken := worker.take_queued(joins)) is not None:
+                    with self._count_lock:
+                        self.queued -= 1
+                    admit_or_refuse(running, taken[0][1], taken[1])
+                self.batch = len(running.members)
+                self.largest_batch = max(self.largest_batch, self.batch)
+                running.step()
+        except BaseException as e:
+            running.fail(e)
+            raise
+        finally:
+            self.batch = 0
+            running.close()
 
     def metrics(self) -> dict:
         return figures.engine_figures(self)

@@ -77,6 +77,7 @@ class Request:
     # -- long context (engine/kv.py) --
     kv: KVSpec = FULL_PRECISION  # how the attention cache is kept (quantized or not)
     prefill_step: Optional[int] = None  # prompt tokens per prefill chunk (None: mlx-lm's 2048)
+    max_batch: int = 1  # the largest batch it may join (engine/batch.py); 1: it runs alone
 
     def make_sampler(self):
         import mlx.core as mx

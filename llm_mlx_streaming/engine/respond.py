@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from .. import syncs
 from ..errors import one_line
 from ..processors import with_history
 from ..stops import StopMatcher
@@ -51,10 +52,10 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
     max_tokens = token_budget(prompt, request, default_max_tokens, provider.context_length)
     for processor in request.budget_aware:  # constrained decoding closes within it
         processor.limit_tokens(max_tokens)
-    kv, kv_note = _kv_layout(loaded, request.kv)
+    kv, kv_note = kv_layout(loaded, request.kv)
     cache, new_tokens, reused = session.reuse_for(prompt, kv)
-    disk = _disk_cache(provider, request, kv, carried)
-    cache, new_tokens, reused, from_disk = _from_disk(disk, session, loaded, prompt, kv, cache, new_tokens, reused)
+    disk = disk_cache_for(provider, request, kv, carried)
+    cache, new_tokens, reused, from_disk = cache_from_disk(disk, session, loaded, prompt, kv, cache, new_tokens, reused)
     out.put("started", Started(loaded.tokenizer, provider.checkpoint, prompt, reused))
 
     prefill_step = request.prefill_step or PREFILL_STEP
@@ -69,7 +70,7 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
                                     kv_kwargs=kv.generate_kwargs())
     except (ValueError, spec.DraftError) as e:
         raise EngineError(one_line(e)) from None
-    before = provider.counters()
+    before, syncs_before = provider.counters(), syncs.count()
     mx.reset_peak_memory()
     start = time.perf_counter()
     ttft = last = None
@@ -97,7 +98,7 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
             generated.append(response.token)
             if request.top_logprobs is not None:
                 response = replace(response, logprobs=token_logprobs(response, request.top_logprobs))
-            last = _stopped(response, stops)
+            last = stopped(response, stops)
             out.put("response", last)
             if stops.hit is not None:
                 break
@@ -114,14 +115,14 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
         session.fed(new_tokens)
         session.fed(generated)
     stats = fig.response_figures(provider, before, last, len(prompt), reused, len(new_tokens),
-                                 time.perf_counter() - start)
+                                 time.perf_counter() - start, syncs.count() - syncs_before)
     if stops.hit is not None:
         stats["stop_sequence"] = stops.hit
     stats.update(figures.as_dict())
     stats.update(fig.kv_figures(session.cache, kv, kv_note, prefill_step, ttft))
     if recorder is not None:
         _write_trace(recorder, request.trace_path, provider.checkpoint.name, stats, carried.warned)
-    _save_to_disk(disk, session, from_disk, stats, carried.warned)
+    save_to_disk(disk, session, from_disk, stats, carried.warned)
     return stats
 
 
@@ -154,12 +155,12 @@ def token_logprobs(response, top: int) -> tuple[float, list[tuple[int, float]]]:
     ids = []
     if top:
         best = mx.argpartition(-row, kth=top - 1)[:top]
-        ids = best[mx.argsort(-row[best])].tolist()
-    values = row[mx.array([response.token, *ids])].tolist()
+        ids = syncs.tolist(best[mx.argsort(-row[best])])
+    values = syncs.tolist(row[mx.array([response.token, *ids])])
     return values[0], list(zip(ids, values[1:]))
 
 
-def _stopped(response, stops: StopMatcher):
+def stopped(response, stops: StopMatcher):
     """`response` with its text cut at a stop sequence (finish "stop"), or the held-back
     text flushed at the end."""
     text = stops.feed(response.text)
@@ -170,7 +171,7 @@ def _stopped(response, stops: StopMatcher):
     return replace(response, text=text) if text != response.text else response
 
 
-def _kv_layout(loaded, spec):
+def kv_layout(loaded, spec):
     """(the KV layout the loaded model runs `spec` with, a note when it differs);
     a layout the model cannot take is an EngineError."""
     from mlx.utils import tree_flatten
@@ -182,7 +183,7 @@ def _kv_layout(loaded, spec):
 
 
 # -- the conversation cache on disk (engine/disk_cache.py) ------------------------------
-def _disk_cache(provider: ModelProvider, request: Request, kv, carried: Carried):
+def disk_cache_for(provider: ModelProvider, request: Request, kv, carried: Carried):
     """The conversation cache for this request's checkpoint and KV layout, or None."""
     spec = request.conversation_cache
     if spec is None:  # this turn changes the session's cache unseen: a later one writes it whole
@@ -194,7 +195,7 @@ def _disk_cache(provider: ModelProvider, request: Request, kv, carried: Carried)
     return carried.disk
 
 
-def _from_disk(disk, session, loaded, prompt, kv, cache, new_tokens, reused):
+def cache_from_disk(disk, session, loaded, prompt, kv, cache, new_tokens, reused):
     """A longer prefix than the session holds, from disk, when there is one; the last
     item is how many tokens came from disk."""
     if disk is None or reused >= len(prompt) - 1:
@@ -207,7 +208,7 @@ def _from_disk(disk, session, loaded, prompt, kv, cache, new_tokens, reused):
     return cache, new_tokens, reused, reused
 
 
-def _save_to_disk(disk, session, from_disk: int, stats: dict, warned: set) -> None:
+def save_to_disk(disk, session, from_disk: int, stats: dict, warned: set) -> None:
     """Save the session's cache for a later process; a failed write is a warning and a
     figure, never a lost reply."""
     stats["disk_cache_tokens"] = from_disk

@@ -8,20 +8,28 @@ reading never blocks the others.
 
 from __future__ import annotations
 
-import queue
 import threading
+from collections import deque
 from typing import Callable
 
 from .generation import Cancelled, Channel, Generation
 
 
-def submit(job: Callable[[Channel], None]) -> Generation:
+def submit(job: Callable[[Channel], None], tag=None) -> Generation:
     """Queue `job(channel)` on the engine thread; the handle reads what it puts there,
-    and raises what it raised."""
+    and raises what it raised. `tag` describes the job to `take_queued`."""
     generation = Generation()
     channel = generation.channel  # the engine thread gets the channel, never the handle
-    _engine_thread().submit(lambda: job(channel), channel)
+    _engine_thread().submit(lambda: job(channel), channel, tag)
     return generation
+
+
+def take_queued(accept: Callable) -> tuple | None:
+    """For the job now running (a batch): the next queued job's (tag, channel), taken
+    off the queue, when `accept(tag)`; None when the queue is empty or its head is not
+    accepted, so jobs still run in order. The taker runs it and sets the channel's
+    `finished` when it is over (a caller waiting in `Generation.close` goes on)."""
+    return _engine_thread().take(accept)
 
 
 class _EngineThread:
@@ -29,15 +37,28 @@ class _EngineThread:
     another job."""
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs: deque = deque()
+        self._ready = threading.Condition()
         threading.Thread(target=self._loop, name="mlx-stream-engine", daemon=True).start()
 
-    def submit(self, job, channel: Channel) -> None:
-        self._jobs.put((job, channel))
+    def submit(self, job, channel: Channel, tag) -> None:
+        with self._ready:
+            self._jobs.append((job, channel, tag))
+            self._ready.notify()
+
+    def take(self, accept: Callable) -> tuple | None:
+        with self._ready:
+            if not self._jobs or not accept(self._jobs[0][2]):
+                return None
+            _, channel, tag = self._jobs.popleft()
+        channel.running.set()
+        return tag, channel
 
     def _loop(self) -> None:
         while True:
-            job, channel = self._jobs.get()
+            with self._ready:
+                self._ready.wait_for(lambda: self._jobs)
+                job, channel, _ = self._jobs.popleft()
             channel.running.set()
             try:
                 job()

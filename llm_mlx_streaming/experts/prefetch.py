@@ -21,6 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .. import syncs
 from ..values import OVERLAP_MODES
 
 FROM_DISK = 0.5  # a read counts as waiting on the device from this share of pages uncached
@@ -76,7 +77,7 @@ class Overlap:
 def predict(router, x: mx.array, k: int) -> np.ndarray:
     """The `k` experts `router` scores highest for the one token `x`."""
     scores = router(x.reshape(-1, x.shape[-1]))[0]
-    return np.array(mx.argpartition(-scores, k - 1)[:k]).astype(np.int64)
+    return syncs.to_host(mx.argpartition(-scores, k - 1)[:k]).astype(np.int64)
 
 
 class Router:

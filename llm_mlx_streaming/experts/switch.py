@@ -15,6 +15,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
+from .. import syncs
 from .index import LayerExperts
 from .pool import ExpertPool
 from .store import ExpertStore
@@ -52,12 +53,13 @@ class StreamingExperts(nn.Module):
         # A decode step or a short verify pass (speculation): below mlx-lm's sorting
         # threshold every route is computed alone, so the routes may be split.
         few_routes = indices.size < SORT_THRESHOLD
-        if pool.whole and few_routes and self.observer is None:
+        if pool.whole and self.observer is None:
             # Every expert resident: no need to read the router's choice back.
             pool.counters.hits += indices.size
             pool.counters.calls_no_load += 1
-            return self._two_ways(x, pool.remap(indices))
-        ids = np.array(indices).reshape(-1)
+            slots = pool.remap(indices)
+            return self._two_ways(x, slots) if few_routes else self.experts(x, slots)
+        ids = syncs.to_host(indices).reshape(-1)
         unique, first = np.unique(ids, return_index=True)
         needed = unique[np.argsort(first)]  # in the order the router named them
         if self.observer is not None:
@@ -74,7 +76,7 @@ class StreamingExperts(nn.Module):
     def _passing_on(self, x, indices, args, kwargs) -> mx.array:
         """A call with arguments beyond the routes, which only the container understands:
         one container call over the slots of every expert the call routes to."""
-        ids = np.array(indices).reshape(-1)
+        ids = syncs.to_host(indices).reshape(-1)
         needed = np.unique(ids)
         if len(needed) > self.pool.slots:
             raise RuntimeError(
@@ -169,7 +171,7 @@ class StreamingExperts(nn.Module):
             if out is None:
                 out = mx.zeros((ids.size, *y.shape[1:]), dtype=y.dtype)
             out[mx.array(routes)] = y
-            mx.eval(out)  # before the next chunk overwrites slots
+            syncs.evaluate(out)  # before the next chunk overwrites slots
         return out.reshape(*indices.shape, out.shape[-1])
 
     def _apply(self, x, slots, sorted_indices) -> mx.array:

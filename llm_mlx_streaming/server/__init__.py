@@ -1,7 +1,7 @@
 """`llm mlxs serve`: the engine kept warm in one process behind the OpenAI, Anthropic and
 Ollama APIs.
 
-schemas.py holds the OpenAI request and response bodies, gate.py the one-at-a-time queue,
+schemas.py holds the OpenAI request and response bodies, gate.py the queue (max_batch at once),
 runtime.py the parameters a running server can change, bridge.py runs the plugin's own
 prompt path (its async model) as a task on the event loop, turns.py takes one generation
 through the gate and answers it in an API's shape, service.py the server's state and the

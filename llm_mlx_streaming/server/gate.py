@@ -1,8 +1,8 @@
-"""One generation at a time; the others wait their turn in order, and only so many.
+"""At most `capacity` jobs at a time; the others wait their turn in order, and only so many.
 
-The engine holds one conversation and MLX computes one thing at a time, so the server
-admits one job (a generation or a pool rebuild) and queues the rest first come, first
-served. A full queue is the caller's cue to answer 503 with Retry-After instead of
+The engine decodes up to `max_batch` requests together (engine/batch.py), so the server
+admits that many jobs (generations or a pool rebuild; the engine thread runs a rebuild
+after the running batch) and queues the rest first come, first served. A full queue is the caller's cue to answer 503 with Retry-After instead of
 letting requests pile up without bound. A pool rebuild goes to the head of the queue,
 so the requests already waiting run on the new pools.
 """
@@ -18,9 +18,9 @@ class QueueFull(Exception):
 
 
 class Gate:
-    def __init__(self, max_waiting: int) -> None:
-        self.max_waiting = max_waiting
-        self._busy = False
+    def __init__(self, max_waiting: int, capacity: int = 1) -> None:
+        self.max_waiting, self.capacity = max_waiting, capacity
+        self.running = 0
         self._waiters: deque[asyncio.Future] = deque()
 
     @property
@@ -29,12 +29,12 @@ class Gate:
 
     @property
     def busy(self) -> bool:
-        return self._busy
+        return self.running > 0
 
     async def acquire(self, *, first: bool = False) -> None:
         """Wait for the turn; QueueFull at once when `max_waiting` already wait."""
-        if not self._busy and not self.waiting:
-            self._busy = True
+        if self.running < self.capacity and not self.waiting:
+            self.running += 1
             return
         if not first and self.waiting >= self.max_waiting:
             raise QueueFull
@@ -59,6 +59,6 @@ class Gate:
         while self._waiters:
             future = self._waiters.popleft()
             if not future.done():
-                future.set_result(None)  # the turn passes on; still busy
+                future.set_result(None)  # the turn passes on; as many run
                 return
-        self._busy = False
+        self.running -= 1

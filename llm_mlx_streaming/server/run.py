@@ -54,7 +54,8 @@ class Server:
         hosts = [host] + (settings.server_hosts if hosts is None else hosts)  # its own address too
         origins = settings.server_origins if origins is None else origins
         self.service = Service(default_model=model, api_key=api_key, secret=discovery.new_secret(),
-                               max_queue=max_queue, hosts=tuple(hosts), origins=tuple(origins))
+                               max_queue=max_queue, hosts=tuple(hosts), origins=tuple(origins),
+                               max_batch=settings.max_batch)
         if model:
             try:
                 self.service.model_for(model)

@@ -46,11 +46,11 @@ class Service:
 
     def __init__(self, *, default_model: Optional[str] = None, api_key: Optional[str] = None,
                  secret: Optional[str] = None, max_queue: int = 8, hosts: tuple[str, ...] = (),
-                 origins: tuple[str, ...] = ()) -> None:
+                 origins: tuple[str, ...] = (), max_batch: int = 1) -> None:
         self.default_model = default_model
         self.hosts, self.origins = tuple(hosts), tuple(origins)  # server/guard.py
         self.api_key, self.secret = api_key, secret
-        self.gate = Gate(max_queue)
+        self.gate = Gate(max_queue, capacity=max_batch)
         self.runtime = RuntimeConfig()
         self.replies = ReplyMemory()
         self.model_id: Optional[str] = None  # the model last loaded or asked for

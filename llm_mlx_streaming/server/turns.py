@@ -78,6 +78,7 @@ async def answer(service, request: Request, shape, model_id: str, messages: list
     service.keep_loaded()
     try:
         options = service.runtime.for_request(fields)  # now: a config change made while it waited applies
+        options.setdefault("max_batch", service.gate.capacity)  # the requests it admits at once may batch
         run = Run(model_id, messages, options, schema, tools).start()
     except BaseException:
         service.gate.release()

@@ -24,6 +24,7 @@ from mlx_lm.generate import (
     wired_limit,
 )
 
+from .. import syncs
 from ..processors import apply_at_positions
 from . import heads
 from .depth import Depth
@@ -100,7 +101,7 @@ class SpeculativeRun:
             self.fed.append(last)
             self._quantize()
             logprobs = _logprobs(logits)
-            y = int(self.sampler(logprobs).item())
+            y = int(syncs.item(self.sampler(logprobs)))
             if not self.drafter.needs_hidden:
                 self.drafter.reset(self.history + self.fed)
             self.drafter.accept([y], None if hidden is None else hidden[0])
@@ -145,7 +146,7 @@ class SpeculativeRun:
             else:
                 self.model(chunk, cache=self.cache)
             self._quantize()
-            mx.eval([c.state for c in self.cache])
+            syncs.evaluate([c.state for c in self.cache])
             self.fed.extend(prompt[:n])
             prompt = prompt[n:]
             mx.clear_cache()

@@ -14,6 +14,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import common_prefix_len
 
+from .. import syncs
 from ..errors import one_line
 from .decode import PREFILL_STEP
 from .drafter import DraftContext, DraftError
@@ -46,7 +47,7 @@ class DraftModelDrafter:
         drafts = []
         for _ in range(k):
             logits = self._feed(pending)
-            token = int(mx.argmax(logits[0, -1]).item())
+            token = int(syncs.item(mx.argmax(logits[0, -1])))
             drafts.append(token)
             pending = [token]
         return drafts

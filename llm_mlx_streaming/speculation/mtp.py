@@ -16,6 +16,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import common_prefix_len
 
+from .. import syncs
 from ..errors import CheckpointError
 from .drafter import DraftContext, DraftError
 from .mtp_head import LoadedHead, mtp_head
@@ -89,7 +90,8 @@ def _greedy(logits: mx.array) -> tuple[list[int], float]:
     """([argmax], its softmax probability)."""
     probs = mx.softmax(logits.astype(mx.float32), axis=-1)
     token = mx.argmax(probs)
-    return [int(token.item())], float(probs[token].item())
+    chosen, confidence = syncs.tolist(mx.stack([token.astype(mx.float32), probs[token]]))
+    return [int(chosen)], float(confidence)
 
 
 def build(context: DraftContext) -> MTPDrafter:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+from .. import syncs
+
 
 class TargetSampler:
     """The request's sampler as a distribution: what drafts are accepted against."""
@@ -46,18 +48,18 @@ def choose(logprobs: mx.array, drafts: list[int], target: TargetSampler, sampler
     `sampler` is the request's mlx-lm sampler, used where no draft is judged.
     """
     if not drafts:
-        return 0, int(sampler(logprobs[-1:]).item())
+        return 0, int(syncs.item(sampler(logprobs[-1:])))
     if target.greedy:
-        best = mx.argmax(logprobs, axis=-1).tolist()
+        best = syncs.tolist(mx.argmax(logprobs, axis=-1))
         n = 0
         while n < len(drafts) and best[n] == drafts[n]:
             n += 1
         return n, best[n]
     probs = target.probs(logprobs)
-    draws = mx.random.uniform(shape=(len(drafts),)).tolist()
-    accept = probs[mx.arange(len(drafts)), mx.array(drafts)].tolist()
+    draws, accept = syncs.tolist(mx.stack([mx.random.uniform(shape=(len(drafts),)),
+                                           probs[mx.arange(len(drafts)), mx.array(drafts)]]))
     for n, (d, u, p) in enumerate(zip(drafts, draws, accept)):
         if u >= p:
             rest = probs[n].at[d].multiply(0.0)
-            return n, int(mx.random.categorical(mx.log(rest)).item())
-    return len(drafts), int(sampler(logprobs[-1:]).item())
+            return n, int(syncs.item(mx.random.categorical(mx.log(rest))))
+    return len(drafts), int(syncs.item(sampler(logprobs[-1:])))

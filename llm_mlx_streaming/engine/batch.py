@@ -1,0 +1,210 @@
+"""Continuous batching: several requests decoded in one forward pass.
+
+On a streamed MoE the two costs that dominate decoding are each MoE layer's host
+read-back of the router's choice and the expert reads; B sequences decoded in one pass
+share both. The batch runs on mlx-lm's own `BatchGenerator` and batch KV caches,
+through the streamed layers: a request joins after its prefill, leaves when it
+finishes, and keeps its own sampler, logits processors, stop sequences, KV reuse and
+cancellation. It runs on the engine thread under the provider's lock, like `respond`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .. import syncs
+from ..stops import StopMatcher
+from . import figures as fig
+from .generation import Channel, Started
+from .request import Injected, Request
+from .respond import (cache_from_disk, disk_cache_for, kv_layout, save_to_disk, stopped, token_budget,
+                      token_logprobs)
+from .planner import PREFILL_STEP
+
+TILE = 2048  # longer chunks take TiledAttention's path, written for one sequence's cache
+
+
+def alone_reason(request: Request, model) -> str | None:
+    """Why `request` runs alone rather than in a batch (None: it may join one)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if request.max_batch <= 1:
+        return "max_batch 1"
+    if request.k != 0:
+        return "speculation"
+    if request.seed is not None or request.sampler is not None:
+        return "a seed or its own sampler (reproducible alone)"
+    if request.budget_aware:
+        return "a schema"
+    if request.trace_path is not None:
+        return "a routing trace"
+    if request.kv.quantized:
+        return "a quantized KV cache"
+    if request.injected != Injected():
+        return "injected parts"
+    if not all(hasattr(c, "merge") for c in make_prompt_cache(model)):
+        return "a cache mlx-lm cannot batch"
+    return None
+
+
+@dataclass
+class Member:
+    """One request in the batch and what its figures are built from."""
+
+    request: Request
+    out: Channel
+    prompt: list[int]
+    reused: int
+    prefilled: int
+    kv: Any
+    kv_note: Any
+    disk: Any
+    from_disk: int
+    stops: StopMatcher
+    detokenizer: Any
+    before: Any  # pool counters when it joined
+    start: float = field(default_factory=time.perf_counter)
+    first: float | None = None  # when its first token came
+    tokens: int = 0
+    syncs: float = 0.0  # its share of each pass's host synchronisations
+    largest: int = 1  # the largest batch it ran in
+    last: Any = None  # its last GenerationResponse
+
+
+class Batch:
+    """The running batch: `admit` requests, `step` until no member is left."""
+
+    def __init__(self, engine, capacity: int, prefill_step: int | None) -> None:
+        from mlx_lm.generate import BatchGenerator
+
+        self.engine, self.capacity = engine, capacity
+        self.prefill_step = min(prefill_step or PREFILL_STEP, TILE)
+        self.generator = BatchGenerator(engine.loaded.model, completion_batch_size=capacity,
+                                        prefill_batch_size=capacity, prefill_step_size=self.prefill_step)
+        self.members: dict[int, Member] = {}
+
+    def admit(self, request: Request, out: Channel) -> None:
+        """Start `request`: its cached prefix, then queued for prefill with the next pass."""
+        from mlx_lm.generate import StopSequences
+
+        engine = self.engine
+        loaded, session = engine.loaded, engine.session
+        prompt = [int(t) for t in request.prompt]
+        max_tokens = token_budget(prompt, request, engine.max_tokens, engine.context_length)
+        kv, kv_note = kv_layout(loaded, request.kv)
+        cache, new_tokens, reused = session.reuse_for(prompt, kv)
+        disk = disk_cache_for(engine, request, kv, engine.carried)
+        cache, new_tokens, reused, from_disk = cache_from_disk(disk, session, loaded, prompt, kv, cache, new_tokens,
+                                                          reused)
+        session.reset()  # the batch owns that cache now; a later request must not trim it
+        out.put("started", Started(loaded.tokenizer, engine.checkpoint, prompt, reused))
+        tokenizer = loaded.tokenizer
+        (uid,) = self.generator.insert_segments(
+            [[new_tokens]], max_tokens=[max_tokens], caches=[cache], all_tokens=[prompt[:reused]],
+            samplers=[request.make_sampler()], logits_processors=[list(request.logits_processors)],
+            stop_sequences=[StopSequences([[t] for t in tokenizer.eos_token_ids])],
+        )
+        self.members[uid] = Member(request, out, prompt, reused, len(new_tokens), kv, kv_note, disk, from_disk,
+                                   StopMatcher(request.stop), tokenizer.detokenizer, engine.counters())
+
+    def step(self) -> None:
+        """One pass: every member's next token, then the next chunk of a new member's
+        prompt; members that finished or were cancelled leave."""
+        for uid in [u for u, m in self.members.items() if m.out.cancel.is_set()]:
+            self._leave(uid, kept=False)
+        if not self.members:
+            return
+        before = syncs.count()
+        _, responses = self.generator.next()
+        share = (syncs.count() - before) / len(self.members)
+        for member in self.members.values():
+            member.syncs += share
+            member.largest = max(member.largest, len(self.members))
+        for r in responses:
+            self._emit(r)
+
+    def _emit(self, r) -> None:
+        from mlx_lm.generate import GenerationResponse
+        import mlx.core as mx
+
+        member = self.members[r.uid]
+        now = time.perf_counter()
+        if member.first is None:
+            member.first = now
+        member.tokens += 1
+        if r.finish_reason != "stop":  # mlx-lm shows no text for the end-of-sequence token
+            member.detokenizer.add_token(r.token)
+        if r.finish_reason is not None:
+            member.detokenizer.finalize()
+        prompt_seconds = member.first - member.start
+        response = GenerationResponse(
+            text=member.detokenizer.last_segment, token=r.token, logprobs=r.logprobs, from_draft=False,
+            prompt_tokens=member.prefilled, prompt_tps=member.prefilled / prompt_seconds if prompt_seconds else 0.0,
+            generation_tokens=member.tokens,
+            generation_tps=member.tokens / (now - member.first) if now > member.first else 0.0,
+            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=r.finish_reason,
+        )
+        if member.request.top_logprobs is not None:
+            response = replace(response, logprobs=token_logprobs(response, member.request.top_logprobs))
+        member.last = stopped(response, member.stops)
+        member.out.put("response", member.last)
+        if r.finish_reason is not None:
+            self._finish(r.uid, r.prompt_cache, r.all_tokens)
+        elif member.stops.hit is not None:
+            cache, tokens = self.generator.remove([r.uid], return_prompt_caches=True)[r.uid]
+            self._finish(r.uid, cache, tokens)
+
+    def _finish(self, uid: int, cache, tokens) -> None:
+        """A member's reply is complete: its cache becomes the session's (the last to
+        finish is the one the next turn can extend), its figures go to its caller."""
+        from ..speculation.start import figures_for
+
+        engine, member = self.engine, self.members[uid]
+        engine.session.adopt(cache, tokens, member.kv)
+        seconds = time.perf_counter() - member.start
+        stats = fig.response_figures(engine, member.before, member.last, len(member.prompt), member.reused,
+                                     member.prefilled, seconds, member.syncs)
+        stats.update(figures_for(member.request).as_dict())
+        ttft = None if member.first is None else member.first - member.start
+        stats.update(fig.kv_figures(cache, member.kv, member.kv_note, self.prefill_step, ttft))
+        stats["batch"] = member.largest
+        if member.stops.hit is not None:
+            stats["stop_sequence"] = member.stops.hit
+        save_to_disk(member.disk, engine.session, member.from_disk, stats, engine.carried.warned)
+        engine.finished(stats)
+        member.out.put("done", stats)
+        self._leave(uid, kept=True)
+
+    def _leave(self, uid: int, kept: bool) -> None:
+        member = self.members.pop(uid)
+        if not kept:  # cancelled: its half-fed cache is dropped
+            self.generator.remove([uid])
+        member.out.finished.set()
+
+    def fail(self, error: BaseException) -> None:
+        """The pass raised: every member gets the error, the session is dropped."""
+        self.engine.session.reset()
+        for member in self.members.values():
+            member.out.put("error", error)
+            member.out.finished.set()
+        self.members.clear()
+
+    def close(self) -> None:
+        import mlx.core as mx
+
+        mx.synchronize()  # nothing may still read a slot when the pools change
+        self.generator.close()
+
+
+def admit_or_refuse(batch: Batch, request: Request, out: Channel) -> None:
+    """A request taken from the queue joins, or its caller gets its one-line error."""
+    try:
+        out.check_cancelled()
+        batch.admit(request, out)
+    except BaseException as e:  # a prompt too long, a cancelled caller, an interrupt
+        out.put("error", e)
+        out.finished.set()
+        if not isinstance(e, Exception):
+            raise
