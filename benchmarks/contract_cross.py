@@ -20,6 +20,9 @@ slots through `get_manager().run(LoadSpec, Request)`:
 - conversation cache: turn 2 of a conversation, loaded from the cache on disk in a fresh
   session, gives the tokens of the same turn computed cold (no cache), and the tokens and
   logprobs of stock mlx-lm's turn 2 on the cache it kept from turn 1;
+- batch: four requests joined at set passes of the engine's continuous batch (two
+  prefilled together, two joining mid-decode) give each sequence stock mlx-lm's
+  BatchGenerator tokens for the same joins;
 - llm CLI: `llm -m mlx-stream/ARCH "..."` run twice (the second run reuses the conversation
   cache) prints stock mlx-lm's greedy text for the same chat-templated prompt.
 
@@ -54,11 +57,14 @@ from llm_mlx_streaming.engine.planner import ATTENTION_TILE  # noqa: E402
 from llm_mlx_streaming.engine.prefill import tile_attention  # noqa: E402
 from llm_mlx_streaming.engine.request import Injected, LoadSpec, Request  # noqa: E402
 from fixtures.scripted import ScriptedDrafter  # noqa: E402
+from fixtures.batches import engine_batch, stock_batch  # noqa: E402
+from llm_mlx_streaming.engine.batch import alone_reason  # noqa: E402
+from llm_mlx_streaming.engine.manager import EngineManager  # noqa: E402
 
 EXPERTS, TOP_K, HEAD_DIM, N = 8, 2, 32, 10
 POOLS = {"all": None, "top-k": TOP_K, "2": 2}
 KV = KVSpec(4, 32, 0)
-FEATURES = ("plain", "overlap on", "k 3", "kv_bits 4", "tiled long prompt", "conversation cache", "llm CLI")
+FEATURES = ("plain", "overlap on", "k 3", "kv_bits 4", "tiled long prompt", "conversation cache", "batch", "llm CLI")
 PROMPT = "Tell me about tea"
 
 
@@ -228,6 +234,28 @@ def conversation(path, model, prompt, cell, root):
                               "stock mlx-lm's cached turn differs from its cold one (a split prefill)")
 
 
+def batched(path, model, prompt, cell):
+    from mlx_lm.utils import load_tokenizer
+
+    vocab = load_config(path)["vocab_size"]
+    prompts = [prompt[:4] + tokens(vocab, n, seed) for seed, n in enumerate((5, 10, 1, 7))]
+    expected = stock_batch(model, load_tokenizer(path), prompts)
+    for name, slots in POOLS.items():
+        manager = EngineManager()  # its own engine, driven from this thread as the tests drive it
+        manager.load(path, expert_slots=slots)
+        try:
+            reason = alone_reason(Request(prompt=[1], max_batch=4), manager.loaded.model)
+            if reason:
+                return cell.na(f"runs alone: {reason}")
+            got = engine_batch(manager, prompts)
+            if got != expected:
+                cell.fail(f"pool {name}: {got} != stock BatchGenerator {expected}")
+            elif manager.counters().unplaced or manager.bad_slots():
+                cell.fail(f"pool {name}: unplaced {manager.counters().unplaced}, bad slots {manager.bad_slots()}")
+        finally:
+            manager.unload()
+
+
 def through_llm(path, arch, cell, root):
     """`llm -m mlx-stream/ARCH PROMPT` twice per pool size, in an llm user dir of its own:
     both runs (the second reuses the conversation cache on disk) print stock mlx-lm's
@@ -272,7 +300,8 @@ def row(arch, root):
     model, config = load_model(path)
     prompt, degenerate = choose_prompt(model, config["vocab_size"])
     cells = {}
-    runs = {"plain": plain, "overlap on": overlapped, "k 3": speculation, "kv_bits 4": kv_bits, "tiled long prompt": tiled}
+    runs = {"plain": plain, "overlap on": overlapped, "k 3": speculation, "kv_bits 4": kv_bits, "tiled long prompt": tiled,
+            "batch": batched}
     for feature in FEATURES:
         cell = cells[feature] = Cell()
         try:

@@ -5,71 +5,21 @@ requests that cannot batch run alone; a cancelled member leaves the others untou
 import threading
 
 import pytest
-from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.utils import load as mlx_load
 
 from exactness import prompt_tokens, vocab_size
 from fixtures.architectures import ARCHITECTURES
+from fixtures.batches import engine_batch, stock_batch
 from llm_mlx_streaming.engine import worker
-from llm_mlx_streaming.engine.batch import Batch, alone_reason
-from llm_mlx_streaming.engine.generation import Channel
+from llm_mlx_streaming.engine.batch import alone_reason
 from llm_mlx_streaming.engine.manager import EngineManager
 from llm_mlx_streaming.engine.request import Request
 
 MOE = [a for a in ARCHITECTURES if a != "qwen3"]  # qwen3: the factory's dense draft model
-JOINS = {0: 0, 1: 0, 2: 2, 3: 5}  # request -> the pass before which it joins (0, 1: prefilled together)
-MAX_TOKENS = [10, 6, 9, 7]
 
 
 def _prompts(path):
     return [prompt_tokens(vocab_size(path), n=n, seed=i) for i, n in enumerate((9, 14, 5, 11))]
-
-
-def _stock(path, prompts) -> list[list[int]]:
-    """Stock mlx-lm: BatchGenerator on the checkpoint loaded by plain mlx-lm."""
-    model, tokenizer = mlx_load(str(path))
-    stop = StopSequences([[t] for t in tokenizer.eos_token_ids])
-    gen = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4)
-    tokens: dict[int, list[int]] = {}
-    uids, step = {}, 0
-    while len(uids) < len(prompts) or gen._generation_batch.uids or gen._prompt_batch.uids \
-            or gen._unprocessed_sequences:
-        for i, at in JOINS.items():
-            if at == step:
-                (uids[i],) = gen.insert([prompts[i]], max_tokens=[MAX_TOKENS[i]], stop_sequences=[stop])
-        _, responses = gen.next()
-        for r in responses:
-            tokens.setdefault(r.uid, []).append(r.token)
-        step += 1
-        assert step < 200
-    gen.close()
-    return [tokens[uids[i]] for i in range(len(prompts))]
-
-
-def _engine(engine, prompts) -> list[list[int]]:
-    """The engine's Batch, the same requests joined before the same passes."""
-    batch = Batch(engine, 4, None)
-    outs = [Channel() for _ in prompts]
-    step = 0
-    while step == 0 or batch.members:
-        for i, at in JOINS.items():
-            if at == step:
-                batch.admit(Request(prompt=prompts[i], max_tokens=MAX_TOKENS[i], max_batch=4), outs[i])
-        batch.step()
-        step += 1
-        assert step < 200
-    batch.close()
-    return [_tokens(out) for out in outs]
-
-
-def _tokens(out: Channel) -> list[int]:
-    tokens = []
-    while not out.events.empty():
-        kind, value = out.events.get()
-        assert kind != "error", value
-        if kind == "response":
-            tokens.append(int(value.token))
-    return tokens
 
 
 @pytest.mark.parametrize("slots", [None, 2], ids=["all", "2"])
@@ -82,7 +32,8 @@ def test_batched_sequences_are_stock_batch_generation(build, arch, slots):
     if alone_reason(Request(prompt=[1], max_batch=4), engine.loaded.model) is not None:
         pytest.skip(f"{arch}: {alone_reason(Request(prompt=[1], max_batch=4), engine.loaded.model)}")
     try:
-        assert _engine(engine, prompts) == _stock(path, prompts)
+        model, tokenizer = mlx_load(str(path))
+        assert engine_batch(engine, prompts) == stock_batch(model, tokenizer, prompts)
         assert engine.counters().unplaced == 0 and engine.bad_slots() == 0
     finally:
         engine.unload()
