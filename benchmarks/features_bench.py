@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fixtures.factory import build_checkpoint  # noqa: E402
 from llm_mlx_streaming.engine.disk_cache import DiskCache, DiskCacheSpec  # noqa: E402
 from llm_mlx_streaming.engine.manager import EngineManager  # noqa: E402
-from llm_mlx_streaming.engine.request import LoadSpec, Request  # noqa: E402
+from llm_mlx_streaming.engine.request import LoadSpec, Request, Sampling  # noqa: E402
 
 CACHE = Path(__file__).resolve().parent / ".cache"
 SHAPE = dict(hidden_size=512, moe_intermediate_size=256, num_experts=32, top_k=4, num_layers=8, quant="4bit")
@@ -63,7 +63,7 @@ def schema_rows(engine, load, tokenizer, tokens: int, runs: int) -> list[tuple]:
                 processor = SchemaProcessor(grammar, tokenizer)
                 timed = _Timed(processor)
                 processors = [timed]
-            stats = run(engine, load, Request(prompt=prompt, max_tokens=tokens, temperature=1.0, seed=1,
+            stats = run(engine, load, Request(prompt=prompt, max_tokens=tokens, sampling=Sampling(temperature=1.0, seed=1),
                                               logits_processors=processors, budget_aware=processors)).stats
             tps.append(stats["decode_tps"])
             if label == "schema":

@@ -16,7 +16,7 @@ import llm
 
 from . import registry
 from .engine.kv import KVSpec
-from .engine.request import LoadSpec, Request
+from .engine.request import LoadSpec, Request, Sampling
 from .errors import CheckpointError, MlxStreamError, one_line
 from .experts.policies import DEFAULT_POLICY
 from .knobs import AUTO_BUDGET_SHARE, BUNDLED_NAME, BUNDLED_REPETITION_PENALTY
@@ -40,11 +40,7 @@ class RunConfig:
     prefill_step: Optional[int]  # None: mlx-lm's default chunk
     max_tokens: int
     max_context: int
-    temperature: float = 0.0
-    top_p: float = 0.0
-    min_p: float = 0.0
-    top_k: int = 0
-    seed: Optional[int] = None
+    sampling: Sampling
     top_logprobs: Optional[int] = None
     repetition_penalty: float = 1.0
     stop: Sequence[str] = ()
@@ -61,8 +57,8 @@ class RunConfig:
         """The engine request for the prompt's token ids."""
         return Request(
             prompt=tokens, max_tokens=self.max_tokens, stop=self.stop, conversation_cache=self.conversation_cache,
-            logits_processors=logits_processors, budget_aware=budget_aware, temperature=self.temperature,
-            top_p=self.top_p, min_p=self.min_p, top_k=self.top_k, seed=self.seed, max_context=self.max_context,
+            logits_processors=logits_processors, budget_aware=budget_aware, sampling=self.sampling,
+            max_context=self.max_context,
             top_logprobs=self.top_logprobs,
             trace_path=self.trace_path, k=self.k, draft=self.draft, draft_path=self.draft_path,
             kv=self.kv, prefill_step=self.prefill_step, max_batch=self.max_batch,
@@ -101,11 +97,8 @@ def resolve(name: Optional[str], options, settings: Settings) -> RunConfig:
         prefill_step=prefill_step(options, settings, path, budget, kv, layout),
         max_tokens=settings.max_tokens if options.max_tokens is None else options.max_tokens,
         max_context=context_limit(options, settings),
-        temperature=options.temperature or 0.0,
-        top_p=options.top_p or 0.0,
-        min_p=options.min_p or 0.0,
-        top_k=options.top_k or 0,
-        seed=options.seed,
+        sampling=Sampling(temperature=options.temperature or 0.0, top_p=options.top_p or 0.0,
+                          min_p=options.min_p or 0.0, top_k=options.top_k or 0, seed=options.seed),
         top_logprobs=options.top_logprobs,
         repetition_penalty=repetition_penalty(options, name),
         stop=tuple(options.stop or ()),

@@ -22,7 +22,7 @@ from llm_mlx_streaming.distributed.engine import PipelineEngine, follow
 from llm_mlx_streaming.distributed.group import init
 from llm_mlx_streaming.engine.generation import Cancelled
 from llm_mlx_streaming.engine.kv import KVSpec
-from llm_mlx_streaming.engine.request import LoadSpec, Request
+from llm_mlx_streaming.engine.request import LoadSpec, Request, Sampling
 
 
 def main(job: dict) -> None:
@@ -52,7 +52,7 @@ def _run(engine, run: dict, job: dict) -> list[dict] | dict:
     except Exception as e:
         return {"error": str(e)}
     fields = {"max_tokens": job["max_tokens"], "k": run.get("k", 0), "stop": run.get("stop", ()),
-              **run.get("sampling", {})}
+              "sampling": Sampling(**run.get("sampling", {}))}
     if run.get("kv_bits"):
         fields["kv"] = KVSpec(run["kv_bits"], 32)
     if run.get("cancel_after"):

@@ -13,7 +13,7 @@ from fixtures.batches import engine_batch, stock_batch
 from llm_mlx_streaming.engine import worker
 from llm_mlx_streaming.engine.batch import alone_reason
 from llm_mlx_streaming.engine.manager import EngineManager
-from llm_mlx_streaming.engine.request import Request
+from llm_mlx_streaming.engine.request import Request, Sampling
 
 MOE = [a for a in ARCHITECTURES if a != "qwen3"]  # qwen3: the factory's dense draft model
 
@@ -73,7 +73,7 @@ def test_a_request_that_cannot_batch_waits_and_runs_alone(qwen):
     engine = EngineManager()
     engine.load(qwen, expert_slots=4)
     p = prompt_tokens(vocab_size(qwen), n=8)
-    seeded = Request(prompt=p, max_tokens=6, max_batch=4, seed=3, temperature=0.8)
+    seeded = Request(prompt=p, max_tokens=6, max_batch=4, sampling=Sampling(seed=3, temperature=0.8))
     assert alone_reason(seeded, engine.loaded.model) == "a seed or its own sampler (reproducible alone)"
     assert alone_reason(Request(prompt=p, k=3, max_batch=4), engine.loaded.model) == "speculation"
     assert alone_reason(Request(prompt=p), engine.loaded.model) == "max_batch 1"
@@ -82,7 +82,7 @@ def test_a_request_that_cannot_batch_waits_and_runs_alone(qwen):
     for h in (first, second, third):
         list(h)
     assert first.stats["batch"] == 1 and "batch" not in second.stats and third.stats["batch"] == 1
-    again = engine.run(None, Request(prompt=p, max_tokens=6, seed=3, temperature=0.8))
+    again = engine.run(None, Request(prompt=p, max_tokens=6, sampling=Sampling(seed=3, temperature=0.8)))
     assert [r.token for r in again] == second.tokens  # the seed's draws were its own
     engine.unload()
 

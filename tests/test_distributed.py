@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten
 from exactness import generate, prompt_tokens, vocab_size
 from llm_mlx_streaming.engine.kv import KVSpec
 from llm_mlx_streaming.engine.manager import EngineManager
+from llm_mlx_streaming.engine.request import Sampling
 
 HERE = Path(__file__).parent
 
@@ -74,7 +75,7 @@ def check_exact(run: dict, got: list[dict], ranks: int) -> None:
     rank held its own layers' weights and pools only."""
     assert all("error" not in r for r in got), got
     fields = {"kv": KVSpec(run["kv_bits"], 32)} if run.get("kv_bits") else {}
-    fields.update(stop=run.get("stop", ()), **run.get("sampling", {}))
+    fields.update(stop=run.get("stop", ()), sampling=Sampling(**run.get("sampling", {})))
     slots = run.get("planned", run["slots"])  # what the ranks' own plans gave, in layer order
     expected, sizes = single(run["checkpoint"], slots, **fields)
     assert [r["tokens"] for r in got] == expected

@@ -12,7 +12,7 @@ from exactness import prompt_tokens, vocab_size
 from fixtures.factory import ARCHITECTURES, supported_quants
 from fixtures.scripted import ScriptedDrafter
 from llm_mlx_streaming.engine.manager import EngineError, EngineManager
-from llm_mlx_streaming.engine.request import Injected, Request
+from llm_mlx_streaming.engine.request import Injected, Request, Sampling
 from llm_mlx_streaming.speculation import heads
 from llm_mlx_streaming.speculation.drafter import DraftContext, DraftError, Drafter
 from llm_mlx_streaming.speculation.kinds import make_drafter
@@ -279,8 +279,8 @@ def test_sampled_generation_runs_and_reports(build):
     path = build("qwen3_moe", num_experts=EXPERTS, top_k=TOP_K)
     engine = _engine(path, TOP_K + 2)
     prompt = _prompt(path)
-    tokens, stats = _generate(engine, prompt, k=K, temperature=0.9, seed=3)
-    again, _ = _generate(engine, prompt, k=K, temperature=0.9, seed=3)
+    tokens, stats = _generate(engine, prompt, k=K, sampling=Sampling(temperature=0.9, seed=3))
+    again, _ = _generate(engine, prompt, k=K, sampling=Sampling(temperature=0.9, seed=3))
     assert tokens == again and len(tokens) == TOKENS  # a seed makes sampling repeatable
     assert stats["k"] == K and stats["draft"] == "ngram" and stats["verify_passes"] > 0
     engine.unload()

@@ -34,7 +34,7 @@ def alone_reason(request: Request, model) -> str | None:
         return "max_batch 1"
     if request.k != 0:
         return "speculation"
-    if request.seed is not None or request.sampler is not None:
+    if request.sampling.seed is not None or request.sampler is not None:
         return "a seed or its own sampler (reproducible alone)"
     if request.budget_aware:
         return "a schema"

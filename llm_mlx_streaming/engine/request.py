@@ -39,6 +39,18 @@ class Injected:
     after_verify: Optional[Callable] = None  # called with (inputs, kept) after each verify pass
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How each token is drawn from the logits: mlx-lm's sampler settings, and a seed
+    that applies to one generation alone."""
+
+    temperature: float = 0.0
+    top_p: float = 0.0
+    min_p: float = 0.0
+    top_k: int = 0
+    seed: Optional[int] = None
+
+
 @dataclass
 class Request:
     """One generation.
@@ -51,12 +63,8 @@ class Request:
 
     prompt: Sequence[int]
     max_tokens: Optional[int] = None
-    temperature: float = 0.0
-    top_p: float = 0.0
-    min_p: float = 0.0
-    top_k: int = 0
-    seed: Optional[int] = None
-    sampler: Optional[Callable] = None
+    sampling: Sampling = Sampling()
+    sampler: Optional[Callable] = None  # replaces `sampling` when given (tests, benchmarks)
     # when set, each response's `logprobs` is (its token's log-probability, [(id, log-probability)]
     # of this many most likely tokens), computed on the engine thread
     top_logprobs: Optional[int] = None
@@ -85,6 +93,7 @@ class Request:
 
         if self.sampler is not None:
             return self.sampler
-        if self.seed is not None:
-            mx.random.seed(self.seed)
-        return make_sampler(self.temperature, self.top_p, self.min_p, top_k=self.top_k)
+        sampling = self.sampling
+        if sampling.seed is not None:
+            mx.random.seed(sampling.seed)
+        return make_sampler(sampling.temperature, sampling.top_p, sampling.min_p, top_k=sampling.top_k)

@@ -221,40 +221,42 @@ class AssistantMessage(BaseModel):
     tool_calls: Optional[list[ToolCall]] = None
 
 
-class ChatChoice(BaseModel):
+class BaseChoice(BaseModel):
+    """What a chat and a text choice share."""
+
     index: int = 0
-    message: AssistantMessage
     finish_reason: Optional[str]
     logprobs: Optional[dict[str, Any]] = None
 
 
-class ChatCompletion(BaseModel):
+class ChatChoice(BaseChoice):
+    message: AssistantMessage
+
+
+class TextChoice(BaseChoice):
+    text: str
+
+
+class BaseCompletion(BaseModel):
+    """What a chat completion and a text completion share."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
-    choices: list[ChatChoice]
     usage: Usage
     mlx_stream: dict[str, Any] = Field(
         description="Extension: the engine's figures (stats), the reply's token ids, the checkpoint"
     )
 
 
-class TextChoice(BaseModel):
-    index: int = 0
-    text: str
-    finish_reason: Optional[str]
-    logprobs: Optional[dict[str, Any]] = None
+class ChatCompletion(BaseCompletion):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
 
 
-class Completion(BaseModel):
-    id: str
+class Completion(BaseCompletion):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[TextChoice]
-    usage: Usage
-    mlx_stream: dict[str, Any]
 
 
 class ModelCard(BaseModel):

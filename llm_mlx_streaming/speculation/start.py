@@ -46,7 +46,8 @@ def make_run(request, loaded, cache, history, prompt, max_tokens, drafters: dict
     return SpeculativeRun(
         model=loaded.model, cache=cache, history=list(history), prompt=list(prompt),
         drafter=drafter, depth=Depth(values.k(request.k)),
-        target=TargetSampler(request.temperature, request.top_p, request.min_p, request.top_k),
+        target=TargetSampler(request.sampling.temperature, request.sampling.top_p, request.sampling.min_p,
+                             request.sampling.top_k),
         sampler=request.make_sampler(), processors=list(request.logits_processors),
         max_tokens=max_tokens, figures=figures,
         observer=request.injected.after_verify, prefill_step=prefill_step, kv_kwargs=kv_kwargs,
