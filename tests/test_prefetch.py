@@ -245,3 +245,29 @@ def test_prediction_is_the_routers_top_k():
     x = mx.random.normal((1, 1, 8))
     want = set(np.argsort(-np.array(block.gate(x)).reshape(-1))[:TOP_K])
     assert router.hidden == 8 and set(prefetch.predict(router, x, TOP_K)) == want
+
+
+def test_a_router_one_module_down_is_found_and_its_extra_outputs_dropped():
+    """`router.layer` (granitemoe), `gate.wg` (hunyuan), and a classifier with zero
+    experts after the routed ones (longcat_flash): the scores of the routed experts."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    class Gate(nn.Module):
+        def __init__(self, outputs):
+            super().__init__()
+            self.classifier = nn.Linear(8, outputs, bias=False)
+
+    class Block(nn.Module):
+        def __init__(self, outputs):
+            super().__init__()
+            self.router = Gate(outputs)
+            self.up_proj = nn.Linear(8, 64, bias=False)  # not a router: no router/gate name
+
+    x = mx.random.normal((1, 1, 8))
+    for outputs in (EXPERTS, EXPERTS + 3):
+        block = Block(outputs)
+        router = prefetch.find_router(block, EXPERTS)
+        scores = np.array(block.router.classifier(x)).reshape(-1)[:EXPERTS]
+        assert router.hidden == 8 and set(prefetch.predict(router, x, TOP_K)) == set(np.argsort(-scores)[:TOP_K])
+    assert prefetch.find_router(Block(EXPERTS - 1), EXPERTS) is None

@@ -152,9 +152,19 @@ def _link_read_ahead(model: nn.Module, names: list[str], loaded: StreamingModel)
     for i, module in enumerate(loaded.layers):
         module.overlap = loaded.overlap
         if i + 1 < len(names):
-            block = _parent(model, names[i + 1])[0]
-            router = find_router(block, loaded.layers[i + 1].layout.num_experts)
+            router = _router_of(model, names[i + 1], loaded.layers[i + 1].layout.num_experts)
             module.ahead = (loaded.layers[i + 1], router) if router is not None else None
+
+
+def _router_of(model: nn.Module, name: str, num_experts: int):
+    """The router beside expert container `name`, or beside the wrapper that holds it
+    (`layers.N.experts.switch_glu`, whose router sits on the decoder layer)."""
+    wrapper = name.rpartition(".")[0]
+    for held in (name, wrapper):
+        router = find_router(_parent(model, held)[0], num_experts)
+        if router is not None:
+            return router
+    return None
 
 
 def _parent(model: nn.Module, name: str):

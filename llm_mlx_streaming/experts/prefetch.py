@@ -92,15 +92,30 @@ class Router:
 
 def find_router(block: nn.Module, num_experts: int) -> Router | None:
     """The router of an MoE block: its linear layer to `num_experts` outputs (plain or
-    quantized), or a gate module holding an `(num_experts, hidden)` weight (its bias and
-    grouping left out: a prediction only steers reads). None if there is none."""
-    for child in block.children().values():
-        if isinstance(child, (nn.Linear, nn.QuantizedLinear)):
-            rows, cols = child.weight.shape
-            if rows == num_experts:
-                bits = child.bits if isinstance(child, nn.QuantizedLinear) else 32
-                return Router(child, cols * 32 // bits)
-        elif isinstance(child, nn.Module) and isinstance(w := child.get("weight"), mx.array):
-            if w.ndim == 2 and w.shape[0] == num_experts:
-                return Router(lambda x, w=w: x @ w.T.astype(x.dtype), w.shape[1])
+    quantized), or a gate module holding an `(num_experts, hidden)` weight (its bias,
+    norm and grouping left out: a prediction only steers reads); else the same one level
+    down inside a child named like a router or gate (`router.layer`, `gate.wg`), where
+    extra outputs past `num_experts` (zero experts) are dropped. None if there is none."""
+    children = block.children()
+    for child in children.values():
+        if (router := _scorer(child, num_experts, exact=True)) is not None:
+            return router
+    for name, child in children.items():
+        if ("router" in name or "gate" in name) and isinstance(child, nn.Module):
+            for inner in child.children().values():
+                if (router := _scorer(inner, num_experts, exact=False)) is not None:
+                    return router
+    return None
+
+
+def _scorer(module, num_experts: int, exact: bool) -> Router | None:
+    """`module` as a Router when it maps the hidden state to a score per expert."""
+    if isinstance(module, (nn.Linear, nn.QuantizedLinear)):
+        rows, cols = module.weight.shape
+        if rows == num_experts or (not exact and rows > num_experts):
+            bits = module.bits if isinstance(module, nn.QuantizedLinear) else 32
+            return Router(lambda x, m=module: m(x)[..., :num_experts], cols * 32 // bits)
+    elif isinstance(module, nn.Module) and isinstance(w := module.get("weight"), mx.array):
+        if w.ndim == 2 and (w.shape[0] == num_experts or (not exact and w.shape[0] > num_experts)):
+            return Router(lambda x, w=w[:num_experts]: x @ w.T.astype(x.dtype), w.shape[1])
     return None
