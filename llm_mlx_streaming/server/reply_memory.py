@@ -16,10 +16,12 @@ class ReplyMemory:
         self.size = size
         self._by_reply: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()
 
-    def remember(self, text: str, reasoning: str, tokens: list[int], calls=()) -> None:
+    def remember(self, reply) -> None:
+        """Keep a finished reply's (bridge.Reply) token ids, by its text and calls."""
+        tokens = reply.result.tokens
         if tokens:
-            key = _key(text, calls)
-            self._by_reply[key] = (reasoning, tokens)
+            key = _key(reply.text, reply.result.tool_calls)
+            self._by_reply[key] = (reply.reasoning, tokens)
             self._by_reply.move_to_end(key)
             while len(self._by_reply) > self.size:
                 self._by_reply.popitem(last=False)

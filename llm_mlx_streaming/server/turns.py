@@ -112,7 +112,7 @@ async def _whole(service, turn: Turn, events, first, shape) -> dict:
             reply.add(kind, value)
     finally:
         turn.finish(served=not turn.run.cancelled)
-    service.replies.remember(reply.text, reply.reasoning, reply.result.tokens, reply.result.tool_calls)
+    service.replies.remember(reply)
     return shape.whole(reply)
 
 
@@ -127,7 +127,7 @@ async def _stream(service, turn: Turn, events, first, shape):
                 break
             for frame in shape.delta(kind, value):
                 yield frame
-        service.replies.remember(reply.text, reply.reasoning, reply.result.tokens, reply.result.tool_calls)
+        service.replies.remember(reply)
         turn.finish(served=True)
         for frame in shape.closing(reply):
             yield frame
