@@ -165,14 +165,24 @@ class StreamingExperts(nn.Module):
                 raise RuntimeError(f"MoE layer {self.ordinal}: routes without a slot")
             by_slot = np.argsort(slots, kind="stable")
             routes, slots = routes[by_slot], slots[by_slot]
-            y = self._apply(
-                rows[mx.array(routes // k)], mx.array(slots), do_sort
-            )
+            y = self._apply_halves(rows[mx.array(routes // k)], slots, do_sort)
             if out is None:
                 out = mx.zeros((ids.size, *y.shape[1:]), dtype=y.dtype)
             out[mx.array(routes)] = y
             syncs.evaluate(out)  # before the next chunk overwrites slots
         return out.reshape(*indices.shape, out.shape[-1])
+
+    def _apply_halves(self, rows, slots: np.ndarray, sorted_indices) -> mx.array:
+        """`_apply` over a chunk's routes, on the CPU backend split at the middle route
+        so the side stream computes the first half on the second core: each route's
+        output is its own (row, slot) product, so the halves give the whole call's
+        values. On a GPU the one stream already fills the device."""
+        side, half = side_stream(), len(slots) // 2
+        if side is None or half == 0:
+            return self._apply(rows, mx.array(slots), sorted_indices)
+        with mx.stream(side):
+            first = self._apply(rows[:half], mx.array(slots[:half]), sorted_indices)
+        return mx.concatenate([first, self._apply(rows[half:], mx.array(slots[half:]), sorted_indices)])
 
     def _apply(self, x, slots, sorted_indices) -> mx.array:
         """The container's computation on explicit (row, slot) pairs."""
