@@ -123,9 +123,10 @@ class StreamingExperts(nn.Module):
             return self._two_ways(x, pool.remap(indices))
         lead = indices.shape[:-1]
         hit, miss = np.nonzero(resident)[0], np.nonzero(~resident)[0]
-        with mx.stream(side or mx.default_stream(mx.default_device())):
-            y_hit = self.experts(x, mx.array(pool.slot_of[ids[hit]]).reshape(*lead, -1))
-        mx.async_eval(y_hit)  # computes while the reader threads fill the misses' slots
+        # both CPU streams compute the resident routes while the reader threads, asleep
+        # on the device, fill the misses' slots
+        y_hit = self._two_ways(x, mx.array(pool.slot_of[ids[hit]]).reshape(*lead, -1))
+        mx.async_eval(y_hit)
         pool.counters.overlapped += 1
         self._load(needed, ids)
         self._read_ahead(x, indices, side is None)
