@@ -26,27 +26,24 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _connect_host(host: str) -> str:
-    """Where a client on this machine reaches a server bound to `host`."""
-    if host in ("0.0.0.0", ""):
-        return "127.0.0.1"
-    if host == "::":
-        return "::1"
-    return host
+def check_exposure(host: str, api_key: Optional[str]) -> None:
+    if not is_loopback(host) and not api_key:
+        raise MlxStreamError(f"Binding {host} (not loopback) needs --api-key, so that no one else on the network can use it")
 
 
 class Server:
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0, model: Optional[str] = None,
                  api_key: Optional[str] = None, max_queue: int = 8, hosts: Optional[list[str]] = None,
-                 origins: Optional[list[str]] = None) -> None:
+                 origins: Optional[list[str]] = None, replaces: Optional[int] = None) -> None:
+        """`replaces`: the pid of a pipeline supervisor whose discovery file (its stand-in's,
+        distributed/standin.py) this server takes over."""
         import uvicorn
 
         from .service import Service, create_app
 
-        if not is_loopback(host) and not api_key:
-            raise MlxStreamError(f"Binding {host} (not loopback) needs --api-key, so that no one else on the network can use it")
+        check_exposure(host, api_key)
         running = discovery.read()
-        if running is not None:
+        if running is not None and running.pid != replaces:
             raise MlxStreamError(f"A server already runs for this llm user dir at {running.url} (pid {running.pid})")
         from .http_layer import ApiError
 
@@ -67,7 +64,7 @@ class Server:
         except OSError as e:
             raise MlxStreamError(f"Cannot listen on {host}:{port}: {e.strerror or e}") from None
         self.port = self.sock.getsockname()[1]
-        self.info = discovery.ServerInfo(os.getpid(), _connect_host(host), self.port, self.service.secret)
+        self.info = discovery.ServerInfo(os.getpid(), discovery.connect_host(host), self.port, self.service.secret)
         config = uvicorn.Config(create_app(self.service), log_level="warning", access_log=False,
                                 lifespan="on", timeout_graceful_shutdown=5)
         self.uvicorn = uvicorn.Server(config)
@@ -85,6 +82,14 @@ class Server:
         finally:
             discovery.remove(self.info)
             self.sock.close()
+
+    def busy(self) -> bool:
+        """Whether a request is still being answered."""
+        return bool(self.uvicorn.server_state.tasks)
+
+    def forget(self) -> None:
+        """Remove the discovery file (a process that ends without `serve` returning)."""
+        discovery.remove(self.info)
 
     def start(self, timeout: float = 30.0) -> "Server":
         """Serve on a thread; return once it answers."""
