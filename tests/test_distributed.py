@@ -412,7 +412,7 @@ def test_the_stand_in_answers_with_the_failure_and_llm_says_it_in_one_line(llm_e
     from plugin_support import assert_ok, assert_one_line_error
 
     from llm_mlx_streaming.client import discovery
-    from llm_mlx_streaming.distributed.standin import StandIn
+    from llm_mlx_streaming.server.standin import StandIn
 
     line = "rank 1 on mac2 ended by SIGKILL"
     state = {"pipeline_state": "restarting", "pipeline_error": line, "pipeline_restarts": 1}
@@ -450,8 +450,32 @@ def test_the_stand_in_answers_with_the_failure_and_llm_says_it_in_one_line(llm_e
         keyed.forget()
 
 
+def test_rank_0_leaves_once_its_pipeline_broke_after_the_reply_went_out():
+    """A broken pipeline ends rank 0's process (mlx.launch then ends the others at once),
+    after the responses under way (at most its grace) and its discovery file."""
+    script = """if True:
+        import sys, threading, time
+        from types import SimpleNamespace
+        from llm_mlx_streaming.distributed.launch import leave_when_broken
+        where = SimpleNamespace(where=lambda rank: f"rank {rank} on h0")
+        engine = SimpleNamespace(failed=threading.Event(), broken="rank 1 on h1 stopped answering", group=where)
+        start = time.monotonic()
+        busy = lambda: time.monotonic() - start < float(sys.argv[1])
+        leave_when_broken(engine, busy, lambda: print(f"{time.monotonic() - start:.3f}", file=sys.stderr, flush=True),
+                          grace=1.0)
+        engine.failed.set()
+        time.sleep(30)
+    """
+    for busy, waited in ((0.5, 0.5), (60, 1.0)):  # the reply went out; a response that never ends
+        done = subprocess.run([sys.executable, "-c", script, str(busy)], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1
+        forgot, line = done.stderr.splitlines()
+        assert waited <= float(forgot) < waited + 2  # left once the reply went out, or at the grace
+        assert line == "mlx-stream: rank 0 on h0: rank 1 on h1 stopped answering"
+
+
 def test_the_supervisor_names_the_rank_that_ended_first():
-    from llm_mlx_streaming.distributed.supervisor import Ending
+    from llm_mlx_streaming.server.supervisor import Ending
 
     def failure(*lines, code=0):
         ending = Ending(["h0", "h1"])

@@ -36,7 +36,7 @@ class Server:
                  api_key: Optional[str] = None, max_queue: int = 8, hosts: Optional[list[str]] = None,
                  origins: Optional[list[str]] = None, replaces: Optional[int] = None) -> None:
         """`replaces`: the pid of a pipeline supervisor whose discovery file (its stand-in's,
-        distributed/standin.py) this server takes over."""
+        server/standin.py) this server takes over."""
         import uvicorn
 
         from .service import Service, create_app

@@ -6,7 +6,7 @@ line (`mlx-stream: rank N on HOST: ...`), mlx.launch warns which rank ended firs
 how, and rank 0 says `server stopped` when it was stopped on purpose. A pipeline that
 ended any other way, while no one asked this process to stop, is started again with the
 same arguments on the same port, within a budget of restarts; until then a stand-in
-(distributed/standin.py) answers at its address with the failure.
+(server/standin.py) answers at its address with the failure.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import click
 
 from ..client import discovery
 from ..errors import MlxStreamError
-from .launch import launch_command
+from ..distributed.launch import launch_command
 from .standin import StandIn
 
 RESTART_WAIT = 2.0  # seconds between a failure and the restart
@@ -135,8 +135,7 @@ class Supervisor:
         self.rank_args, self.hostfile, self.backend, self.ring_port = list(rank_args), hostfile, backend, ring_port
         self.host, self.port, self.api_key, self.budget = host, port, api_key, restarts
         self.hosts = list(hosts) if hosts else _hostfile_hosts(hostfile)
-        self.stopping = threading.Event()
-        self._stop_at: float | None = None
+        self._stop_at: float | None = None  # when Ctrl-C or SIGTERM came (a flag: set in a signal handler)
         self._run: Run | None = None
         self._stand_in: StandIn | None = None
         self._command(0, None)  # mlx.launch missing or a bad backend: refused before anything starts
@@ -173,7 +172,7 @@ class Supervisor:
             again = f" (restart {restarts})" if restarts else ""
             click.echo(f"mlx-stream: starting {what} with mlx.launch{again}", err=True)
             run = self._run = Run(self._command(restarts, last), self.hosts)
-            if self.stopping.is_set():
+            if self._stop_at is not None:
                 run.signal(signal.SIGINT)
             self._wait(run)
             self._run = None
@@ -181,7 +180,7 @@ class Supervisor:
             if ending.url:
                 self.port = urlsplit(ending.url).port or self.port
             line = run.failure()
-            if self.stopping.is_set() or line is None:
+            if self._stop_at is not None or line is None:
                 return
             if run.process.returncode:  # mlx.launch itself refused: starting again would not help
                 raise MlxStreamError(f"the pipeline could not start: {line}")
@@ -195,7 +194,7 @@ class Supervisor:
                        f"({self.budget - spent} more restart{'s' if self.budget - spent != 1 else ''} allowed)",
                        err=True)
             self._stand_by(line, restarts)
-            if self.stopping.is_set():
+            if self._stop_at is not None:
                 return
 
     def _stand_by(self, line: str, restarts: int) -> None:
@@ -210,7 +209,9 @@ class Supervisor:
             self._stand_in = None
             click.echo(f"mlx-stream: nothing answers at {self.host}:{self.port} meanwhile ({e.strerror or e})",
                        err=True)
-        self.stopping.wait(RESTART_WAIT)
+        until = time.monotonic() + RESTART_WAIT
+        while self._stop_at is None and time.monotonic() < until:
+            time.sleep(0.1)
         if self._stand_in is not None:
             self._stand_in.close()  # its discovery file stays until the next rank 0 takes it over
 
@@ -228,10 +229,9 @@ class Supervisor:
         run.join()
 
     def _stop(self, signum, frame) -> None:
-        if self.stopping.is_set():
+        if self._stop_at is not None:
             return
         self._stop_at = time.monotonic()
-        self.stopping.set()
         if self._run is not None:
             self._run.signal(signal.SIGINT)
 
