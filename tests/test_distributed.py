@@ -265,6 +265,7 @@ def _no_rank_left(llm_env) -> bool:
     return False
 
 
+@needs_proc
 def test_llm_routes_to_a_pipeline_server_and_gets_the_single_process_text(llm_env, tmp_path):
     """`llm mlxs serve --hosts` on two local ranks: `llm -m` on the same host routes to it
     and prints what one process prints, its logged response_json the totals and each
@@ -297,8 +298,9 @@ def test_llm_routes_to_a_pipeline_server_and_gets_the_single_process_text(llm_en
         assert [r["rank"] for r in stats["ranks"]] == [0, 1]
         assert stats["ranks"][0]["layers"] == [1, 2] and stats["ranks"][1]["layers"] == [0, 1]
         assert stats["pipeline_restarts"] == 0 and stats["last_pipeline_error"] is None
-        os.kill(info.pid, signal.SIGINT)
-        assert server.wait(timeout=60) == 0
+        assert info.pid == server.pid  # the supervisor keeps the discovery file
+        os.kill(_ranks(llm_env)[0], signal.SIGINT)
+        assert server.wait(timeout=60) == 0 and _no_rank_left(llm_env)
     finally:
         _stop(server, llm_env)
 
@@ -366,6 +368,7 @@ def test_a_killed_rank_is_reported_and_the_pipeline_restarts(llm_env, tmp_path):
         assert "rank 1 on " in failed.value.message and "\n" not in failed.value.message
         seen, deadline = [], time.monotonic() + 90
         while not (seen and seen[-1].get("last_pipeline_error")) and time.monotonic() < deadline:
+            assert discovery.read() is not None  # `llm -m` never finds no server and loads the model itself
             stats = _stats(info.url)
             if stats is not None:
                 seen.append(stats)
@@ -391,6 +394,8 @@ def test_without_restarts_a_killed_rank_ends_the_server_in_one_line(llm_env, tmp
     import os
     import signal
 
+    from llm_mlx_streaming.client.discovery import discovery_path
+
     log = tmp_path / "serve.log"
     server, info = _serve(llm_env, log, "--hosts", "127.0.0.1,127.0.0.1", "--restarts", "0")
     try:
@@ -398,7 +403,7 @@ def test_without_restarts_a_killed_rank_ends_the_server_in_one_line(llm_env, tmp
         assert server.wait(timeout=60) == 1
         last = log.read_text().strip().splitlines()[-1]
         assert last == "Error: the pipeline failed: rank 1 on 127.0.0.1 ended by SIGKILL"
-        assert _no_rank_left(llm_env)
+        assert _no_rank_left(llm_env) and not discovery_path().exists()
     finally:
         _stop(server, llm_env)
 

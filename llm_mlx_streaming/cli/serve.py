@@ -41,10 +41,10 @@ from .group import mlxs
 @click.option("--pipeline-rank", is_flag=True, hidden=True)
 @click.option("--pipeline-restarts", default=0, type=int, hidden=True)
 @click.option("--pipeline-error", hidden=True)
-@click.option("--supervisor-pid", type=int, hidden=True)
+@click.option("--supervisor", hidden=True)  # HOST:PID
 @click.pass_context
 def serve(ctx, host, port, model, api_key, max_queue, hosts, origins, pipeline, hostfile, backend,
-          budgets, ring_port, restarts, pipeline_rank, pipeline_restarts, pipeline_error, supervisor_pid):
+          budgets, ring_port, restarts, pipeline_rank, pipeline_restarts, pipeline_error, supervisor):
     """Serve the mlx-stream models over HTTP: the OpenAI, Anthropic Messages and Ollama APIs.
 
     While it runs, `llm -m mlx-stream...`, `llm chat` and `llm -c` in this llm user
@@ -76,7 +76,7 @@ def serve(ctx, host, port, model, api_key, max_queue, hosts, origins, pipeline, 
 
     server = Server(host=host, port=port, model=model, api_key=api_key, max_queue=max_queue,
                     hosts=list(hosts) if hosts else None, origins=list(origins) if origins else None,
-                    replaces=supervisor_pid)
+                    keeper=_keeper(supervisor))
     if engine is not None:
         from ..distributed.launch import leave_when_broken
 
@@ -119,6 +119,14 @@ def _supervise(ctx, pipeline, hostfile, backend, ring_port) -> None:
     Supervisor([*passed, "--backend", backend, "--pipeline-rank"], hosts=hosts, hostfile=hostfile,
                backend=backend, ring_port=ring_port, host=ctx.params["host"], port=ctx.params["port"],
                api_key=ctx.params["api_key"], restarts=ctx.params["restarts"]).run()
+
+
+def _keeper(supervisor: str | None) -> int | None:
+    """The supervisor's pid when it runs on this machine (it keeps the discovery file)."""
+    import socket
+
+    host, _, pid = (supervisor or "").rpartition(":")
+    return int(pid) if host == socket.gethostname() and pid.isdigit() else None
 
 
 def _budgets(budgets: str | None) -> list[int] | None:

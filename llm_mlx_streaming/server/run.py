@@ -34,16 +34,18 @@ def check_exposure(host: str, api_key: Optional[str]) -> None:
 class Server:
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0, model: Optional[str] = None,
                  api_key: Optional[str] = None, max_queue: int = 8, hosts: Optional[list[str]] = None,
-                 origins: Optional[list[str]] = None, replaces: Optional[int] = None) -> None:
-        """`replaces`: the pid of a pipeline supervisor whose discovery file (its stand-in's,
-        server/standin.py) this server takes over."""
+                 origins: Optional[list[str]] = None, keeper: Optional[int] = None) -> None:
+        """`keeper`: the pid of a pipeline's supervisor on this machine, which keeps the
+        discovery file: the file names it, so that it outlives this rank 0 while the ranks
+        restart; this server takes over the file of its stand-in (server/standin.py) and
+        leaves the file behind."""
         import uvicorn
 
         from .service import Service, create_app
 
         check_exposure(host, api_key)
         running = discovery.read()
-        if running is not None and running.pid != replaces:
+        if running is not None and running.pid != keeper:
             raise MlxStreamError(f"A server already runs for this llm user dir at {running.url} (pid {running.pid})")
         from .http_layer import ApiError
 
@@ -64,7 +66,9 @@ class Server:
         except OSError as e:
             raise MlxStreamError(f"Cannot listen on {host}:{port}: {e.strerror or e}") from None
         self.port = self.sock.getsockname()[1]
-        self.info = discovery.ServerInfo(os.getpid(), discovery.connect_host(host), self.port, self.service.secret)
+        self.keeper = keeper
+        self.info = discovery.ServerInfo(keeper or os.getpid(), discovery.connect_host(host), self.port,
+                                         self.service.secret)
         config = uvicorn.Config(create_app(self.service), log_level="warning", access_log=False,
                                 lifespan="on", timeout_graceful_shutdown=5)
         self.uvicorn = uvicorn.Server(config)
@@ -80,7 +84,7 @@ class Server:
         try:
             self.uvicorn.run(sockets=[self.sock])
         finally:
-            discovery.remove(self.info)
+            self.forget()
             self.sock.close()
 
     def busy(self) -> bool:
@@ -88,8 +92,9 @@ class Server:
         return bool(self.uvicorn.server_state.tasks)
 
     def forget(self) -> None:
-        """Remove the discovery file (a process that ends without `serve` returning)."""
-        discovery.remove(self.info)
+        """Remove the discovery file, unless a supervisor keeps it."""
+        if self.keeper is None:
+            discovery.remove(self.info)
 
     def start(self, timeout: float = 30.0) -> "Server":
         """Serve on a thread; return once it answers."""

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -141,7 +142,7 @@ class Supervisor:
         self._command(0, None)  # mlx.launch missing or a bad backend: refused before anything starts
 
     def _command(self, restarts: int, last_error: str | None) -> list[str]:
-        args = [*self.rank_args, "--port", str(self.port), "--supervisor-pid", str(os.getpid())]
+        args = [*self.rank_args, "--port", str(self.port), "--supervisor", f"{socket.gethostname()}:{os.getpid()}"]
         if restarts:
             args += ["--pipeline-restarts", str(restarts), "--pipeline-error", last_error]
         try:
@@ -162,7 +163,9 @@ class Supervisor:
                 signal.signal(s, handler)
             if self._stand_in is not None:
                 self._stand_in.close()
-                self._stand_in.forget()
+            kept = discovery.read()
+            if kept is not None and kept.pid == os.getpid():  # rank 0's on this machine, or the stand-in's
+                discovery.remove(kept)
 
     def _loop(self) -> None:
         spent = restarts = 0
@@ -200,8 +203,6 @@ class Supervisor:
     def _stand_by(self, line: str, restarts: int) -> None:
         """Answer at the server's address with the failure for RESTART_WAIT seconds."""
         state = {"pipeline_state": "restarting", "pipeline_error": line, "pipeline_restarts": restarts}
-        if self._stand_in is not None:
-            self._stand_in.forget()  # an earlier stand-in's file no rank 0 took over
         try:
             self._stand_in = StandIn(self.host, self.port, state, self.api_key).start()
             self.port = self._stand_in.port
