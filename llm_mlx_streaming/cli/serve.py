@@ -99,9 +99,9 @@ def serve(ctx, host, port, model, api_key, max_queue, hosts, origins, pipeline, 
 def _supervise(ctx, pipeline, hostfile, backend, ring_port) -> None:
     """Run this command on every host through mlx.launch, each as one rank, and start
     them again when the pipeline fails (server/supervisor.py)."""
-    from ..server.supervisor import Supervisor
     from ..errors import MlxStreamError
     from ..server.run import check_exposure
+    from ..server.supervisor import Supervisor
 
     check_exposure(ctx.params["host"], ctx.params["api_key"])
     passed = []

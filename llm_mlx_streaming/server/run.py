@@ -27,6 +27,7 @@ def is_loopback(host: str) -> bool:
 
 
 def check_exposure(host: str, api_key: Optional[str]) -> None:
+    """Refuse an address beyond loopback without a key (a pipeline checks before its ranks start)."""
     if not is_loopback(host) and not api_key:
         raise MlxStreamError(f"Binding {host} (not loopback) needs --api-key, so that no one else on the network can use it")
 
