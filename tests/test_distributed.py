@@ -192,56 +192,315 @@ def test_a_plan_per_rank_spends_each_budget_on_its_own_layers(build):
     assert all(r.expected_hit_rate == 1.0 for r in ranks)  # tiny: every expert fits
 
 
-def test_llm_routes_to_a_pipeline_server_and_gets_the_single_process_text(llm_env, tmp_path):
-    """`llm mlxs serve --hosts` on two local ranks: `llm -m` on the same host routes to it
-    and prints what one process prints, its logged response_json the totals and each
-    rank's share; /api/stats (`llm mlxs stats --live`) has each rank; Ctrl-C on rank 0
-    ends every rank."""
+LLM = [str(Path(sys.executable).with_name("llm"))]
+needs_proc = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks in /proc")
+
+
+def _serve(llm_env, log: Path, *args: str):
+    """`llm mlxs serve` over two local ranks (`args`: --hosts or --hostfile, and more) with
+    its stderr in `log`; the process and rank 0's discovery file, once rank 0 listens."""
     import os
-    import signal
     import time
 
     from llm_mlx_streaming.client import discovery
 
     env = {**os.environ, "LLM_USER_PATH": str(llm_env.user_dir)}
-    llm = [str(Path(sys.executable).with_name("llm"))]
+    with log.open("w") as err:
+        server = subprocess.Popen(LLM + ["mlxs", "serve", *args, "--port", "0", "--ring-port", str(_free_ports(2)),
+                                         "-m", "mlx-stream/small"], env=env, stdout=subprocess.DEVNULL, stderr=err)
+    info = None
+    for _ in range(600):  # at most 60 s for both ranks to start and rank 0 to listen
+        info = discovery.read()
+        if info is not None or server.poll() is not None:
+            break
+        time.sleep(0.1)
+    if info is None:
+        _stop(server, llm_env)
+    assert info is not None, log.read_text()[-3000:]
+    return server, info
+
+
+def _ranks(llm_env) -> dict[int, int]:
+    """The live rank processes of this test's server (their environment names its llm
+    user dir): rank -> pid."""
+    import os
+
+    mine, ranks = f"LLM_USER_PATH={llm_env.user_dir}".encode(), {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        rank = [e[9:] for e in environ if e.startswith(b"MLX_RANK=")]
+        if mine in environ and rank and state != "Z":
+            ranks[int(rank[0])] = int(pid)
+    return ranks
+
+
+def _stop(server, llm_env) -> None:
+    """However a test ended: the supervisor and every rank gone."""
+    import os
+    import signal
+
+    if server.poll() is None:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(timeout=30)
+    if Path("/proc/self/environ").exists():
+        for pid in _ranks(llm_env).values():
+            os.kill(pid, signal.SIGKILL)
+
+
+def _no_rank_left(llm_env) -> bool:
+    import time
+
+    for _ in range(50):  # reparented ranks end within 5 s
+        if not _ranks(llm_env):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@needs_proc
+def test_llm_routes_to_a_pipeline_server_and_gets_the_single_process_text(llm_env, tmp_path):
+    """`llm mlxs serve --hosts` on two local ranks: `llm -m` on the same host routes to it
+    and prints what one process prints, its logged response_json the totals and each
+    rank's share; /api/stats (`llm mlxs stats --live`) has each rank; Ctrl-C on rank 0
+    ends every rank, and the supervisor with them (stopped on purpose: exit 0)."""
+    import os
+    import signal
+
+    env = {**os.environ, "LLM_USER_PATH": str(llm_env.user_dir)}
     args = ["hello there", "-o", "max_tokens", "6", "-o", "temperature", "0"]
-    alone = subprocess.run(llm + ["-m", "mlx-stream/small", *args, "-o", "no_server", "1"], env=env,
+    alone = subprocess.run(LLM + ["-m", "mlx-stream/small", *args, "-o", "no_server", "1"], env=env,
                            capture_output=True, text=True, timeout=120)
-    server = subprocess.Popen(llm + ["mlxs", "serve", "--hosts", "127.0.0.1,127.0.0.1", "--port", "0",
-                                     "--ring-port", str(_free_ports(2)), "-m", "mlx-stream/small"],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server, info = _serve(llm_env, tmp_path / "serve.log", "--hosts", "127.0.0.1,127.0.0.1")
     try:
-        info = None
-        for _ in range(600):  # at most 60 s for both ranks to start and rank 0 to listen
-            info = discovery.read()
-            if info is not None or server.poll() is not None:
-                break
-            time.sleep(0.1)
-        assert info is not None, server.stderr.read() if server.poll() is not None else "no server"
-        routed = subprocess.run(llm + ["-m", "mlx-stream/small", *args], env=env, capture_output=True,
+        routed = subprocess.run(LLM + ["-m", "mlx-stream/small", *args], env=env, capture_output=True,
                                 text=True, timeout=120)
         assert routed.returncode == 0, routed.stderr
         assert routed.stdout == alone.stdout and alone.stdout.strip()
-        logged = subprocess.run(llm + ["logs", "-n", "1", "--json"], env=env, capture_output=True, text=True,
+        logged = subprocess.run(LLM + ["logs", "-n", "1", "--json"], env=env, capture_output=True, text=True,
                                 timeout=60)
         figures = json.loads(logged.stdout)[0]["response_json"]
         assert [r["rank"] for r in figures["ranks"]] == [0, 1]
         assert figures["misses"] == sum(r["misses"] for r in figures["ranks"])
-        shown = subprocess.run(llm + ["mlxs", "stats", "--live"], env=env, capture_output=True, text=True,
+        shown = subprocess.run(LLM + ["mlxs", "stats", "--live"], env=env, capture_output=True, text=True,
                                timeout=60).stdout
         assert "ranks (a pipeline" in shown and "wait s" in shown
-        live = subprocess.run(llm + ["mlxs", "stats", "--live", "--json"], env=env, capture_output=True,
+        live = subprocess.run(LLM + ["mlxs", "stats", "--live", "--json"], env=env, capture_output=True,
                               text=True, timeout=60)
         stats = json.loads(live.stdout)
         assert [r["rank"] for r in stats["ranks"]] == [0, 1]
         assert stats["ranks"][0]["layers"] == [1, 2] and stats["ranks"][1]["layers"] == [0, 1]
-        os.kill(info.pid, signal.SIGINT)
-        assert server.wait(timeout=60) == 0
+        assert stats["pipeline_restarts"] == 0 and stats["last_pipeline_error"] is None
+        assert info.pid == server.pid  # the supervisor keeps the discovery file
+        os.kill(_ranks(llm_env)[0], signal.SIGINT)
+        assert server.wait(timeout=60) == 0 and _no_rank_left(llm_env)
     finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait(timeout=30)
+        _stop(server, llm_env)
+
+
+def _alone(prompt: str, max_tokens: int) -> str:
+    """The single process's greedy text (the plugin in this process, no server)."""
+    import llm
+
+    return llm.get_model("mlx-stream/small").prompt(prompt, max_tokens=max_tokens, temperature=0,
+                                                    no_server=True).text()
+
+
+def _chat(client, max_tokens: int):
+    return client.chat.completions.create(model="mlx-stream/small", messages=[{"role": "user", "content": "hello there"}],
+                                          max_tokens=max_tokens, temperature=0, stream=True)
+
+
+def _text(stream) -> str:
+    return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+
+def _stats(url: str) -> dict | None:
+    """The server's /api/stats, or None while nothing answers there."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/api/stats", timeout=10) as response:
+            return json.loads(response.read())
+    except (OSError, urllib.error.URLError, ValueError):
+        return None
+
+
+@needs_proc
+def test_a_killed_rank_is_reported_and_the_pipeline_restarts(llm_env, tmp_path):
+    """`serve --hostfile` (two local ranks) answers the openai client with the single
+    process's text. Rank 1 killed mid-generation: that request ends in one line naming
+    rank 1, /api/stats answers with the failure (the stand-in's, then the restarted rank
+    0's), and the restarted pipeline gives the same text. Ctrl-C on the supervisor ends it
+    (exit 0) with no rank left."""
+    import os
+    import signal
+    import time
+
+    import openai
+
+    from llm_mlx_streaming.client import discovery
+
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * 2))
+    expected = _alone("hello there", 6)
+    server, info = _serve(llm_env, tmp_path / "serve.log", "--hostfile", str(hostfile))
+    try:
+        client = openai.OpenAI(base_url=f"{info.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        assert _text(_chat(client, 6)) == expected and expected.strip()
+        first = _ranks(llm_env)
+        assert sorted(first) == [0, 1]
+        chunks = 0
+        with pytest.raises(openai.APIError) as failed:
+            for chunk in _chat(client, 400):  # about 2 s of tokens here: the kill lands within
+                if chunk.choices and chunk.choices[0].delta.content:
+                    chunks += 1
+                    if chunks == 1:
+                        os.kill(first[1], signal.SIGKILL)
+        assert "rank 1 on " in failed.value.message and "\n" not in failed.value.message
+        seen, deadline = [], time.monotonic() + 90
+        while not (seen and seen[-1].get("last_pipeline_error")) and time.monotonic() < deadline:
+            assert discovery.read() is not None  # `llm -m` never finds no server and loads the model itself
+            stats = _stats(info.url)
+            if stats is not None:
+                seen.append(stats)
+            time.sleep(0.1)
+        assert seen and seen[-1]["pipeline_restarts"] == 1, seen[-3:]
+        assert seen[-1]["last_pipeline_error"] == "rank 1 on 127.0.0.1 ended by SIGKILL"
+        assert all("rank 1 on " in (s.get("pipeline_error") or s["last_pipeline_error"]) for s in seen)
+        stand_in = [s for s in seen if s.get("pipeline_state") == "restarting"]  # for 2 s
+        assert stand_in and all(s["pipeline_restarts"] == 1 for s in stand_in)
+        assert _text(_chat(client, 6)) == expected
+        assert discovery.read().port == info.port  # the same address after the restart
+        second = _ranks(llm_env)
+        assert sorted(second) == [0, 1] and not set(first.values()) & set(second.values())
+        server.send_signal(signal.SIGINT)
+        assert server.wait(timeout=60) == 0
+        assert _no_rank_left(llm_env) and discovery.read() is None
+    finally:
+        _stop(server, llm_env)
+
+
+@needs_proc
+def test_without_restarts_a_killed_rank_ends_the_server_in_one_line(llm_env, tmp_path):
+    import os
+    import signal
+
+    from llm_mlx_streaming.client.discovery import discovery_path
+
+    log = tmp_path / "serve.log"
+    server, info = _serve(llm_env, log, "--hosts", "127.0.0.1,127.0.0.1", "--restarts", "0")
+    try:
+        os.kill(_ranks(llm_env)[1], signal.SIGKILL)
+        assert server.wait(timeout=60) == 1
+        last = log.read_text().strip().splitlines()[-1]
+        assert last == "Error: the pipeline failed: rank 1 on 127.0.0.1 ended by SIGKILL"
+        assert _no_rank_left(llm_env) and not discovery_path().exists()
+    finally:
+        _stop(server, llm_env)
+
+
+def test_the_stand_in_answers_with_the_failure_and_llm_says_it_in_one_line(llm_env):
+    """While the ranks restart, the stand-in holds the address and the discovery file:
+    /api/stats has the failure, everything else is 503 in the OpenAI error shape, and
+    `llm -m` prints one line instead of loading the model itself."""
+    import http.client
+
+    from plugin_support import assert_ok, assert_one_line_error
+
+    from llm_mlx_streaming.client import discovery
+    from llm_mlx_streaming.server.standin import StandIn
+
+    line = "rank 1 on mac2 ended by SIGKILL"
+    state = {"pipeline_state": "restarting", "pipeline_error": line, "pipeline_restarts": 1}
+
+    def ask(stand_in, method, path, headers=None):
+        conn = http.client.HTTPConnection("127.0.0.1", stand_in.port, timeout=10)
+        try:
+            conn.request(method, path, body=b"{}" if method == "POST" else None, headers=headers or {})
+            response = conn.getresponse()
+            return response.status, response.getheader("Retry-After"), json.loads(response.read())
+        finally:
+            conn.close()
+
+    stand_in = StandIn("127.0.0.1", 0, state).start()
+    try:
+        assert ask(stand_in, "GET", "/api/stats") == (200, None, state)
+        status, _, health = ask(stand_in, "GET", "/health")
+        assert status == 503 and health["id"] == discovery.public_id(stand_in.secret)
+        status, retry, body = ask(stand_in, "POST", "/v1/chat/completions")
+        assert status == 503 and int(retry) > 0
+        assert body["error"]["type"] == "server_error" and line in body["error"]["message"]
+        assert_one_line_error(llm_env.run("-m", "mlx-stream/small", "hi"), "restarting", line)
+        assert discovery.read() == stand_in.info and not llm_env.turns()
+        assert "state: restarting (restart 1) after: " + line in assert_ok(llm_env.run("mlxs", "stats", "--live")).output
+    finally:
+        stand_in.close()
+        stand_in.forget()
+    assert discovery.read() is None
+    keyed = StandIn("127.0.0.1", 0, state, api_key="k").start()
+    try:
+        assert ask(keyed, "GET", "/api/stats")[0] == 401
+        assert ask(keyed, "GET", "/api/stats", {"Authorization": "Bearer k"})[0] == 200
+    finally:
+        keyed.close()
+        keyed.forget()
+
+
+def test_rank_0_leaves_once_its_pipeline_broke_after_the_reply_went_out():
+    """A broken pipeline ends rank 0's process (mlx.launch then ends the others at once),
+    after the responses under way (at most its grace) and its discovery file."""
+    script = """if True:
+        import sys, threading, time
+        from types import SimpleNamespace
+        from llm_mlx_streaming.distributed.launch import leave_when_broken
+        where = SimpleNamespace(where=lambda rank: f"rank {rank} on h0")
+        engine = SimpleNamespace(failed=threading.Event(), broken="rank 1 on h1 stopped answering", group=where)
+        start = time.monotonic()
+        busy = lambda: time.monotonic() - start < float(sys.argv[1])
+        leave_when_broken(engine, busy, lambda: print(f"{time.monotonic() - start:.3f}", file=sys.stderr, flush=True),
+                          grace=1.0)
+        engine.failed.set()
+        time.sleep(30)
+    """
+    for busy, waited in ((0.5, 0.5), (60, 1.0)):  # the reply went out; a response that never ends
+        done = subprocess.run([sys.executable, "-c", script, str(busy)], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1
+        forgot, line = done.stderr.splitlines()
+        assert waited <= float(forgot) < waited + 2  # left once the reply went out, or at the grace
+        assert line == "mlx-stream: rank 0 on h0: rank 1 on h1 stopped answering"
+
+
+def test_the_supervisor_names_the_rank_that_ended_first():
+    from llm_mlx_streaming.server.supervisor import Ending
+
+    def failure(*lines, code=0):
+        ending = Ending(["h0", "h1"])
+        for line in lines:
+            ending.note(line)
+        return ending.failure(code)
+
+    def ended(rank, code):
+        return f"\x1b[33m[WARN] Node with rank {rank} exited with code {code} \x1b[0m"
+
+    said = "mlx-stream: rank 1 on m1: no word from rank 0 for 300 s within a step"
+    assert failure(said, ended(1, 1), ended(0, -15)) == said.removeprefix("mlx-stream: ")
+    lost = "mlx-stream: rank 0 on m0: rank 1 on m1 stopped answering ([ring] connection to a peer was lost)"
+    assert failure(ended(1, -9), lost, ended(0, 1)) == "rank 1 on h1 ended by SIGKILL"
+    assert failure(lost, ended(0, 1)) == lost.removeprefix("mlx-stream: ")
+    start = "Error: Cannot listen on 127.0.0.1:80: Permission denied"
+    assert failure(start, ended(0, 1)) == "rank 0 on h0 exited with code 1 (Cannot listen on 127.0.0.1:80: Permission denied)"
+    assert failure("mlx-stream: serving on http://127.0.0.1:8080 (Ctrl-C stops)", "mlx-stream: server stopped") is None
+    assert failure("\x1b[33m[WARN] Node with rank 1 was killed \x1b[0m") == "rank 1 on h1 was killed"
+    assert failure("usage: mlx.launch ...", code=2) == "mlx.launch exited with code 2"
 
 
 def test_llm_mlxs_plan_budgets_shows_each_rank(llm_env):

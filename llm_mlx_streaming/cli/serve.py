@@ -35,22 +35,30 @@ from .group import mlxs
               "and a model without a slot count gets each rank's own plan (llm mlxs plan --budgets)")
 @click.option("--ring-port", type=click.IntRange(1024, 65535),
               help="First TCP port the ring backend listens on, one more per rank (default: mlx.launch's)")
+@click.option("--restarts", default=3, show_default=True, type=click.IntRange(0),
+              help="With --hosts: how often in a row a failed pipeline is started again (0: never; "
+              "the server then exits with the failure)")
 @click.option("--pipeline-rank", is_flag=True, hidden=True)
+@click.option("--pipeline-restarts", default=0, type=int, hidden=True)
+@click.option("--pipeline-error", hidden=True)
+@click.option("--supervisor", hidden=True)  # HOST:PID
 @click.pass_context
 def serve(ctx, host, port, model, api_key, max_queue, hosts, origins, pipeline, hostfile, backend,
-          budgets, ring_port, pipeline_rank):
+          budgets, ring_port, restarts, pipeline_rank, pipeline_restarts, pipeline_error, supervisor):
     """Serve the mlx-stream models over HTTP: the OpenAI, Anthropic Messages and Ollama APIs.
 
     While it runs, `llm -m mlx-stream...`, `llm chat` and `llm -c` in this llm user
     dir send their prompts to it (`llm mlxs config server off` or -o no_server 1: not).
     With --hosts (or --hostfile) it starts one rank per machine through mlx.launch;
     each holds a range of the layers and its own expert pools, and the first serves.
+    A rank that fails ends the pipeline; it is started again (--restarts).
     """
     from ..server.run import Server
 
     if (pipeline or hostfile) and not pipeline_rank:
-        _launch(ctx, pipeline, hostfile, backend, ring_port)
+        _supervise(ctx, pipeline, hostfile, backend, ring_port)
         return
+    engine = None
     if pipeline_rank:
         from ..distributed.group import RankLost
         from ..distributed.launch import join
@@ -59,13 +67,20 @@ def serve(ctx, host, port, model, api_key, max_queue, hosts, origins, pipeline, 
         try:
             from ..settings import load_settings
 
-            if join(backend, _budgets(budgets), max_context=load_settings().max_context) is None:
+            engine = join(backend, _budgets(budgets), pipeline_restarts, pipeline_error,
+                          max_context=load_settings().max_context)
+            if engine is None:
                 return  # a following rank, sent home by rank 0
         except (RankLost, ValueError) as e:
             raise MlxStreamError(str(e)) from None
 
     server = Server(host=host, port=port, model=model, api_key=api_key, max_queue=max_queue,
-                    hosts=list(hosts) if hosts else None, origins=list(origins) if origins else None)
+                    hosts=list(hosts) if hosts else None, origins=list(origins) if origins else None,
+                    keeper=_keeper(supervisor))
+    if engine is not None:
+        from ..distributed.launch import leave_when_broken
+
+        leave_when_broken(engine, server.busy, server.forget)
     click.echo(f"mlx-stream: serving on {server.url} (Ctrl-C stops)", err=True)
     # uvicorn shuts down on SIGINT and SIGTERM, then re-raises the signal to the handler
     # it found: let SIGTERM end like Ctrl-C, so `kill` removes the discovery file too
@@ -81,18 +96,19 @@ def serve(ctx, host, port, model, api_key, max_queue, hosts, origins, pipeline, 
     click.echo("mlx-stream: server stopped", err=True)
 
 
-def _launch(ctx, pipeline, hostfile, backend, ring_port) -> None:
-    """Run this command on every host through mlx.launch, each as one rank."""
-    import subprocess
-
-    from ..distributed.launch import launch_command
+def _supervise(ctx, pipeline, hostfile, backend, ring_port) -> None:
+    """Run this command on every host through mlx.launch, each as one rank, and start
+    them again when the pipeline fails (server/supervisor.py)."""
     from ..errors import MlxStreamError
+    from ..server.run import check_exposure
+    from ..server.supervisor import Supervisor
 
+    check_exposure(ctx.params["host"], ctx.params["api_key"])
     passed = []
     sizes = _budgets(ctx.params["budgets"])  # a bad one is refused before any rank starts
     if sizes and pipeline and len(sizes) != len(pipeline.split(",")):
         raise MlxStreamError(f"--budgets gives {len(sizes)} sizes for {len(pipeline.split(','))} hosts")
-    for name in ("host", "port", "model", "api_key", "max_queue", "budgets"):
+    for name in ("host", "model", "api_key", "max_queue", "budgets"):  # the supervisor adds the port
         value = ctx.params[name]
         if value is not None:
             passed += [f"--{name.replace('_', '-')}", str(value)]
@@ -100,17 +116,17 @@ def _launch(ctx, pipeline, hostfile, backend, ring_port) -> None:
         for value in values:
             passed += [flag, value]
     hosts = pipeline.split(",") if pipeline else None
-    try:
-        command = launch_command(hosts, hostfile, backend, [*passed, "--backend", backend, "--pipeline-rank"],
-                                 ring_port)
-    except ValueError as e:
-        raise MlxStreamError(str(e)) from None
-    what = f"{len(hosts)} ranks" if hosts else "the hostfile's ranks"
-    click.echo(f"mlx-stream: starting {what} with mlx.launch", err=True)
-    try:
-        subprocess.run(command, check=False)
-    except KeyboardInterrupt:
-        pass
+    Supervisor([*passed, "--backend", backend, "--pipeline-rank"], hosts=hosts, hostfile=hostfile,
+               backend=backend, ring_port=ring_port, host=ctx.params["host"], port=ctx.params["port"],
+               api_key=ctx.params["api_key"], restarts=ctx.params["restarts"]).run()
+
+
+def _keeper(supervisor: str | None) -> int | None:
+    """The supervisor's pid when it runs on this machine (it keeps the discovery file)."""
+    import socket
+
+    host, _, pid = (supervisor or "").rpartition(":")
+    return int(pid) if host == socket.gethostname() and pid.isdigit() else None
 
 
 def _budgets(budgets: str | None) -> list[int] | None:

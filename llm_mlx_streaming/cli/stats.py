@@ -270,6 +270,10 @@ def _live(json_: bool) -> None:
     if json_:
         click.echo(json.dumps(st, indent=2))
         return
+    if st.get("pipeline_state"):  # a pipeline's stand-in (server/standin.py)
+        click.echo(f"Server {server.url}  state: {st['pipeline_state']} (restart {st.get('pipeline_restarts')}) "
+                   f"after: {st.get('pipeline_error')}")
+        return
     queue = st.get("server") or {}
     click.echo(f"Server {server.url}  state: {st.get('state')}"
                + (f" ({st['error']})" if st.get("error") else "")
@@ -286,6 +290,11 @@ def _live(json_: bool) -> None:
     ]
     if st.get("rebuild_error"):
         rows.append(["last rebuild", f"failed: {st['rebuild_error']}"])
+    if st.get("pipeline_error"):
+        rows.append(["pipeline", f"broken: {st['pipeline_error']}"])
+    elif st.get("pipeline_restarts"):
+        n = st["pipeline_restarts"]
+        rows.append(["pipeline", f"restarted {n} time{'s' if n != 1 else ''}, last after: {st.get('last_pipeline_error')}"])
     table(None, rows, indent="  ")
     from ..engine.figures import read_figures
 

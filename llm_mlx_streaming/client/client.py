@@ -52,9 +52,10 @@ class ServerClient:
     def is_ours(self) -> bool:
         """Whether the mlx-stream server of the discovery file answers at its address
         (ServerGone when nothing does); a file whose pid and port now belong to some
-        other program is removed."""
+        other program is removed. A pipeline's stand-in answers 503 with its id: it is
+        ours, and its refusals say why (server/standin.py)."""
         status, data = self._json("GET", "/health", timeout=IDENTIFY_TIMEOUT)
-        if status == 200 and data.get("id") == discovery.public_id(self.info.secret):
+        if status in (200, 503) and data.get("id") == discovery.public_id(self.info.secret):
             return True
         discovery.forget(discovery.discovery_path(),
                          f"{self.url} (pid {self.info.pid}) is not the mlx-stream server it names")

@@ -40,6 +40,15 @@ class ServerInfo:
         return f"http://{host}:{self.port}"
 
 
+def connect_host(host: str) -> str:
+    """Where a client on this machine reaches a server bound to `host`."""
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "::1"
+    return host
+
+
 def discovery_path() -> Path:
     return llm.user_dir() / "mlx-streaming" / FILENAME
 

@@ -6,12 +6,15 @@ it broadcasts what it does, and the other ranks (`follow`) do the same on their 
 layers. Every message is a collective of mlx.distributed. A rank that fails leaves the
 group (its process ends), which fails the collective rank 0 waits in at once, so the
 request ends with one line naming the rank; a stall is bounded too (distributed/watch.py).
+A broken pipeline sets `failed`, so that a serving rank 0 can leave (distributed/launch.py)
+and mlx.launch end the others at once.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -91,14 +94,19 @@ def _first_problem(group: Group, seen: list) -> str | None:
 class PipelineEngine(EngineManager):
     """Rank 0's engine: an EngineManager whose loads and generations every rank runs."""
 
-    def __init__(self, group: Group, budgets: list[int] | None = None, **plan_options) -> None:
+    def __init__(self, group: Group, budgets: list[int] | None = None, restarts: int = 0,
+                 last_error: str | None = None, **plan_options) -> None:
         """`budgets`: each host's memory in bytes (rank 0's first); they weigh the split, and
         a request whose pools come from a memory plan gets each rank's own plan
-        (distributed/plan.py, with `plan_options` as plan_memory's) in their place."""
+        (distributed/plan.py, with `plan_options` as plan_memory's) in their place.
+        `restarts` and `last_error`: how often the supervisor restarted the pipeline, and
+        why last, shown in `metrics()`."""
         super().__init__()
         self.group, self.budgets, self.plan_options = group, budgets, plan_options
+        self.restarts, self.last_error = restarts, last_error
         self.rank = _Rank(group, self)
         self.broken: str | None = None
+        self.failed = threading.Event()  # set once the pipeline broke (not when shut down)
         self.rank_totals: list[dict] = []  # each rank's counters over the generations served
         self._lead: Lead | None = None
         self._request: dict | None = None
@@ -148,7 +156,7 @@ class PipelineEngine(EngineManager):
                 self._guard(lambda: super(PipelineEngine, self)._serve(load, request, _Figured(out, self)))
         except BaseException as e:
             if self._lead is not None and self._lead.stepping and self.broken is None:
-                self.broken = f"{self.group.where(0)} failed within a step ({one_line(e)})"
+                self._break(f"{self.group.where(0)} failed within a step ({one_line(e)})")
                 self._lead = None
             self._end(aborting=True)
             raise
@@ -166,7 +174,7 @@ class PipelineEngine(EngineManager):
     def _stalled(self, what: str) -> None:
         """The other ranks said nothing for too long: the pipeline is given up, and the
         generation waiting on them fails in one line (the engine thread stays stuck)."""
-        self.broken = f"no word from the other ranks for {what} (a rank or the network is stuck)"
+        self._break(f"no word from the other ranks for {what} (a rank or the network is stuck)")
         out = self._out
         if out is not None:
             out.put("error", EngineError(f"{self.broken}; restart the ranks"))
@@ -186,7 +194,8 @@ class PipelineEngine(EngineManager):
 
     def metrics(self) -> dict:
         """The engine's figures (rank 0's own) and `ranks`: each rank's since the start."""
-        return {**super().metrics(), "ranks": self.rank_totals, "pipeline_error": self.broken}
+        return {**super().metrics(), "ranks": self.rank_totals, "pipeline_error": self.broken,
+                "pipeline_restarts": self.restarts, "last_pipeline_error": self.last_error}
 
     def shutdown(self) -> None:
         """Send every other rank home (they return from `follow`); a broken pipeline
@@ -205,12 +214,17 @@ class PipelineEngine(EngineManager):
         try:
             return action()
         except RankLost as e:
-            self.broken = str(e)
+            self._break(str(e))
         except RuntimeError as e:  # a collective inside a forward
             if not str(e).startswith(("[ring]", "[mpi]")):
                 raise
-            self.broken = str(self.group.lost(e))
+            self._break(str(self.group.lost(e)))
         raise EngineError(f"{self.broken}; restart the ranks") from None
+
+    def _break(self, line: str) -> None:
+        if self.broken is None:
+            self.broken = line
+        self.failed.set()
 
     def _usable(self) -> None:
         if self.broken is not None:

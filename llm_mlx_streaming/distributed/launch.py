@@ -1,12 +1,17 @@
 """Starting the ranks: the `mlx.launch` command that runs one `llm mlxs serve` rank per
-host, and what each rank does once started (rank 0 serves, the others follow)."""
+host, and what each rank does once started (rank 0 serves, the others follow; a
+serving rank 0 leaves once its pipeline broke)."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 BACKENDS = ("ring", "mpi")
 
@@ -30,21 +35,46 @@ def launch_command(hosts: Sequence[str] | None, hostfile: str | None, backend: s
             "-m", "llm", "mlxs", "serve", *rank_args]
 
 
-def join(backend: str, budgets: list[int] | None = None, **plan_options):
+def join(backend: str, budgets: list[int] | None = None, restarts: int = 0,
+         last_error: str | None = None, **plan_options):
     """This rank's part: a PipelineEngine made the process-wide engine on rank 0
     (returned, to serve), or None on another rank once rank 0 has sent it home.
-    `budgets`: each host's memory in bytes, planned with `plan_options`."""
+    `budgets`: each host's memory in bytes, planned with `plan_options`; `restarts` and
+    `last_error` are the supervisor's word, for rank 0's figures."""
     from ..engine.manager import use_manager
     from .engine import PipelineEngine, follow
     from .group import init
 
     group = init(backend)
     if group.rank != 0:
+        # Ctrl-C reaches every local rank at once: rank 0 sends the others home (or
+        # its end fails their collectives), so that no rank is left halfway
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         follow(group)
         return None
     if budgets is not None and len(budgets) != group.size:
         group.broadcast({"op": "stop"})
         raise ValueError(f"{len(budgets)} budgets for {group.size} ranks")
-    engine = PipelineEngine(group, budgets, **plan_options)
+    engine = PipelineEngine(group, budgets, restarts, last_error, **plan_options)
     use_manager(engine)
     return engine
+
+
+def leave_when_broken(engine, busy: Callable[[], bool], forget: Callable[[], None],
+                      grace: float = 5.0) -> None:
+    """Once `engine`'s pipeline broke, end rank 0's process with its one line on stderr:
+    mlx.launch then ends the other ranks at once (none waits out a timeout) and the
+    supervisor restarts them. The failing request's reply goes out first: the exit
+    waits while `busy()` (responses under way), at most `grace` seconds; `forget()`
+    removes the discovery file."""
+
+    def wait() -> None:
+        engine.failed.wait()
+        deadline = time.monotonic() + grace
+        while busy() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        forget()
+        print(f"mlx-stream: {engine.group.where(0)}: {engine.broken}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=wait, name="mlx-stream-leave", daemon=True).start()

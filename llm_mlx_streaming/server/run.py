@@ -26,27 +26,27 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _connect_host(host: str) -> str:
-    """Where a client on this machine reaches a server bound to `host`."""
-    if host in ("0.0.0.0", ""):
-        return "127.0.0.1"
-    if host == "::":
-        return "::1"
-    return host
+def check_exposure(host: str, api_key: Optional[str]) -> None:
+    """Refuse an address beyond loopback without a key (a pipeline checks before its ranks start)."""
+    if not is_loopback(host) and not api_key:
+        raise MlxStreamError(f"Binding {host} (not loopback) needs --api-key, so that no one else on the network can use it")
 
 
 class Server:
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0, model: Optional[str] = None,
                  api_key: Optional[str] = None, max_queue: int = 8, hosts: Optional[list[str]] = None,
-                 origins: Optional[list[str]] = None) -> None:
+                 origins: Optional[list[str]] = None, keeper: Optional[int] = None) -> None:
+        """`keeper`: the pid of a pipeline's supervisor on this machine, which keeps the
+        discovery file: the file names it, so that it outlives this rank 0 while the ranks
+        restart; this server takes over the file of its stand-in (server/standin.py) and
+        leaves the file behind."""
         import uvicorn
 
         from .service import Service, create_app
 
-        if not is_loopback(host) and not api_key:
-            raise MlxStreamError(f"Binding {host} (not loopback) needs --api-key, so that no one else on the network can use it")
+        check_exposure(host, api_key)
         running = discovery.read()
-        if running is not None:
+        if running is not None and running.pid != keeper:
             raise MlxStreamError(f"A server already runs for this llm user dir at {running.url} (pid {running.pid})")
         from .http_layer import ApiError
 
@@ -67,7 +67,9 @@ class Server:
         except OSError as e:
             raise MlxStreamError(f"Cannot listen on {host}:{port}: {e.strerror or e}") from None
         self.port = self.sock.getsockname()[1]
-        self.info = discovery.ServerInfo(os.getpid(), _connect_host(host), self.port, self.service.secret)
+        self.keeper = keeper
+        self.info = discovery.ServerInfo(keeper or os.getpid(), discovery.connect_host(host), self.port,
+                                         self.service.secret)
         config = uvicorn.Config(create_app(self.service), log_level="warning", access_log=False,
                                 lifespan="on", timeout_graceful_shutdown=5)
         self.uvicorn = uvicorn.Server(config)
@@ -83,8 +85,17 @@ class Server:
         try:
             self.uvicorn.run(sockets=[self.sock])
         finally:
-            discovery.remove(self.info)
+            self.forget()
             self.sock.close()
+
+    def busy(self) -> bool:
+        """Whether a request is still being answered."""
+        return bool(self.uvicorn.server_state.tasks)
+
+    def forget(self) -> None:
+        """Remove the discovery file, unless a supervisor keeps it."""
+        if self.keeper is None:
+            discovery.remove(self.info)
 
     def start(self, timeout: float = 30.0) -> "Server":
         """Serve on a thread; return once it answers."""
