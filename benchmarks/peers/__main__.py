@@ -90,6 +90,7 @@ def main() -> None:
     parser.add_argument("--replay", help=argparse.SUPPRESS)
     parser.add_argument("--reads", help=argparse.SUPPRESS)
     parser.add_argument("--paced", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--ballast", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--pack-bigrig", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     parser.add_argument("--fraction", type=float, default=0.25, help=argparse.SUPPRESS)

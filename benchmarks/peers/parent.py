@@ -263,6 +263,7 @@ def _grid(args, path: Path, files: list[Path], cgroup, t_all: float) -> None:
 
     # The read path is judged on reads no read-ahead competes with: I/O-bound, "overlap off".
     io_variant = "overlap off" if cgroup else ""
+    io_row = "ours" + (f" {io_variant}" if io_variant else "")
     ours = [("ours", ""), ("ours", "overlap off")] + ([("ours", "overlap on"), ("ours", "bypass")] if cgroup else [])
     engines = ours + ([] if args.no_shims else [(p, "") for p in PEERS] + [("bigrig", "slot pool")])
     found: dict = {}
@@ -303,15 +304,18 @@ def _grid(args, path: Path, files: list[Path], cgroup, t_all: float) -> None:
                 if reads_file(cache).exists():
                     files = shard_files(path)
                     prep = drop_cache(files) if cache == "cold" or cgroup else warm_cache(files)
+                    # in a cgroup, the engine's own memory left the page cache less room
+                    engine_rss = found.get((io_row, fractions[0], cache), [{}])[-1].get("peak_rss") or 0
                     r = run_child(ours_py, ["--replay", str(reads_file(cache)), "--threads", "8"]
-                                  + (["--paced"] if paced else []), T, cgroup=cgroup)
+                                  + (["--paced"] if paced else [])
+                                  + (["--ballast", str(engine_rss)] if cgroup else []), T, cgroup=cgroup)
                     r["prep"] = prep
                     replay[cache].append(r)
 
     meta = {"fractions": fractions, "engines": engines, "miss_batch": miss_batch, "tokens": args.tokens,
             "repeat": args.repeat, "runs": args.runs, "seconds": time.perf_counter() - t_all,
             "cpus": os.cpu_count(), "iobound_mb": args.iobound,
-            "io_row": "ours" + (f" {io_variant}" if io_variant else "")}
+            "io_row": io_row}
     saved = {"found": {"|".join(map(str, k)): v for k, v in found.items()}, "shipped": shipped, "raw": raw,
              "replay": replay, "loads": loads, "meta": meta}
     if args.json:

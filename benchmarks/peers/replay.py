@@ -90,11 +90,19 @@ def replay_main(args) -> None:
     `--paced` starts each call as long after the previous one as the engine did (it
     computed in between), instead of back to back: idle reader threads, and on a VM idle
     vCPUs, take longer to wake than busy ones, so pacing is part of what a read costs.
+
+    `--ballast BYTES` first allocates and touches that much memory (the engine's peak
+    RSS): in a memory cgroup the page cache gets only what the process leaves of the
+    limit, so without it the replay would keep about twice the engine's share of the
+    checkpoint cached and read less from the disk than the engine did.
     """
     from concurrent.futures import ThreadPoolExecutor
 
     import numpy as np
 
+    from .common import proc_io
+
+    ballast = np.ones(args.ballast, np.uint8) if args.ballast else None  # noqa: F841 - held
     log = json.loads(Path(args.replay).read_text())
     calls = log["calls"]
     fds = {f: os.open(f, os.O_RDONLY) for f in {r[0] for c in calls for r in c["ranges"]}}
@@ -102,19 +110,21 @@ def replay_main(args) -> None:
     bufs = [np.ones(biggest, np.uint8) for _ in range(max(len(c["ranges"]) for c in calls))]
     pool = ThreadPoolExecutor(args.threads)
 
-    total, seconds, measured = 0, 0.0, 0
+    total, seconds, measured, disk = 0, 0.0, 0, 0
     previous = None  # (recorded start, replayed start) of the call before
     for call in calls:
         ranges = sorted(map(tuple, call["ranges"]), key=lambda r: (r[0], r[1]))
         timed = call["phase"] == "decode" and call["run"] >= log["warmup"]
         if args.paced and timed and previous:
             time.sleep(max(0.0, previous[1] + (call["t"] - previous[0]) - time.perf_counter()))
-        t = time.perf_counter()
+        t, io = time.perf_counter(), proc_io()
         previous = (call["t"], t)
         n = read_ranges(pool, fds, ranges, bufs)
         if timed:
             seconds += time.perf_counter() - t
             total += n
             measured += 1
+            disk += proc_io().get("read_bytes", 0) - io.get("read_bytes", 0)
     print(MARK + json.dumps({"bytes": total, "seconds": seconds, "mb_s": total / seconds / 1e6 if seconds else None,
-                             "calls": measured, "threads": args.threads, "paced": args.paced}), flush=True)
+                             "calls": measured, "threads": args.threads, "paced": args.paced,
+                             "disk_share": disk / total if total else None, "ballast": args.ballast}), flush=True)

@@ -136,10 +136,13 @@ def report(saved: dict) -> list[str]:
                                for k in (True, False))
         ratio = eng_mb_s / paced
         need = 0.9 if iobound else 0.8
+        shares = [r["disk_share"] for r in replays[True] if r.get("disk_share") is not None]
+        replay_disk = f", {statistics.median(shares):.0%} from disk" if shares else ""
+        ballast = " with the engine's peak RSS held" if any(r.get("ballast") for r in replays[True]) else ""
         extra.append(f"I/O efficiency ({cache} run of {io_row}, {fractions[0]:.0%} resident, decode misses, {disk:.0%} of their "
                      f"bytes from disk): engine {eng_mb_s:.0f} MB/s (bytes_read / read_seconds) vs raw preadv of the "
-                     f"same {replays[True][0]['calls']} read calls from the same cache state, paced as the engine's "
-                     f"{paced:.0f} MB/s = {ratio:.2f}x [target >= {need}: {'PASS' if ratio >= need else 'FAIL'}]; "
+                     f"same {replays[True][0]['calls']} read calls from the same cache state{ballast}, paced as the "
+                     f"engine's {paced:.0f} MB/s{replay_disk} = {ratio:.2f}x [target >= {need}: {'PASS' if ratio >= need else 'FAIL'}]; "
                      f"back to back {back_to_back:.0f} MB/s = {eng_mb_s / back_to_back:.2f}x")
     extra.append(f"raw preadv, every expert once in shuffled batches of {miss_batch}, 8 threads: " + ", ".join(
         f"{c} {statistics.median(r['mb_s'] for r in raw[c] if 'error' not in r):.0f} MB/s"
