@@ -232,17 +232,21 @@ def large_main(args) -> None:
           f"page cache first, {args.tokens} tokens greedy", flush=True)
     rows = []
     stock = None
-    for engine, fraction in [("stock", 1.0)] + [("ours", float(f)) for f in args.large_fractions.split(",")]:
+    # ours as it ships (overlap auto) and with the read path before the overlap (off)
+    runs = [("stock", 1.0, "")] + [("ours", float(f), variant) for f in args.large_fractions.split(",")
+                                   for variant in ("", "overlap off")]
+    for engine, fraction, variant in runs:
         prep = drop_cache(files)
         t = time.perf_counter()
-        r = summarise(run_child(sys.executable, child_argv(engine, dest, fraction, args.tokens, 1, 0),
+        r = summarise(run_child(sys.executable, child_argv(engine, dest, fraction, args.tokens, 1, 0, variant=variant),
                                 args.timeout, as_limit=limit))
-        r.update(cache="cold", prep=prep, engine=engine)
-        print(f"  {engine} {fraction:.0%}: " + (r["error"] if "error" in r else f"{r['tps']:.2f} tok/s")
+        r.update(cache="cold", prep=prep, engine=engine, variant=variant)
+        name = engine + (f" {variant}" if variant else "")
+        print(f"  {name} {fraction:.0%}: " + (r["error"] if "error" in r else f"{r['tps']:.2f} tok/s")
               + f" [{time.perf_counter() - t:.0f}s, peak RSS {r['peak_rss'] / 1e9:.2f} GB]", flush=True)
         if engine == "stock":
             stock = r
-        label = "stock mlx-lm" if engine == "stock" else f"ours ({r.get('policy') or '?'})"
+        label = "stock mlx-lm" if engine == "stock" else f"ours ({r.get('policy') or '?'}, {variant or 'overlap auto'})"
         rows.append({**r, "label": label, "resident": f"{fraction:.0%}" + (f" ({r.get('slots')})" if engine != "stock" else "")})
     print()
     ref = stock.get("tokens") if stock and "error" not in stock else None
