@@ -126,7 +126,7 @@ KNOBS: tuple[Knob, ...] = (
     _setting_only(
         name="page_cache", type=Literal[PAGE_CACHE_MODES], default="keep",
         description="keep: expert reads go through the OS page cache (a free second tier); "
-        "bypass: keep them out of it (macOS F_NOCACHE, Linux fadvise DONTNEED).",
+        "bypass: keep them out of it (macOS F_NOCACHE, Linux O_DIRECT or fadvise DONTNEED).",
     ),
     _setting_only(
         name="overlap", type=Literal[values.OVERLAP_MODES], default="auto",

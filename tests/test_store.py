@@ -122,6 +122,35 @@ def test_page_cache_bypass_drops_the_pages_read_on_linux(data_file, monkeypatch)
     keep.close()
 
 
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux's")
+def test_page_cache_bypass_reads_page_aligned_records_around_the_page_cache(data_file):
+    """On Linux `bypass` reads a record that starts on a page with O_DIRECT: the device
+    fills a page-aligned buffer, the slots (of any address and size) get their bytes
+    from it, and none of the file's pages enter the page cache."""
+    path, data = data_file
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        pytest.skip("this file system has no direct I/O")
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.fsync(fd)  # written pages leave the page cache only once clean
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if (before := resident_pages(fd, 0, 1 << 20)) is not None and before.any():
+            pytest.skip("the page cache keeps this file's pages")
+        a, b = np.empty(5001, np.uint8), np.empty(123_457, np.uint8)
+        store = ExpertStore(2, page_cache="bypass")
+        assert store.read([(path, 8192, [a, b])]).nbytes == 128_458
+        assert a.tobytes() + b.tobytes() == data[8192:8192 + 128_458].tobytes()
+        assert store._direct[path] is not None
+        store.close()
+        resident = resident_pages(fd, 0, 1 << 20)
+        if resident is not None:
+            assert not resident.any()
+    finally:
+        os.close(fd)
+
+
 def test_page_cache_bypass_sets_f_nocache_on_macos(data_file, monkeypatch):
     import fcntl
 

@@ -8,9 +8,11 @@ ascending order by at most `threads` reader threads, so at most `threads` are in
 flight (SSDs serve a few parallel reads best; more only queue).
 
 `page_cache="keep"` lets reads go through the OS page cache, a free second tier of
-experts; `"bypass"` keeps them out of it (macOS `F_NOCACHE`; Linux no readahead
-(`POSIX_FADV_RANDOM`) and `posix_fadvise(DONTNEED)` on each range once read; elsewhere
-nothing), so the memory stays with the pools and the model.
+experts; `"bypass"` keeps them out of it (macOS `F_NOCACHE`; Linux `O_DIRECT` for a
+read that starts on a page, a packed record, through a page-aligned buffer, so the
+kernel neither caches nor later reclaims its pages, and otherwise no readahead
+(`POSIX_FADV_RANDOM`) and `posix_fadvise(DONTNEED)` once read; elsewhere nothing), so
+the memory stays with the pools and the model.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class ExpertStore:
         self.page_cache = page_cache
         self.packed = None
         self._fds: dict[Path, int] = {}
+        self._direct: dict[Path, int | None] = {}
         self._fd_lock = threading.Lock()
         # the calling thread is one of the `threads` readers (see _read_runs)
         self._executor = ThreadPoolExecutor(max(1, self.threads - 1), thread_name_prefix="mlxs-read")
@@ -154,15 +157,36 @@ class ExpertStore:
     def _read_run(self, fd: int, run: list[ReadJob], verify) -> None:
         offset = run[0][1]
         buffers = [memoryview(b).cast("B") for job in run for b in job[2]]
+        direct = self._direct_fd(run[0][0]) if offset % _PAGE == 0 else None
+        if direct is not None:
+            read_direct(direct, offset, buffers)
+        else:
+            self._read_buffered(fd, offset, buffers)
+        if verify is not None:
+            for job in run:
+                if not verify(job):
+                    raise ChecksumError(f"{job[0]}: bytes at offset {job[1]} fail their checksum")
+
+    def _direct_fd(self, file: Path) -> int | None:
+        """On Linux with `bypass`, a second descriptor of `file` opened O_DIRECT (reads go
+        from the device to memory without the page cache); None where that is not
+        available (another OS, a file system without direct I/O)."""
+        if self.page_cache != "bypass" or not hasattr(os, "O_DIRECT"):
+            return None
+        with self._fd_lock:
+            if file not in self._direct:
+                try:
+                    self._direct[file] = os.open(file, os.O_RDONLY | os.O_DIRECT)
+                except OSError:
+                    self._direct[file] = None
+            return self._direct[file]
+
+    def _read_buffered(self, fd: int, offset: int, buffers: list[memoryview]) -> None:
         length = read_exact(fd, offset, buffers)
         if self.page_cache == "bypass" and sys.platform.startswith("linux"):
             # whole pages only are dropped: widen the range to page boundaries
             begin, end = offset // _PAGE * _PAGE, -(-(offset + length) // _PAGE) * _PAGE
             os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_DONTNEED)
-        if verify is not None:
-            for job in run:
-                if not verify(job):
-                    raise ChecksumError(f"{job[0]}: bytes at offset {job[1]} fail their checksum")
 
     def background(self, fn: Callable, *args) -> Future:
         """Run `fn(*args)` (a pool's read of experts ahead of their call) on the store's
@@ -181,9 +205,10 @@ class ExpertStore:
     def close(self) -> None:
         self._ahead.shutdown(wait=True)
         self._executor.shutdown(wait=True)
-        for fd in self._fds.values():
+        for fd in [*self._fds.values(), *(d for d in self._direct.values() if d is not None)]:
             os.close(fd)
         self._fds.clear()
+        self._direct.clear()
 
 
 def check_page_cache(mode: str) -> None:
@@ -209,6 +234,33 @@ def _merge(jobs: list[ReadJob]) -> list[list[ReadJob]]:
             size, iovs = nbytes, len(buffers)
         end = offset + nbytes
     return runs
+
+
+_bounce = threading.local()  # each reader thread's page-aligned buffer for direct reads
+
+
+def read_direct(fd: int, offset: int, buffers: list[memoryview]) -> int:
+    """Fill `buffers` from `offset` of a file opened O_DIRECT: whole pages into a
+    page-aligned buffer of this thread (the slots' addresses and sizes need not be
+    aligned), then copied into place; returns the bytes."""
+    import mmap
+
+    total = sum(len(b) for b in buffers)
+    span = -(-total // _PAGE) * _PAGE
+    if getattr(_bounce, "size", 0) < span:
+        _bounce.buf, _bounce.size = mmap.mmap(-1, span), span
+    view = memoryview(_bounce.buf)[:span]
+    done = 0
+    while done < total:
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise OSError(f"short read at offset {offset + done}: the file changed")
+        done += n
+    at = 0
+    for b in buffers:
+        b[:] = view[at:at + len(b)]
+        at += len(b)
+    return total
 
 
 def read_exact(fd: int, offset: int, buffers: list[memoryview]) -> int:
