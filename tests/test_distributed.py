@@ -266,24 +266,33 @@ def _no_rank_left(llm_env) -> bool:
 
 
 @needs_proc
-def test_llm_routes_to_a_pipeline_server_and_gets_the_single_process_text(llm_env, tmp_path):
+def test_llm_routes_to_a_pipeline_server_and_gets_the_single_process_text(llm_env, build, tmp_path):
     """`llm mlxs serve --hosts` on two local ranks: `llm -m` on the same host routes to it
-    and prints what one process prints, its logged response_json the totals and each
-    rank's share; /api/stats (`llm mlxs stats --live`) has each rank; Ctrl-C on rank 0
-    ends every rank, and the supervisor with them (stopped on purpose: exit 0)."""
+    and, like the `openai` client, gets what one process gives, for qwen3_moe (4 slots),
+    deepseek_v3 and qwen3_next (2 slots each); its logged response_json the totals and
+    each rank's share; /api/stats (`llm mlxs stats --live`) has each rank; Ctrl-C on rank
+    0 ends every rank, and the supervisor with them (stopped on purpose: exit 0)."""
     import os
     import signal
 
+    import openai
+
+    shape = dict(num_layers=4, num_experts=8, top_k=2)
+    models = {"small": {"path": str(llm_env.checkpoint), "aliases": ["sm"], "expert_slots": 4},
+              **{arch: {"path": str(build(arch, **shape)), "expert_slots": 2} for arch in ARCHS if arch != "qwen3_moe"}}
+    llm_env.write_settings(default_model="small", models=models)
     env = {**os.environ, "LLM_USER_PATH": str(llm_env.user_dir)}
     args = ["hello there", "-o", "max_tokens", "6", "-o", "temperature", "0"]
-    alone = subprocess.run(LLM + ["-m", "mlx-stream/small", *args, "-o", "no_server", "1"], env=env,
-                           capture_output=True, text=True, timeout=120)
+    alone = {name: _alone("hello there", 6, name) for name in models}
     server, info = _serve(llm_env, tmp_path / "serve.log", "--hosts", "127.0.0.1,127.0.0.1")
     try:
-        routed = subprocess.run(LLM + ["-m", "mlx-stream/small", *args], env=env, capture_output=True,
-                                text=True, timeout=120)
-        assert routed.returncode == 0, routed.stderr
-        assert routed.stdout == alone.stdout and alone.stdout.strip()
+        client = openai.OpenAI(base_url=f"{info.url}/v1", api_key="unused", timeout=120, max_retries=0)
+        for name in [*models][::-1]:  # the default model last: the logs and figures below are its
+            routed = subprocess.run(LLM + ["-m", f"mlx-stream/{name}", *args], env=env, capture_output=True,
+                                    text=True, timeout=120)
+            assert routed.returncode == 0, routed.stderr
+            assert routed.stdout.strip() == alone[name].strip() and alone[name].strip(), name
+            assert _text(_chat(client, 6, name)) == alone[name], name
         logged = subprocess.run(LLM + ["logs", "-n", "1", "--json"], env=env, capture_output=True, text=True,
                                 timeout=60)
         figures = json.loads(logged.stdout)[0]["response_json"]
@@ -305,16 +314,17 @@ def test_llm_routes_to_a_pipeline_server_and_gets_the_single_process_text(llm_en
         _stop(server, llm_env)
 
 
-def _alone(prompt: str, max_tokens: int) -> str:
+def _alone(prompt: str, max_tokens: int, model: str = "small") -> str:
     """The single process's greedy text (the plugin in this process, no server)."""
     import llm
 
-    return llm.get_model("mlx-stream/small").prompt(prompt, max_tokens=max_tokens, temperature=0,
-                                                    no_server=True).text()
+    return llm.get_model(f"mlx-stream/{model}").prompt(prompt, max_tokens=max_tokens, temperature=0,
+                                                       no_server=True).text()
 
 
-def _chat(client, max_tokens: int):
-    return client.chat.completions.create(model="mlx-stream/small", messages=[{"role": "user", "content": "hello there"}],
+def _chat(client, max_tokens: int, model: str = "small"):
+    return client.chat.completions.create(model=f"mlx-stream/{model}",
+                                          messages=[{"role": "user", "content": "hello there"}],
                                           max_tokens=max_tokens, temperature=0, stream=True)
 
 
