@@ -375,7 +375,8 @@ def test_a_killed_rank_is_reported_and_the_pipeline_restarts(llm_env, tmp_path):
                     chunks += 1
                     if chunks == 1:
                         os.kill(first[1], signal.SIGKILL)
-        assert "rank 1 on " in failed.value.message and "\n" not in failed.value.message
+        message = failed.value.message
+        assert "rank 1 on " in message and "\n" not in message, (type(failed.value), message)
         seen, deadline = [], time.monotonic() + 90
         while not (seen and seen[-1].get("last_pipeline_error")) and time.monotonic() < deadline:
             assert discovery.read() is not None  # `llm -m` never finds no server and loads the model itself
