@@ -534,3 +534,16 @@ def test_a_family_without_a_pipeline_split_is_refused_in_one_line(build):
     model, _ = load_model(build("mixtral"), lazy=True)
     with pytest.raises(CheckpointError, match="^mixtral: mlx-lm has no pipeline split for this family$"):
         pipeline_hook(None, [1, 1])(model)
+
+
+def test_the_ring_saying_a_peer_is_gone_in_any_of_its_words_is_a_lost_rank():
+    """A peer killed while rank 0 is in the pipeline's send or recv shows as a socket error
+    rather than a collective's; both must name the rank, not blame rank 0."""
+    from llm_mlx_streaming.distributed.group import lost_peer
+
+    for text in ("[ring] connection to a peer was lost", "Socket 7 was closed by the peer",
+                 "Receiving from socket 7 failed with errno 104", "Sending to socket 9 failed with errno 32",
+                 "[mpi] MPI_Recv failed"):
+        assert lost_peer(RuntimeError(text)), text
+    for text in ("[matmul] Last dimension of first input", "Unable to allocate 8 bytes"):
+        assert not lost_peer(RuntimeError(text)), text

@@ -26,7 +26,7 @@ from ..engine.request import LoadSpec, Request
 from ..engine.respond import Carried, respond
 from ..errors import one_line
 from .figures import accumulate, rank_figures, totals
-from .group import Group, RankLost
+from .group import Group, RankLost, lost_peer
 from .lockstep import Aborted, Follow, Lead, WaitClock, following_sampler, leading_sampler
 from .split import (balanced_split, content_fingerprint, layer_range, layer_weights, own_slots,
                     pipeline_hook)
@@ -215,8 +215,8 @@ class PipelineEngine(EngineManager):
             return action()
         except RankLost as e:
             self._break(str(e))
-        except RuntimeError as e:  # a collective inside a forward
-            if not str(e).startswith(("[ring]", "[mpi]")):
+        except RuntimeError as e:  # a collective, or the pipeline's send and recv, inside a forward
+            if not lost_peer(e):
                 raise
             self._break(str(self.group.lost(e)))
         raise EngineError(f"{self.broken}; restart the ranks") from None

@@ -8,6 +8,7 @@ becomes `RankLost`, one line naming the rank when it can be told.
 from __future__ import annotations
 
 import json
+import re
 import socket
 
 import mlx.core as mx
@@ -17,6 +18,18 @@ CONTINUE, STOP, ABORT = 1, 2, 3  # rank 0's word after each token
 
 class RankLost(Exception):
     """A peer stopped answering; the message is one line."""
+
+
+# How mlx.distributed's backends say a peer is gone: their own prefix, or, from the ring's
+# send and recv inside a forward, the socket's ("Socket 7 was closed by the peer",
+# "Receiving from socket 7 failed with errno 104")
+_LOST = re.compile(r"^\s*(\[(ring|mpi)\]|socket \d+ was closed by the peer|(receiving from|sending to) socket)",
+                   re.IGNORECASE)
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether `error` (a RuntimeError from MLX) says a peer of the group is gone."""
+    return bool(_LOST.match(str(error)))
 
 
 class Group:
