@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from .common import MARK, ROOT
+from .common import MARK, ROOT, proc_io
 
 
 def read_ranges(pool, fds: dict, ranges: list, bufs: list) -> int:
@@ -100,8 +100,6 @@ def replay_main(args) -> None:
 
     import numpy as np
 
-    from .common import proc_io
-
     ballast = np.ones(args.ballast, np.uint8) if args.ballast else None  # noqa: F841 - held
     log = json.loads(Path(args.replay).read_text())
     calls = log["calls"]
@@ -117,7 +115,8 @@ def replay_main(args) -> None:
         timed = call["phase"] == "decode" and call["run"] >= log["warmup"]
         if args.paced and timed and previous:
             time.sleep(max(0.0, previous[1] + (call["t"] - previous[0]) - time.perf_counter()))
-        t, io = time.perf_counter(), proc_io()
+        io = proc_io() if timed else {}
+        t = time.perf_counter()
         previous = (call["t"], t)
         n = read_ranges(pool, fds, ranges, bufs)
         if timed:

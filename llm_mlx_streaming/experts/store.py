@@ -17,6 +17,7 @@ the memory stays with the pools and the model.
 
 from __future__ import annotations
 
+import mmap
 import os
 import sys
 import threading
@@ -243,8 +244,6 @@ def read_direct(fd: int, offset: int, buffers: list[memoryview]) -> int:
     """Fill `buffers` from `offset` of a file opened O_DIRECT: whole pages into a
     page-aligned buffer of this thread (the slots' addresses and sizes need not be
     aligned), then copied into place; returns the bytes."""
-    import mmap
-
     total = sum(len(b) for b in buffers)
     span = -(-total // _PAGE) * _PAGE
     if getattr(_bounce, "size", 0) < span:

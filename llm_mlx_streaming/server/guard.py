@@ -10,6 +10,7 @@ not answer to, or when it carries an `Origin` that is not allowed. `/health` sta
 from __future__ import annotations
 
 import ipaddress
+import secrets
 import socket
 from typing import Iterable
 from urllib.parse import urlsplit
@@ -17,6 +18,14 @@ from urllib.parse import urlsplit
 from .http_layer import ApiError
 
 OPEN_PATHS = ("/health",)
+
+
+def key_accepted(headers, keys) -> bool:
+    """Whether a request's headers (any case-insensitive mapping) carry one of `keys`, as
+    `Authorization: Bearer KEY` or `x-api-key: KEY`."""
+    header = headers.get("authorization") or ""
+    token = header[7:].strip() if header[:7].lower() == "bearer " else headers.get("x-api-key") or ""
+    return bool(token) and any(secrets.compare_digest(token.encode(), k.encode()) for k in keys if k)
 
 
 def host_name(header: str) -> str:

@@ -8,7 +8,6 @@ the property-based tests are generated from that schema (see docs/server.md).
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 from contextlib import asynccontextmanager
 from typing import Any, Optional
@@ -23,7 +22,7 @@ from . import anthropic, ollama
 from .catalog import model_ids
 from .gate import Gate
 from ..messages import llm_messages
-from .guard import Guard
+from .guard import Guard, key_accepted
 from .openai_tools import llm_tools
 from .http_layer import ApiError, BodyLimit, error_for
 from .reply_memory import ReplyMemory
@@ -66,10 +65,7 @@ class Service:
     def check_api_key(self, request: Request) -> None:
         if self.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        token = header[7:].strip() if header[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-        keys = [k for k in (self.api_key, self.secret) if k]
-        if not token or not any(secrets.compare_digest(token.encode(), k.encode()) for k in keys):
+        if not key_accepted(request.headers, (self.api_key, self.secret)):
             raise ApiError(401, "missing or wrong API key: send Authorization: Bearer KEY (or x-api-key: KEY)",
                            code="invalid_api_key")
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ..client import discovery
+from .guard import key_accepted
 
 RETRY_AFTER_SECONDS = 10
 
@@ -60,11 +60,7 @@ class StandIn:
                           "code": "pipeline_restarting"}}
 
     def allowed(self, headers) -> bool:
-        if self.api_key is None:
-            return True
-        auth = headers.get("Authorization", "")
-        token = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get("x-api-key", "")
-        return any(token and secrets.compare_digest(token.encode(), k.encode()) for k in (self.api_key, self.secret))
+        return self.api_key is None or key_accepted(headers, (self.api_key, self.secret))
 
 
 def _handler(stand_in: StandIn):
