@@ -525,6 +525,17 @@ def test_llm_mlxs_plan_budgets_shows_each_rank(llm_env):
     assert_one_line_error(llm_env.run("mlxs", "plan", "sm", "--budgets", "1MB,300MB"), "short")
 
 
+def test_a_pipelines_options_without_hosts_are_refused_not_ignored(llm_env):
+    """On one machine --budgets, --restarts, --ring-port and --backend would do nothing:
+    a usage error naming them, before any server starts."""
+    for args, named in ((["--restarts", "2"], "--restarts"), (["--budgets", "1GB,1GB", "--ring-port", "5000"],
+                                                              "--budgets, --ring-port"),
+                        (["--backend", "ring"], "--backend")):
+        result = llm_env.run("mlxs", "serve", "--port", "0", *args)
+        assert result.exit_code == 2, result.output
+        assert f"Error: {named} only apply with --hosts or --hostfile" in result.output
+
+
 def test_a_family_without_a_pipeline_split_is_refused_in_one_line(build):
     from mlx_lm.utils import load_model
 

@@ -55,6 +55,8 @@ def serve(ctx, host, port, model, api_key, max_queue, hosts, origins, pipeline, 
     """
     from ..server.run import Server
 
+    if not (pipeline or hostfile or pipeline_rank):
+        _refuse_pipeline_options(ctx)
     if (pipeline or hostfile) and not pipeline_rank:
         _supervise(ctx, pipeline, hostfile, backend, ring_port)
         return
@@ -119,6 +121,16 @@ def _supervise(ctx, pipeline, hostfile, backend, ring_port) -> None:
     Supervisor([*passed, "--backend", backend, "--pipeline-rank"], hosts=hosts, hostfile=hostfile,
                backend=backend, ring_port=ring_port, host=ctx.params["host"], port=ctx.params["port"],
                api_key=ctx.params["api_key"], restarts=ctx.params["restarts"]).run()
+
+
+def _refuse_pipeline_options(ctx) -> None:
+    """A pipeline's options on a one-machine server would do nothing: say so."""
+    from click.core import ParameterSource
+
+    given = [f"--{name.replace('_', '-')}" for name in ("backend", "budgets", "ring_port", "restarts")
+             if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)]
+    if given:
+        raise click.UsageError(f"{', '.join(given)} only apply with --hosts or --hostfile")
 
 
 def _keeper(supervisor: str | None) -> int | None:
