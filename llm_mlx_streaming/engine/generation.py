@@ -1,6 +1,7 @@
 """A caller's handle on one generation that the engine thread runs.
 
-The engine thread produces the responses and the caller reads them from a queue, so
+The engine thread produces the responses and the caller reads them from a queue (a
+thread blocks on it; a coroutine awaits it, woken by the engine thread), so
 no engine lock is ever held across a `yield` to code the engine does not control: a
 caller that stops reading (an abandoned stream, a slow client, a suspended chat turn)
 holds nothing, and the next queued request still runs. `close()`, or the handle being
@@ -9,12 +10,13 @@ garbage-collected, cancels the generation at its next token.
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 
 class Cancelled(Exception):
@@ -40,6 +42,7 @@ class Channel:
         self.cancel = threading.Event()
         self.running = threading.Event()
         self.finished = threading.Event()
+        self.wake: Optional[Callable[[], None]] = None  # an event loop's reader waiting for the next event
 
     def check_cancelled(self) -> None:
         if self.cancel.is_set():
@@ -47,6 +50,9 @@ class Channel:
 
     def put(self, kind: str, value) -> None:
         self.events.put((kind, value))
+        wake = self.wake
+        if wake is not None:
+            wake()
 
 
 class Generation:
@@ -69,6 +75,50 @@ class Generation:
         while self.started is None:
             self._handle(self.channel.events.get())
         return self
+
+    async def astarted(self) -> "Generation":
+        """`wait_started` for a reader on an event loop: it awaits, holding no thread."""
+        while self.started is None:
+            self._handle(await self._next_event())
+        return self
+
+    def __aiter__(self) -> "Generation":
+        return self
+
+    async def __anext__(self):
+        while True:
+            try:
+                response = self._handle(await self._next_event())
+            except StopIteration:
+                raise StopAsyncIteration from None
+            if response is not None:
+                return response
+
+    async def _next_event(self):
+        """The next event, awaited: the engine thread wakes this loop when it puts one."""
+        events = self.channel.events
+        try:
+            return events.get_nowait()
+        except queue.Empty:
+            pass
+        loop, ready = asyncio.get_running_loop(), asyncio.Event()
+
+        def wake() -> None:
+            try:
+                loop.call_soon_threadsafe(ready.set)
+            except RuntimeError:  # the loop has closed: nobody is listening any more
+                pass
+
+        self.channel.wake = wake
+        try:
+            while True:  # looked at again after `wake` is in place, so no event is missed
+                try:
+                    return events.get_nowait()
+                except queue.Empty:
+                    await ready.wait()
+                    ready.clear()
+        finally:
+            self.channel.wake = None
 
     def __iter__(self) -> "Generation":
         return self
