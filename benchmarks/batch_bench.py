@@ -125,7 +125,7 @@ def late_arrival(url: str, b: int, tokens: int) -> float:
 
 
 def serve_rows(args) -> None:
-    from llm_mlx_streaming.server.run import Server
+    from llm_mlx_streaming.server.process.run import Server
 
     slots = SHAPE["num_experts"] // 4
     path = build_checkpoint(CACHE / "qwen3_moe-bench", "qwen3_moe", quant="4bit", seed=0, **SHAPE)

@@ -264,7 +264,7 @@ def through_llm(path, arch, cell, root):
     from llm.cli import cli
     from mlx_lm import generate, load
 
-    from llm_mlx_streaming.reply_split import ReplySplitter
+    from llm_mlx_streaming.prompt.split import ReplySplitter
 
     model, tokenizer = load(str(path))
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)

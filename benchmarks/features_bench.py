@@ -49,7 +49,7 @@ def run(engine, load, request):
 
 
 def schema_rows(engine, load, tokenizer, tokens: int, runs: int) -> list[tuple]:
-    from llm_mlx_streaming.constrained import SchemaProcessor, schema_grammar
+    from llm_mlx_streaming.prompt.constrained import SchemaProcessor, schema_grammar
 
     grammar = schema_grammar(SCHEMA)
     prompt = tokenizer.encode("Describe a person as JSON.")
@@ -80,7 +80,7 @@ def processor_alone(tokenizer, tokens: int, n_vocab: int) -> tuple[float, float]
     import mlx.core as mx
     import numpy as np
 
-    from llm_mlx_streaming.constrained import SchemaProcessor, schema_grammar
+    from llm_mlx_streaming.prompt.constrained import SchemaProcessor, schema_grammar
 
     processor = SchemaProcessor(schema_grammar(SCHEMA), tokenizer)
     processor.limit_tokens(tokens)

@@ -3,7 +3,7 @@ and the server's throughput with several clients queued at once.
 
 On the benchmark checkpoint (benchmarks/engine_bench.py's, 25% of each layer's experts
 resident), ten one-shot `llm -m mlx-stream "..."` processes run in-process
-(`-o no_server 1`: each loads the model and starts with an empty pool), then ten
+(`-o server off`: each loads the model and starts with an empty pool), then ten
 routed to a server started with the model loaded. Time to first token is measured
 from the process start to its first byte on stdout, as a user sees it; MB read per
 call and the engine's own time to first token (prefill, `ttft_seconds`) come from the
@@ -11,7 +11,14 @@ response's logged figures. Then N clients each send one request,
 one after another and then all at once, alternating for a few rounds; total tokens/s of
 the two are compared.
 
+`--against DIR` measures the server's own overhead instead, side by side with the
+package in DIR (a checkout of an earlier commit, e.g. `git worktree add`): each tree's
+server is started in turn, rounds alternating, and asked for a short streamed reply
+one at a time (time to its first token, as a client sees it) and for many short
+replies from `--clients` clients at once at max_batch 4 (requests per second).
+
     python benchmarks/serve_bench.py [--calls 10] [--tokens 16] [--clients 8] [--rounds 3] [--bundled]
+    python benchmarks/serve_bench.py --against ../base [--calls 10] [--clients 8] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -75,17 +83,24 @@ def post(url: str, body: dict) -> dict:
         return json.loads(resp.read())
 
 
-def throughput(url: str, prompts: list[str], tokens: int, at_once: bool) -> tuple[int, float]:
-    """(tokens generated, wall seconds) for one request per prompt."""
+def throughput(url: str, prompts: list[str], tokens: int, at_once: bool,
+               clients: Optional[int] = None) -> tuple[int, float]:
+    """(tokens generated, wall seconds) for one request per prompt: one after another, or
+    all at once from `clients` clients (default: one per prompt)."""
     counts: list[int] = []
+    queue = list(prompts)
 
     def ask(prompt):
         body = {"model": "mlx-stream", "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens}
         counts.append(post(url, body)["usage"]["completion_tokens"])
 
+    def client():
+        while queue:
+            ask(queue.pop())
+
     start = time.perf_counter()
     if at_once:
-        threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+        threads = [threading.Thread(target=client) for _ in range(clients or len(prompts))]
         for t in threads:
             t.start()
         for t in threads:
@@ -94,6 +109,45 @@ def throughput(url: str, prompts: list[str], tokens: int, at_once: bool) -> tupl
         for p in prompts:
             ask(p)
     return sum(counts), time.perf_counter() - start
+
+
+def first_token_seconds(url: str, prompt: str, tokens: int) -> float:
+    """Seconds from sending a streamed chat request to its first content chunk."""
+    body = {"model": "mlx-stream", "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
+            "stream": True}
+    request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    start = time.perf_counter()
+    first = None
+    with urllib.request.urlopen(request, timeout=600) as resp:
+        for line in resp:
+            if first is None and line.startswith(b"data:") and b'"content": "' in line and b'"content": ""' not in line:
+                first = time.perf_counter() - start
+    return first if first is not None else time.perf_counter() - start
+
+
+def overhead(llm_bin: Path, env: dict, user_dir: Path, trees: dict, args) -> None:
+    """The server's overhead per tree: short-request TTFT and requests/s at max_batch 4."""
+    prompts = [PROMPTS[i % len(PROMPTS)] + f" ({i})" for i in range(args.clients * 2)]
+    results = {name: {"ttft": [], "rps": []} for name in trees}
+    for _ in range(args.rounds):
+        for name, tree in trees.items():
+            server, url = start_server(llm_bin, {**env, "PYTHONPATH": str(tree)}, user_dir)
+            try:
+                first_token_seconds(url, "warm up", 2)
+                results[name]["ttft"] += [first_token_seconds(url, p, 2) for p in prompts[:args.calls]]
+                done, wall = throughput(url, prompts, 4, at_once=True, clients=args.clients)
+                results[name]["rps"].append(len(prompts) / wall)
+            finally:
+                server.terminate()
+                server.wait(30)
+    print(f"\n{'server (median)':<28} {'short TTFT ms':>13} {'requests/s':>10} {'TTFT vs first':>13} {'req/s vs first':>14}")
+    base = None
+    for name in trees:
+        ttft = statistics.median(results[name]["ttft"]) * 1000
+        rps = statistics.median(results[name]["rps"])
+        base = base or (ttft, rps)
+        print(f"{name:<28} {ttft:>13.1f} {rps:>10.2f} {ttft / base[0]:>12.2f}x {rps / base[1]:>13.2f}x")
 
 
 def start_server(llm_bin: Path, env: dict, user_dir: Path) -> tuple[subprocess.Popen, str]:
@@ -123,6 +177,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16, help="tokens per reply")
     parser.add_argument("--clients", type=int, default=8, help="clients queued at once")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the throughput pair (median reported)")
+    parser.add_argument("--against", type=Path, help="a checkout whose server's overhead is measured beside this one's")
     parser.add_argument("--bundled", action="store_true",
                         help="the bundled (trained) demo model instead, 4 of its 16 experts per layer resident")
     args = parser.parse_args()
@@ -146,12 +201,16 @@ def main() -> None:
     print(f"checkpoint {path}, {slots} of {experts} experts per layer resident (25%), "
           f"{args.tokens} tokens per reply")
 
+    if args.against:
+        here = Path(__file__).resolve().parents[1]
+        overhead(llm_bin, env, user_dir, {f"{args.against} (before)": args.against.resolve(), "this tree": here}, args)
+        return
     startup = []  # the floor under both: starting an llm process at all
     for _ in range(3):
         start = time.perf_counter()
         subprocess.run([str(llm_bin), "--version"], env=env, check=True, capture_output=True)
         startup.append(time.perf_counter() - start)
-    in_process = [one_shot(llm_bin, env, user_dir, p, args.tokens, ["-o", "no_server", "1"]) for p in prompts]
+    in_process = [one_shot(llm_bin, env, user_dir, p, args.tokens, ["-o", "server", "off"]) for p in prompts]
     server, url = start_server(llm_bin, env, user_dir)
     try:
         routed = [one_shot(llm_bin, env, user_dir, p, args.tokens, []) for p in prompts]

@@ -7,14 +7,14 @@ stays fast, and a broken settings file never breaks unrelated llm commands.
 
 import llm
 from .errors import SettingsError
-from .logs_db import prepare_logs_db
+from .plugin.logs_db import prepare_logs_db
 
 
 @llm.hookimpl
 def register_models(register):
-    from .async_model import MlxStreamAsyncModel
-    from .model import MlxStreamModel
-    from .settings import BUNDLED_NAME, load_settings
+    from .plugin.async_model import MlxStreamAsyncModel
+    from .plugin.model import MlxStreamModel
+    from .options.settings import BUNDLED_NAME, load_settings
 
     # Each id has a sync and an async model; both share the one engine.
     register(MlxStreamModel(), MlxStreamAsyncModel())

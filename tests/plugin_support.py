@@ -98,7 +98,7 @@ def mlx_lm_text(path: Path, messages: list[dict], max_tokens: int) -> str:
 def serving(env: LlmEnv, **kwargs):
     """`env` with a server for its user dir on a free loopback port (`env.server`),
     stopped at the end."""
-    from llm_mlx_streaming.server.run import Server
+    from llm_mlx_streaming.server.process.run import Server
 
     env.server = Server(port=0, **kwargs).start()
     try:

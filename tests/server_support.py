@@ -42,7 +42,7 @@ def in_process(messages, **options) -> str:
     from llm.parts import Message, TextPart
 
     chain = [Message(role=m["role"], parts=[TextPart(text=m["content"])]) for m in messages]
-    return llm.get_model("mlx-stream").prompt(messages=chain, no_server=True, **options).text()
+    return llm.get_model("mlx-stream").prompt(messages=chain, server="off", **options).text()
 
 
 def call(served, method, path, body=None, headers=None, raw=None):

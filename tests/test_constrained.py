@@ -100,7 +100,7 @@ def test_a_schema_that_cannot_compile_is_one_line(llm_env, schema, needle):
 
 
 def test_closers_follow_the_json_state():
-    from llm_mlx_streaming.constrained import closers
+    from llm_mlx_streaming.prompt.constrained import closers
 
     assert closers('{"a": "tex') == ['"']
     assert closers('{"a": "te\\') == []  # an escape: the next character is not a close

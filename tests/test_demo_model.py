@@ -20,9 +20,10 @@ from llm_mlx_streaming.checkpoints.default import SHIPPED
 from llm_mlx_streaming.engine.loading import load_streaming
 from llm_mlx_streaming.experts.simulate import simulate
 from llm_mlx_streaming.experts.traces import load_trace
-from llm_mlx_streaming.model import BUNDLED_REPETITION_PENALTY, REPETITION_CONTEXT, Options
-from llm_mlx_streaming.model import repetition_processors
-from llm_mlx_streaming.run_config import repetition_penalty
+from llm_mlx_streaming.options.knobs import BUNDLED_REPETITION_PENALTY, REPETITION_CONTEXT
+from llm_mlx_streaming.options.settings import Options
+from llm_mlx_streaming.reply.build import repetition_processors
+from llm_mlx_streaming.options.run_config import repetition_penalty
 from plugin_support import LlmEnv, assert_ok
 
 DATA = Path(__file__).parent / "data"

@@ -202,7 +202,7 @@ def _serve(llm_env, log: Path, *args: str):
     import os
     import time
 
-    from llm_mlx_streaming.client import discovery
+    from llm_mlx_streaming import discovery
 
     env = {**os.environ, "LLM_USER_PATH": str(llm_env.user_dir)}
     with log.open("w") as err:
@@ -319,7 +319,7 @@ def _alone(prompt: str, max_tokens: int, model: str = "small") -> str:
     import llm
 
     return llm.get_model(f"mlx-stream/{model}").prompt(prompt, max_tokens=max_tokens, temperature=0,
-                                                       no_server=True).text()
+                                                       server="off").text()
 
 
 def _chat(client, max_tokens: int, model: str = "small"):
@@ -357,7 +357,7 @@ def test_a_killed_rank_is_reported_and_the_pipeline_restarts(llm_env, tmp_path):
 
     import openai
 
-    from llm_mlx_streaming.client import discovery
+    from llm_mlx_streaming import discovery
 
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * 2))
@@ -405,7 +405,7 @@ def test_without_restarts_a_killed_rank_ends_the_server_in_one_line(llm_env, tmp
     import os
     import signal
 
-    from llm_mlx_streaming.client.discovery import discovery_path
+    from llm_mlx_streaming.discovery import discovery_path
 
     log = tmp_path / "serve.log"
     server, info = _serve(llm_env, log, "--hosts", "127.0.0.1,127.0.0.1", "--restarts", "0")
@@ -427,8 +427,8 @@ def test_the_stand_in_answers_with_the_failure_and_llm_says_it_in_one_line(llm_e
 
     from plugin_support import assert_ok, assert_one_line_error
 
-    from llm_mlx_streaming.client import discovery
-    from llm_mlx_streaming.server.standin import StandIn
+    from llm_mlx_streaming import discovery
+    from llm_mlx_streaming.server.process.standin import StandIn
 
     line = "rank 1 on mac2 ended by SIGKILL"
     state = {"pipeline_state": "restarting", "pipeline_error": line, "pipeline_restarts": 1}
@@ -491,7 +491,7 @@ def test_rank_0_leaves_once_its_pipeline_broke_after_the_reply_went_out():
 
 
 def test_the_supervisor_names_the_rank_that_ended_first():
-    from llm_mlx_streaming.server.supervisor import Ending
+    from llm_mlx_streaming.server.process.supervisor import Ending
 
     def failure(*lines, code=0):
         ending = Ending(["h0", "h1"])

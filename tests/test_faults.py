@@ -121,7 +121,7 @@ TOKENS = 8
 
 
 def _split(text: str) -> str:
-    from llm_mlx_streaming.reply_split import ReplySplitter
+    from llm_mlx_streaming.prompt.split import ReplySplitter
 
     s = ReplySplitter("<think>", "</think>")
     return "".join(c for k, c in s.feed(text) + s.flush() if k == "text")
@@ -333,7 +333,7 @@ def test_an_interrupt_inside_ensure_during_a_prompt_is_clean(fresh_engine, step)
 def test_a_checkpoint_truncated_during_a_chat_is_one_line(own_copy, monkeypatch):
     from plugin_support import assert_one_line_error
 
-    from llm_mlx_streaming.model import MlxStreamModel
+    from llm_mlx_streaming.plugin.model import MlxStreamModel
 
     env, pristine = own_copy
     real = MlxStreamModel._execute

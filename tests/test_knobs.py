@@ -7,10 +7,10 @@ import llm
 import pytest
 from pydantic import ValidationError
 
-from llm_mlx_streaming.knobs import BY_NAME, KNOBS, OPTION_NAMES, SETTING_NAMES
-from llm_mlx_streaming.model import Options
-from llm_mlx_streaming.server.schemas import SERVER_ONLY, ChatCompletionRequest, engine_option_names
-from llm_mlx_streaming.settings import CONFIG_KEYS, Settings
+from llm_mlx_streaming.options.knobs import BY_NAME, KNOBS, OPTION_NAMES, SETTING_NAMES
+from llm_mlx_streaming.options.settings import Options
+from llm_mlx_streaming.server.openai.schemas import SERVER_ONLY, ChatCompletionRequest, engine_option_names
+from llm_mlx_streaming.options.settings import CONFIG_KEYS, Settings
 
 
 def test_settings_options_and_request_fields_come_from_the_declarations():

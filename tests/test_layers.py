@@ -15,10 +15,12 @@ PACKAGE = Path(__file__).parent.parent / "llm_mlx_streaming"
 # (without a circle between packages).
 LAYERS = [
     {"(hooks)"},
-    {"cli", "server"},
-    {"model", "async_model", "run_config"},
-    {"registry", "settings", "knobs", "prompting", "messages", "reply_split", "tools", "constrained", "logs_db",
-     "client"},
+    {"cli", "server"},  # the doors: `llm mlxs ...` and the HTTP APIs
+    {"plugin"},  # llm's model: maps the reply core's events to llm's
+    {"client"},  # a running server, as a source of the core's events
+    {"reply"},  # the reply core: messages and options -> engine -> events
+    {"prompt"},  # messages, chat templates, tools, constraints
+    {"options", "discovery"},  # knobs -> settings, registry -> RunConfig | the file that names a running server
     {"distributed"},
     {"engine"},
     {"speculation"},
@@ -133,9 +135,19 @@ def test_the_settings_import_nothing_of_the_engine():
     """The knobs and the settings file are read by every layer above the engine; they
     check values with values.py, which the engine shares."""
     graph = _graph()
-    for module in ("llm_mlx_streaming.settings", "llm_mlx_streaming.knobs", "llm_mlx_streaming.values"):
+    for module in ("llm_mlx_streaming.options.settings", "llm_mlx_streaming.options.knobs", "llm_mlx_streaming.values"):
         reached = {_part(t) for t in graph[module]}
         assert not reached & {"engine", "speculation", "server", "cli"}, (module, reached)
+
+
+def test_no_server_module_imports_llm():
+    """The server drives the reply core; it never goes through llm's models to reach
+    its own engine (llm's message types come in through prompt/)."""
+    for file in (PACKAGE / "server").rglob("*.py"):
+        for node in ast.walk(ast.parse(file.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            assert not any(n == "llm" or n.startswith("llm.") for n in names), file
 
 
 def test_the_package_ships_no_test_fixtures():

@@ -97,7 +97,7 @@ def test_each_architecture_through_llm_gives_stock_text_cold_from_disk_and_in_pr
 
 def reply_text(text: str) -> str:
     """The answer text, the way the plugin splits off <think> blocks."""
-    from llm_mlx_streaming.reply_split import ReplySplitter
+    from llm_mlx_streaming.prompt.split import ReplySplitter
 
     splitter = ReplySplitter("<think>", "</think>")
     return "".join(c for kind, c in splitter.feed(text) + splitter.flush() if kind == "text")

@@ -12,15 +12,7 @@ from mlx.utils import tree_flatten
 from exactness import greedy_tokens, prompt_tokens, vocab_size
 from fixtures.architectures import tiny_config
 from llm_mlx_streaming.cli.plan import format_plan
-from llm_mlx_streaming.engine.planner import (
-    KV_STEP,
-    Plan,
-    PlanError,
-    checkpoint_layout,
-    default_reserve,
-    kv_cache_bytes,
-    plan_memory,
-)
+from llm_mlx_streaming.engine.planner import KV_STEP, Plan, PlanError, checkpoint_layout, default_reserve, kv_cache_bytes, plan_memory
 from llm_mlx_streaming.errors import CheckpointError
 from llm_mlx_streaming.sizes import format_size, parse_size
 

@@ -306,7 +306,7 @@ def test_a_forced_tool_call_may_first_close_the_think_block_the_template_opened(
     import llguidance
     import llguidance.hf
 
-    from llm_mlx_streaming.tools import forced_call_grammar, template_tools
+    from llm_mlx_streaming.prompt.tools import forced_call_grammar, template_tools
 
     tokenizer = _tokenizer(tools_env.read_settings()["models"]["tools"]["path"])
     tools = template_tools([llm.Tool(name="f", input_schema={"type": "object", "properties": {}})])
@@ -326,7 +326,7 @@ def test_a_tool_call_format_that_is_not_json_cannot_be_forced():
 
     from mlx_lm.tool_parsers import qwen3_coder
 
-    from llm_mlx_streaming.tools import ToolError, forced_call_grammar, template_tools
+    from llm_mlx_streaming.prompt.tools import ToolError, forced_call_grammar, template_tools
 
     tokenizer = SimpleNamespace(has_tool_calling=True, tool_parser=qwen3_coder.parse_tool_call,
                                 tool_call_start=qwen3_coder.tool_call_start, tool_call_end=qwen3_coder.tool_call_end)
@@ -347,7 +347,7 @@ def test_tools_on_a_template_without_tool_support_is_one_line(llm_env):
 
 
 def test_reply_splitter_cuts_tool_markup_split_anywhere():
-    from llm_mlx_streaming.reply_split import ReplySplitter
+    from llm_mlx_streaming.prompt.split import ReplySplitter
 
     text = "a<think>r</think>b<tool_call>{x}</tool_call>c<tool_call>{y"
     for cut in range(1, len(text)):
@@ -366,7 +366,7 @@ def test_reply_splitter_cuts_tool_markup_split_anywhere():
 
 
 def _reply_ids(response) -> list[int]:
-    from llm_mlx_streaming.messages import METADATA_KEY
+    from llm_mlx_streaming.prompt.messages import METADATA_KEY
 
     found = None
     for message in response.messages():

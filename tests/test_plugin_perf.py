@@ -15,7 +15,7 @@ PROMPT = "Tell me about tea"
 
 def _split(text: str) -> str:
     """The answer text, the way the plugin splits off <think> blocks."""
-    from llm_mlx_streaming.reply_split import ReplySplitter
+    from llm_mlx_streaming.prompt.split import ReplySplitter
 
     s = ReplySplitter("<think>", "</think>")
     return "".join(c for k, c in s.feed(text) + s.flush() if k == "text")
@@ -92,7 +92,7 @@ def test_config_of_each_new_setting(llm_env, key, good, stored, shown, bad):
 
 
 def _fmt_default(key):
-    from llm_mlx_streaming.settings import Settings
+    from llm_mlx_streaming.options.settings import Settings
 
     value = Settings.model_fields[key].default
     return ("on" if value else "off") if isinstance(value, bool) else str(value)

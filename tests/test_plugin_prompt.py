@@ -15,7 +15,7 @@ from plugin_support import assert_ok, mlx_lm_text
 
 def _split(text: str) -> tuple[str, str]:
     """(answer text, reasoning) the way the plugin splits <think> blocks."""
-    from llm_mlx_streaming.reply_split import ReplySplitter
+    from llm_mlx_streaming.prompt.split import ReplySplitter
 
     s = ReplySplitter("<think>", "</think>")
     pieces = s.feed(text) + s.flush()

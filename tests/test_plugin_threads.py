@@ -7,7 +7,7 @@ import llm
 
 
 def test_threads_prompting_two_models_each_get_their_own_checkpoint(llm_env, build, monkeypatch):
-    from llm_mlx_streaming import model as prompting  # where the model calls render_prompt
+    from llm_mlx_streaming.reply import build as prompting  # where the reply core calls render_prompt
 
     other = build("qwen3_moe", seed=7)
     llm_env.write_settings(

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from llm_mlx_streaming.reply_split import ReplySplitter, opens_thinking
+from llm_mlx_streaming.prompt.split import ReplySplitter, opens_thinking
 
 
 def _run(splitter, segments):
@@ -44,7 +44,7 @@ def test_reply_splitter_modes():
 
 
 def test_settings_roundtrip(tmp_path, monkeypatch):
-    from llm_mlx_streaming import settings as s
+    from llm_mlx_streaming.options import settings as s
 
     monkeypatch.setenv("LLM_USER_PATH", str(tmp_path))
     assert s.load_settings() == s.Settings()

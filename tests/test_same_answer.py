@@ -16,7 +16,7 @@ from mlx_lm.utils import load_model
 
 from llm_mlx_streaming.checkpoints.default import SHIPPED
 from llm_mlx_streaming.engine.manager import get_manager
-from llm_mlx_streaming.model import BUNDLED_REPETITION_PENALTY, REPETITION_CONTEXT
+from llm_mlx_streaming.options.knobs import BUNDLED_REPETITION_PENALTY, REPETITION_CONTEXT
 from plugin_support import LlmEnv, assert_ok
 
 PROMPT = "The dict type is a mapping that stores keys and values, and the list type is"

@@ -50,7 +50,7 @@ def chat_body(prompt, **extra):
 
 @pytest.fixture
 def blocked(monkeypatch):
-    """Hold the engine thread inside the next prompt's rendering until `go` is set, so
+    """Hold the next prompt inside its rendering until `go` is set, so
     requests queue behind it deterministically (released at teardown whatever happens)."""
     hold = Blocked(monkeypatch)
     yield hold
@@ -59,7 +59,7 @@ def blocked(monkeypatch):
 
 class Blocked:
     def __init__(self, monkeypatch):
-        from llm_mlx_streaming import model as prompting  # where the model calls render_prompt
+        from llm_mlx_streaming.reply import build as prompting  # where the reply core calls render_prompt
 
         self.entered, self.go = threading.Event(), threading.Event()
         real = prompting.render_prompt
@@ -145,8 +145,8 @@ def test_completions_stop_seed_and_kv_reuse(served):
 
 
 def test_engine_options_are_body_fields_derived_from_the_plugin_options(served):
-    from llm_mlx_streaming.model import Options
-    from llm_mlx_streaming.server.schemas import SERVER_ONLY
+    from llm_mlx_streaming.options.settings import Options
+    from llm_mlx_streaming.server.openai.schemas import SERVER_ONLY
 
     status, _, schema = call(served, "GET", "/openapi.json")
     assert status == 200
@@ -251,7 +251,7 @@ def test_four_clients_at_once_are_served_one_at_a_time_as_alone(served, blocked)
 
 
 def test_full_queue_is_503_with_retry_after(tmp_path, monkeypatch, plugin_checkpoint, blocked):
-    from llm_mlx_streaming.server.run import Server
+    from llm_mlx_streaming.server.process.run import Server
 
     monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "llm"))
     env = LlmEnv(tmp_path / "llm", plugin_checkpoint)
@@ -321,7 +321,7 @@ def test_disconnect_before_the_first_token_cancels_a_whole_reply(served, blocked
 
 def test_llm_cli_routes_to_the_server_and_logs_the_same_row(served):
     served.server.service.runtime.values.clear()
-    alone = assert_ok(served.run("-m", "mlx-stream", "hello there", "-o", "max_tokens", "8", "-o", "no_server", "1"))
+    alone = assert_ok(served.run("-m", "mlx-stream", "hello there", "-o", "max_tokens", "8", "-o", "server", "off"))
     routed = assert_ok(served.run("-m", "mlx-stream", "hello there", "-o", "max_tokens", "8"))
     assert routed.stdout == alone.stdout
     rows = served.turns()
@@ -360,7 +360,7 @@ def test_llm_mlxs_stats_live_and_config_push(served):
 
 
 def test_server_dying_mid_request_is_one_line(llm_env):
-    from llm_mlx_streaming.client import discovery
+    from llm_mlx_streaming import discovery
 
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
@@ -399,8 +399,8 @@ def test_non_loopback_bind_needs_an_api_key(llm_env):
 
 
 def test_api_key_discovery_file_and_stale_files(tmp_path, monkeypatch, plugin_checkpoint):
-    from llm_mlx_streaming.client import discovery
-    from llm_mlx_streaming.server.run import Server
+    from llm_mlx_streaming import discovery
+    from llm_mlx_streaming.server.process.run import Server
 
     monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "llm"))
     env = LlmEnv(tmp_path / "llm", plugin_checkpoint)
@@ -442,7 +442,7 @@ def test_malformed_and_oversized_bodies(served):
     assert status == 400 and body["error"]["param"] == "messages"
     status, _, body = call(served, "POST", "/v1/chat/completions", chat_body("hi", model="gpt-4"))
     assert status == 404 and body["error"]["code"] == "model_not_found"
-    from llm_mlx_streaming.server.http_layer import MAX_BODY_BYTES
+    from llm_mlx_streaming.server.errors import MAX_BODY_BYTES
 
     declared = f"Content-Length: {MAX_BODY_BYTES + 1}\r\n\r\n".encode()
     assert raw_status(served, declared) == 413  # refused before the body is read
@@ -492,7 +492,7 @@ def test_schema_through_the_api_and_through_a_routed_llm_prompt(served):
     assert set(value) == {"word", "count"} and isinstance(value["count"], int)
 
     args = ["-m", "mlx-stream", "a word", "--schema", "word, count int", "-o", "max_tokens", "40"]
-    alone = assert_ok(served.run(*args, "-o", "no_server", "1")).stdout
+    alone = assert_ok(served.run(*args, "-o", "server", "off")).stdout
     routed = assert_ok(served.run(*args)).stdout
     assert routed == alone and json.loads(routed)
     assert served.turns()[-1]["stats"]["served_by"] == served.server.url
@@ -506,16 +506,16 @@ def test_schema_through_the_api_and_through_a_routed_llm_prompt(served):
 
 
 def test_a_server_that_does_not_answer_is_one_line(llm_env):
-    from llm_mlx_streaming.client import discovery
+    from llm_mlx_streaming import discovery
 
     closed = socket.create_server(("127.0.0.1", 0))
     port = closed.getsockname()[1]
     closed.close()  # nothing listens there now
     discovery.write(discovery.ServerInfo(os.getpid(), "127.0.0.1", port, "s"))
     try:
-        line = assert_one_line_error(llm_env.run("-m", "mlx-stream", "hi"), "is not answering", "no_server")
+        line = assert_one_line_error(llm_env.run("-m", "mlx-stream", "hi"), "is not answering", "-o server off")
         assert str(discovery.discovery_path()) in line
-        assert_ok(llm_env.run("-m", "mlx-stream", "hi", "-o", "max_tokens", "2", "-o", "no_server", "1"))
+        assert_ok(llm_env.run("-m", "mlx-stream", "hi", "-o", "max_tokens", "2", "-o", "server", "off"))
     finally:
         discovery.remove_stale()
 
@@ -525,7 +525,7 @@ def test_a_server_that_does_not_answer_is_one_line(llm_env):
     {"secret": ""}, None,
 ])
 def test_a_damaged_discovery_file_is_removed_with_a_notice_and_the_prompt_runs(llm_env, fields):
-    from llm_mlx_streaming.client import discovery
+    from llm_mlx_streaming import discovery
 
     path = discovery.discovery_path()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -540,7 +540,7 @@ def test_a_damaged_discovery_file_is_removed_with_a_notice_and_the_prompt_runs(l
 def test_a_discovery_file_whose_port_another_program_took_is_removed(llm_env):
     import http.server
 
-    from llm_mlx_streaming.client import discovery
+    from llm_mlx_streaming import discovery
 
     other = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # answers 501
     thread = threading.Thread(target=other.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
@@ -560,17 +560,19 @@ def test_a_cancelled_async_prompt_hangs_up_on_the_server(served, monkeypatch):
     import asyncio
 
     import llm
-    from llm_mlx_streaming.server import bridge
+    from llm_mlx_streaming.reply.core import AsyncReply
+    from llm_mlx_streaming.reply.events import Chunk
 
-    real_put = bridge.Run._put
+    real_events = AsyncReply.events
     hung_up = threading.Event()
 
-    async def held_put(self, kind, value):  # the rest of the reply waits until the client is gone
-        await real_put(self, kind, value)
-        if kind == "text":
-            await asyncio.get_running_loop().run_in_executor(None, hung_up.wait, 60)
+    async def held_events(self):  # the rest of the reply waits until the client is gone
+        async for event in real_events(self):
+            yield event
+            if isinstance(event, Chunk):
+                await asyncio.get_running_loop().run_in_executor(None, hung_up.wait, 60)
 
-    monkeypatch.setattr(bridge.Run, "_put", held_put)
+    monkeypatch.setattr(AsyncReply, "events", held_events)
     gone = call(served, "GET", "/api/stats")[2]["server"]["disconnects"]
 
     async def cancel_after_first_chunk():
@@ -600,7 +602,7 @@ def test_the_serve_command_runs_until_stopped_and_cleans_up(llm_env, stop_signal
     import subprocess
     import sys
 
-    from llm_mlx_streaming.client import discovery
+    from llm_mlx_streaming import discovery
 
     env = {**os.environ, "LLM_USER_PATH": str(llm_env.user_dir)}
     llm_bin = os.path.join(os.path.dirname(sys.executable), "llm")
@@ -709,7 +711,7 @@ def test_llm_top_logprobs_is_logged_the_same_routed_or_in_process(served):
     assert_ok(served.run("-m", "mlx-stream", "hi", "-o", "top_logprobs", "2", "-o", "max_tokens", "3"))
     routed = served.turns()[-1]["stats"]
     assert_ok(served.run("-m", "mlx-stream", "hi", "-o", "top_logprobs", "2", "-o", "max_tokens", "3",
-                         "-o", "no_server", "1"))
+                         "-o", "server", "off"))
     local = served.turns()[-1]["stats"]
     assert routed["served_by"] == served.server.url and "served_by" not in local
     assert routed["logprobs"] == local["logprobs"] and len(local["logprobs"]) == 3

@@ -22,7 +22,7 @@ ROUTES = [("GET", "/v1/models", None), ("GET", "/api/stats", None), ("GET", "/ap
 
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory, plugin_checkpoint):
-    from llm_mlx_streaming.server.run import Server
+    from llm_mlx_streaming.server.process.run import Server
 
     user_dir = tmp_path_factory.mktemp("guarded") / "llm"
     with pytest.MonkeyPatch.context() as mp:

@@ -223,10 +223,12 @@ def test_reasoning_comes_as_thinking(tooled):
 
 @pytest.mark.parametrize("status,kind", [(401, "authentication_error"), (404, "not_found_error"),
                                          (503, "overloaded_error"), (500, "api_error")])
-def test_an_error_has_the_shape_of_the_api_its_path_belongs_to(status, kind):
-    from llm_mlx_streaming.server.http_layer import ApiError
+def test_an_error_has_the_shape_of_each_api(status, kind):
+    from llm_mlx_streaming.server.anthropic.shapes import error_body as anthropic_error
+    from llm_mlx_streaming.server.errors import ApiError
+    from llm_mlx_streaming.server.ollama.shapes import error_body as ollama_error
 
     error = ApiError(status, "no\nway", code="c")
-    assert error.response_body("/v1/messages") == {"type": "error", "error": {"type": kind, "message": "no way"}}
-    assert error.response_body("/api/chat") == {"error": "no way"}
-    assert error.response_body("/api/stats")["error"]["code"] == "c"  # the server's own: OpenAI's
+    assert anthropic_error(error) == {"type": "error", "error": {"type": kind, "message": "no way"}}
+    assert ollama_error(error) == {"error": "no way"}
+    assert error.openai_body()["error"]["code"] == "c"  # the server's own: OpenAI's

@@ -159,7 +159,7 @@ def in_process_calls(messages, tools, **options):
     chain = [Message(role=m["role"], parts=[TextPart(text=m["content"])]) for m in messages]
     specs = [llm.Tool(name=t["function"]["name"], description=t["function"].get("description"),
                       input_schema=t["function"]["parameters"]) for t in tools]
-    response = llm.get_model("mlx-stream").prompt(messages=chain, tools=specs, no_server=True, **options)
+    response = llm.get_model("mlx-stream").prompt(messages=chain, tools=specs, server="off", **options)
     return response.text(), [(call.name, call.arguments) for call in response.tool_calls()], _reply_ids(response)
 
 

@@ -13,13 +13,7 @@ import numpy as np
 import pytest
 
 from llm_mlx_streaming.experts import policies
-from llm_mlx_streaming.experts.simulate import (
-    belady,
-    format_table,
-    replay,
-    simulate,
-    split_step,
-)
+from llm_mlx_streaming.experts.simulate import belady, format_table, replay, simulate, split_step
 from llm_mlx_streaming.experts.traces import load_trace, write_trace_line
 
 MIXTRAL = Path(__file__).parents[2] / "shared/traces/mixtral-8x7b-instruct-fp8_vllm.jsonl"

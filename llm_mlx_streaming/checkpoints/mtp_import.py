@@ -23,8 +23,7 @@ from mlx.utils import tree_flatten
 from ..errors import CheckpointError
 from ..experts.index import read_header, weight_files
 from .config import read_config
-from .mtp import (DEPTH_FIELDS, HEAD_ARCHITECTURES, build_head, declared_layers, head_prefix,
-                  quantize_head)
+from .mtp import DEPTH_FIELDS, HEAD_ARCHITECTURES, build_head, declared_layers, head_prefix, quantize_head
 
 HEAD_SHARD = "model-mtp.safetensors"
 INDEX = "model.safetensors.index.json"

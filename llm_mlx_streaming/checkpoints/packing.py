@@ -17,10 +17,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..experts.index import CheckpointIndex, LayerExperts
-from ..experts.packed import (
-    ALIGN, FORMAT, FORMAT_VERSION, INDEX_NAME, PackedStoreError, fingerprint, load_index,
-    match_layers, packed_dir, record_size,
-)
+from ..experts.packed import ALIGN, FORMAT, FORMAT_VERSION, INDEX_NAME, PackedStoreError, fingerprint, load_index, match_layers, packed_dir, record_size
 from ..experts.store import read_exact
 from .config import check_checkpoint
 from .mtp import classes_without_head

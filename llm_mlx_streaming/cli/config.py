@@ -6,20 +6,9 @@ import json
 
 import click
 
-from .. import registry
+from ..options import registry
 from ..errors import SettingsError
-from ..settings import (
-    BUNDLED_NAME,
-    CONFIG_KEYS,
-    Settings,
-    budget_bytes,
-    check_setting_name,
-    explicit_keys,
-    load_settings,
-    set_value,
-    settings_path,
-    unset_value,
-)
+from ..options.settings import BUNDLED_NAME, CONFIG_KEYS, Settings, budget_bytes, check_setting_name, explicit_keys, load_settings, set_value, settings_path, unset_value
 
 from .group import mlxs
 from ..sizes import format_size
@@ -68,7 +57,7 @@ def config(key, value, unset_key, json_):
         check_setting_name(key)
         settings = load_settings()
         if key == "default_model":
-            value = registry.resolve_name(value, settings)
+            value = registry.canonical_name(value, settings)
             if value != BUNDLED_NAME:
                 registry.checkpoint_for(value, settings)  # its directory must still be there
         settings = set_value(key, value, settings)
@@ -104,7 +93,7 @@ def config(key, value, unset_key, json_):
 def _push_to_server(key: str, value) -> None:
     """Apply a setting to a running `llm mlxs serve` at once (one of its runtime
     options); every other setting it reads from the file at its next request."""
-    from ..server.schemas import engine_option_names
+    from ..server.openai.schemas import engine_option_names
 
     server = running_server(None, load_settings())
     if server is None:

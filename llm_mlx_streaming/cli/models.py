@@ -9,15 +9,15 @@ from pathlib import Path
 import click
 import llm
 
-from .. import registry
+from ..options import registry
 from ..checkpoints.config import check_checkpoint, describe, read_config
 from ..errors import CheckpointError, SettingsError, one_line
-from ..settings import BUNDLED_NAME, Settings, load_settings
+from ..options.settings import BUNDLED_NAME, Settings, load_settings
 
 from .group import mlxs
 from ..sizes import format_size
 from .common import table
-from .resolve import has_packed
+from .lookup import has_packed
 from ..checkpoints.default import bundled_path, is_built
 from ..checkpoints.integrity import hf_blobs, record_manifest
 from .common import ByteProgress

@@ -8,11 +8,11 @@ from pathlib import Path
 import click
 
 from ..errors import SettingsError, one_line
-from ..settings import load_settings
+from ..options.settings import load_settings
 
 from .group import mlxs
 from .models import HF_REPO_RE
-from .resolve import resolve_checkpoint
+from .lookup import find_checkpoint
 from ..checkpoints.config import read_config
 
 
@@ -36,7 +36,7 @@ def import_mtp(name, source, out):
     """
     from ..checkpoints.mtp_import import import_head
 
-    label, path, _ = resolve_checkpoint(name, load_settings())
+    label, path, _ = find_checkpoint(name, load_settings())
     local = Path(source).expanduser()
     if not local.is_dir():
         if not HF_REPO_RE.match(source):

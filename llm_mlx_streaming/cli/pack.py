@@ -9,12 +9,12 @@ from pathlib import Path
 import click
 
 from ..errors import MlxStreamError, one_line
-from ..settings import load_settings
+from ..options.settings import load_settings
 
 from .group import mlxs
 from ..sizes import format_size
 from .common import ByteProgress, report_problems
-from .resolve import has_packed, resolve_checkpoint
+from .lookup import has_packed, find_checkpoint
 from ..engine.planner import checkpoint_layout
 from ..errors import CheckpointError
 
@@ -41,7 +41,7 @@ def pack(name, verify, remove):
     if verify and remove:
         raise click.UsageError("--verify and --remove do not go together")
     settings = load_settings()
-    label, path, _ = resolve_checkpoint(name, settings)
+    label, path, _ = find_checkpoint(name, settings)
     folder = packed_dir(path)
     if remove:
         if not folder.exists():

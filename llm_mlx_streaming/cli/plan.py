@@ -8,15 +8,15 @@ import click
 
 from pydantic import ValidationError
 
-from .. import registry
+from ..options import registry
 from ..engine.planner import DEFAULT_HIT_RATES, default_reserve
 from ..errors import MlxStreamError, SettingsError, one_line
-from ..run_config import budget_value, kv_spec
-from ..settings import AUTO_BUDGET_SHARE, BUNDLED_NAME, budget_bytes, load_settings
+from ..options.run_config import budget_value, kv_spec
+from ..options.settings import AUTO_BUDGET_SHARE, BUNDLED_NAME, budget_bytes, load_settings
 from ..sizes import format_size
 
 from .group import mlxs
-from .resolve import resolve_checkpoint
+from .lookup import find_checkpoint
 from ..engine.planner import PlanError, plan_memory
 from ..errors import CheckpointError
 
@@ -44,7 +44,7 @@ def plan(name, budget, max_context, kv_bits, hit_rate, budgets, json_):
     llm mlxs plan q30 --budgets 24GB,24GB
     """
     settings = load_settings()
-    label, path, entry = resolve_checkpoint(name, settings)
+    label, path, entry = find_checkpoint(name, settings)
     options = _options(memory_budget=budget, kv_bits=kv_bits)
     if budgets:
         _plan_ranks(label, path, budgets, max_context or settings.max_context,
@@ -108,7 +108,7 @@ def _plan_ranks(label, path, budgets: str, context: int, kv, hit_rate, json_) ->
 
 def _options(**flags):
     """The flags as the prompt options of the same names, checked as those are."""
-    from ..model import Options
+    from ..options.settings import Options
 
     try:
         return Options(**{k: v for k, v in flags.items() if v is not None})

@@ -48,12 +48,12 @@ def serve(ctx, host, port, model, api_key, max_queue, hosts, origins, pipeline, 
     """Serve the mlx-stream models over HTTP: the OpenAI, Anthropic Messages and Ollama APIs.
 
     While it runs, `llm -m mlx-stream...`, `llm chat` and `llm -c` in this llm user
-    dir send their prompts to it (`llm mlxs config server off` or -o no_server 1: not).
+    dir send their prompts to it (`llm mlxs config server off`, or -o server off for one prompt: not).
     With --hosts (or --hostfile) it starts one rank per machine through mlx.launch;
     each holds a range of the layers and its own expert pools, and the first serves.
     A rank that fails ends the pipeline; it is started again (--restarts).
     """
-    from ..server.run import Server
+    from ..server.process.run import Server
 
     if not (pipeline or hostfile or pipeline_rank):
         _refuse_pipeline_options(ctx)
@@ -67,7 +67,7 @@ def serve(ctx, host, port, model, api_key, max_queue, hosts, origins, pipeline, 
         from ..errors import MlxStreamError
 
         try:
-            from ..settings import load_settings
+            from ..options.settings import load_settings
 
             engine = join(backend, _budgets(budgets), pipeline_restarts, pipeline_error,
                           max_context=load_settings().max_context)
@@ -102,8 +102,8 @@ def _supervise(ctx, pipeline, hostfile, backend, ring_port) -> None:
     """Run this command on every host through mlx.launch, each as one rank, and start
     them again when the pipeline fails (server/supervisor.py)."""
     from ..errors import MlxStreamError
-    from ..server.run import check_exposure
-    from ..server.supervisor import Supervisor
+    from ..server.process.run import check_exposure
+    from ..server.process.supervisor import Supervisor
 
     check_exposure(ctx.params["host"], ctx.params["api_key"])
     passed = []

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import click
 
-from .. import registry
+from ..options import registry
 from ..errors import MlxStreamError, SettingsError, one_line
-from ..settings import POLICIES, load_settings, trace_file, traces_dir
+from ..options.settings import POLICIES, load_settings, trace_file, traces_dir
 
 from .group import mlxs
 from ..sizes import format_size
@@ -28,7 +28,7 @@ def _trace_path(trace: str) -> tuple[Path, str]:
         canonical = (
             registry.default_name(settings)
             if trace == registry.MODEL_PREFIX
-            else registry.resolve_name(trace, settings)
+            else registry.canonical_name(trace, settings)
         )
     except SettingsError:
         raise SettingsError(f"No such trace file or model: {trace}") from None

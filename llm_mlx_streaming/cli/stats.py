@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 import llm
 
-from .. import registry
+from ..options import registry
 
 from .group import mlxs
 from ..sizes import format_size
@@ -261,7 +261,7 @@ def stats(count, json_, database, live):
 
 # -- the running server's figures ---------------------------------------------
 def _live(json_: bool) -> None:
-    from ..settings import load_settings
+    from ..options.settings import load_settings
 
     server = running_server(None, load_settings())
     if server is None:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import click
 
-from ..settings import load_settings
+from ..options.settings import load_settings
 
 from .group import mlxs
 from .common import ByteProgress, report_problems
-from .resolve import resolve_checkpoint
+from .lookup import find_checkpoint
 from ..checkpoints import integrity
 
 
@@ -31,7 +31,7 @@ def verify(name, quick, record):
     """
     if quick and record:
         raise click.UsageError("--quick and --record do not go together")
-    label, path, _ = resolve_checkpoint(name, load_settings())
+    label, path, _ = find_checkpoint(name, load_settings())
     bar = ByteProgress("hashing")
     try:
         if record:

@@ -1,9 +1,9 @@
 """The `llm` side: send a prompt, a setting or a stats request to a running server.
 
 Imported by the plugin on every prompt, so it stays light: the standard library's
-http.client, no server packages. A prompt routed here streams the same events the
-in-process path would (text, reasoning, tool calls, then the reply's token ids), and the
-response records the server's figures plus `served_by`, so llm logs the same row.
+http.client, no server packages. A prompt routed here reads the server's stream back
+as the reply core's own events (text, reasoning, tool calls, then the outcome with the
+reply's token ids and the server's figures plus `served_by`), so llm logs the same row.
 """
 
 from __future__ import annotations
@@ -14,20 +14,19 @@ import socket
 from typing import Iterator, Optional
 from urllib.parse import urlsplit
 
-import click
 
-from ..constrained import cut_short_notice
+from .. import discovery
 from ..errors import MlxStreamError, one_line
-from ..messages import openai_messages
-from . import discovery
-from ..messages import reply_metadata
-from ..prompting import stream_event
-from ..tools import AUTO, NONE, REQUIRED, function_tools, template_tools
+from ..prompt.messages import openai_messages
+from ..prompt.tools import AUTO, NONE, REQUIRED
+from ..reply.events import CallArguments, CallBegins, Chunk, Finished, Outcome, ToolCall
 
-def running_server(options, settings, prompt=None) -> Optional["ServerClient"]:
-    """The server a prompt with these options should go to, or None for in-process (the
-    server's own prompts say no_server)."""
-    if getattr(options, "no_server", None) or getattr(settings, "server", "auto") == "off":
+
+def running_server(options, settings) -> Optional["ServerClient"]:
+    """The server a prompt with these options (None: a command that is no prompt) should
+    go to, or None for in-process (`server off`, as a setting or for one prompt with -o
+    server off)."""
+    if (getattr(options, "server", None) or settings.server) == "off":
         return None
     info = discovery.read()
     if info is None:
@@ -78,7 +77,7 @@ class ServerClient:
             raise ServerGone(
                 f"The mlx-stream server at {self.url} (pid {self.info.pid}) is not answering "
                 f"({one_line(e)}); stop it (or delete {discovery.discovery_path()} if none runs), "
-                "or run in-process with -o no_server 1"
+                "or run in-process with -o server off"
             ) from None
 
     def _json(self, method: str, path: str, body: Optional[dict] = None,
@@ -111,21 +110,19 @@ class ServerClient:
         return data
 
     # -- a prompt -------------------------------------------------------------
-    def answer(self, model_id: str, prompt, response, on_generation=None) -> Iterator:
-        """Stream `prompt` from the server as the plugin's own events; `on_generation`
+    def answer(self, model_id: str, ask, on_handle=None) -> Iterator:
+        """Stream `ask` (reply/build.py) from the server as the core's events; `on_handle`
         is told a handle whose `cancel()` hangs up, which the server takes as a
         disconnect and cancels the generation (the async model cancels through it)."""
-        options = {k: v for k, v in prompt.options.model_dump(exclude_none=True).items() if k != "no_server"}
-        body = {"model": model_id, "messages": openai_messages(prompt), "stream": True,
-                "stream_options": {"include_usage": True}, **options, **_tool_fields(prompt, options)}
-        if prompt.schema:
-            schema = prompt.schema
-            if hasattr(schema, "model_json_schema"):
-                schema = schema.model_json_schema()
-            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}
+        options = ask.options.model_dump(exclude_none=True)
+        options.pop("server", None)
+        body = {"model": model_id, "messages": openai_messages(ask.messages), "stream": True,
+                "stream_options": {"include_usage": True}, **options, **_tool_fields(ask.tools, options)}
+        if ask.schema is not None:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "schema", "schema": ask.schema}}
         conn, resp = self._request("POST", "/v1/chat/completions", body)
-        if on_generation is not None:
-            on_generation(_HangUp(conn))
+        if on_handle is not None:
+            on_handle(_HangUp(conn))
         extension = None
         calls = ToolDeltas()
         try:
@@ -138,9 +135,9 @@ class ServerClient:
                 for choice in chunk.get("choices") or []:
                     delta = choice.get("delta") or {}
                     if delta.get("reasoning_content"):
-                        yield stream_event("reasoning", delta["reasoning_content"])
+                        yield Chunk("reasoning", delta["reasoning_content"])
                     if delta.get("content"):
-                        yield stream_event("text", delta["content"])
+                        yield Chunk("text", delta["content"])
                     yield from calls.feed(delta.get("tool_calls") or [])
         except (OSError, EOFError, ValueError, http.client.HTTPException) as e:
             raise self._gone(e) from None
@@ -148,23 +145,16 @@ class ServerClient:
             conn.close()
         if extension is None:
             raise self._gone(EOFError("the stream ended early"))
-        yield from calls.finish(response, reply_metadata(extension.get("tokens") or []))
-        yield stream_event("text", "", reply_metadata(extension.get("tokens") or []))
-        stats = dict(extension.get("stats") or {})
-        stats["served_by"] = self.url
-        if notice := cut_short_notice(stats):
-            click.echo(notice, err=True)
-        response.response_json = stats
-        response.set_usage(input=stats.get("prompt_tokens"), output=stats.get("generated_tokens"))
-        if extension.get("resolved_model"):
-            response.set_resolved_model(extension["resolved_model"])
+        figures = {**(extension.get("stats") or {}), "served_by": self.url}
+        yield Finished(Outcome(figures, list(extension.get("tokens") or []), calls.finished(),
+                               extension.get("resolved_model")))
 
 
-def _tool_fields(prompt, options: dict) -> dict:
-    """The prompt's tools and the tool options in the API's terms."""
+def _tool_fields(tools: list[dict], options: dict) -> dict:
+    """The ask's tools and the tool options in the API's terms."""
     fields = {}
-    if tools := template_tools(function_tools(prompt)):
-        fields["tools"] = tools
+    if tools:
+        fields["tools"] = list(tools)
     choice = options.get("tool_choice")
     if choice not in (None, AUTO, NONE, REQUIRED):
         fields["tool_choice"] = {"type": "function", "function": {"name": choice}}
@@ -174,41 +164,32 @@ def _tool_fields(prompt, options: dict) -> dict:
 
 
 class ToolDeltas:
-    """The tool calls of a streamed reply, as llm's events while they come, and as
-    llm tool calls at the end."""
+    """The tool calls of a streamed reply: events while they come, calls at the end."""
 
     def __init__(self) -> None:
         self.calls: dict[int, dict] = {}
 
     def feed(self, deltas: list) -> Iterator:
-        from llm.parts import StreamEvent
-
         for delta in deltas:
             function = delta.get("function") or {}
             call = self.calls.get(delta.get("index"))
             if call is None:
                 call = self.calls[delta.get("index")] = {"id": delta.get("id"), "name": function.get("name") or "",
                                                           "arguments": ""}
-                yield StreamEvent(type="tool_call_name", chunk=call["name"], tool_call_id=call["id"])
+                yield CallBegins(call["id"], call["name"])
             if function.get("arguments"):
                 call["arguments"] += function["arguments"]
-                yield StreamEvent(type="tool_call_args", chunk=function["arguments"], tool_call_id=call["id"])
+                yield CallArguments(call["id"], function["arguments"])
 
-    def finish(self, response, metadata: dict) -> Iterator:
-        """Hand the calls to `response`; the reply's ids ride on the last (a reply that
-        ends in calls has no text part to carry them)."""
-        import llm
-        from llm.parts import StreamEvent
-
+    def finished(self) -> list[ToolCall]:
+        out = []
         for call in self.calls.values():
             try:
-                arguments = json.loads(call["arguments"] or "{}")
+                arguments, complete = json.loads(call["arguments"] or "{}"), True
             except ValueError:
-                arguments = {"_raw": call["arguments"]}
-            response.add_tool_call(llm.ToolCall(name=call["name"], arguments=arguments, tool_call_id=call["id"]))
-        if self.calls:
-            last = list(self.calls.values())[-1]
-            yield StreamEvent(type="tool_call_args", chunk="", tool_call_id=last["id"], provider_metadata=metadata)
+                arguments, complete = {"_raw": call["arguments"]}, False
+            out.append(ToolCall(call["id"], call["name"], arguments, complete))
+        return out
 
 
 class _HangUp:
@@ -220,7 +201,6 @@ class _HangUp:
             self.conn.sock.shutdown(socket.SHUT_RDWR)  # wakes the reading thread too
         except (AttributeError, OSError):
             pass
-
 
 
 def _sse(resp) -> Iterator[dict]:

@@ -28,8 +28,7 @@ from ..errors import one_line
 from .figures import accumulate, rank_figures, totals
 from .group import Group, RankLost, lost_peer
 from .lockstep import Aborted, Follow, Lead, WaitClock, following_sampler, leading_sampler
-from .split import (balanced_split, content_fingerprint, layer_range, layer_weights, own_slots,
-                    pipeline_hook)
+from .split import balanced_split, content_fingerprint, layer_range, layer_weights, own_slots, pipeline_hook
 from .watch import Heartbeat, watch
 
 

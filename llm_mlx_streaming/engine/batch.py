@@ -19,8 +19,7 @@ from ..stops import StopMatcher
 from . import figures as fig
 from .generation import Channel, Started
 from .request import Injected, Request
-from .respond import (cache_from_disk, disk_cache_for, kv_layout, save_to_disk, stopped, token_budget,
-                      token_logprobs)
+from .respond import cache_from_disk, disk_cache_for, kv_layout, save_to_disk, stopped, token_budget, token_logprobs
 from .planner import PREFILL_STEP
 
 TILE = 2048  # longer chunks take TiledAttention's path, written for one sequence's cache

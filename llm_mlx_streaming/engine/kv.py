@@ -183,7 +183,7 @@ def bytes_per_element(spec: KVSpec, width: int) -> float:
     return spec.bits / 8 + 2 * width / spec.group_size
 
 
-def resolve(spec: KVSpec, config: dict, weight_names: Iterable[str]) -> tuple[KVSpec, Optional[str]]:
+def layout_for(spec: KVSpec, config: dict, weight_names: Iterable[str]) -> tuple[KVSpec, Optional[str]]:
     """(the layout the model will really run with, a note when it differs from `spec`).
 
     A model that cannot read a quantized cache falls back to full precision with a

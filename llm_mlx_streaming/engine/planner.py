@@ -24,16 +24,7 @@ from typing import Sequence
 
 from ..sizes import format_size, parse_size
 from ..values import DEFAULT_MAX_CONTEXT
-from .footprint import (
-    ATTENTION_TILE,
-    KV_STEP,
-    PREFILL_STEP,
-    Layout,
-    attention_tile_bytes,
-    checkpoint_layout,
-    kv_cache_bytes,
-    prefill_bytes_per_token,
-)
+from .footprint import ATTENTION_TILE, KV_STEP, PREFILL_STEP, Layout, attention_tile_bytes, checkpoint_layout, kv_cache_bytes, prefill_bytes_per_token
 from .kv import FULL_PRECISION, KVSpec, check_model
 
 __all__ = [

@@ -23,7 +23,7 @@ from .generation import Channel, Started
 from .provider import EngineError, ModelProvider
 from .request import Request
 from .disk_cache import DiskCache, namespace
-from .kv import KVError, make_cache, resolve
+from .kv import KVError, layout_for, make_cache
 from .planner import PREFILL_STEP
 from .trace import TraceRecorder
 
@@ -177,7 +177,7 @@ def kv_layout(loaded, spec):
     from mlx.utils import tree_flatten
 
     try:
-        return resolve(spec, loaded.config, (n for n, _ in tree_flatten(loaded.model.parameters())))
+        return layout_for(spec, loaded.config, (n for n, _ in tree_flatten(loaded.model.parameters())))
     except KVError as e:
         raise EngineError(str(e)) from None
 

@@ -11,18 +11,9 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import MlxStreamError
-from ..registry import checkpoint_for
-from ..run_config import checked_name
-from ..settings import load_settings
-
-
-def model_ids() -> list[str]:
-    """Every registered model by the ids `llm` uses (mlx-stream, mlx-stream/<name>)."""
-    import llm
-
-    from ..model import MlxStreamModel
-
-    return [m.model.model_id for m in llm.get_models_with_aliases() if isinstance(m.model, MlxStreamModel)]
+from ..options.registry import checkpoint_for, name_of
+from ..options.run_config import checked_name
+from ..options.settings import load_settings
 
 
 @dataclass
@@ -58,14 +49,11 @@ class Checkpoint:
 
 
 def checkpoint(model_id: str) -> Optional[Checkpoint]:
-    """The checkpoint behind `model_id` (an id or alias llm knows), or None when its
+    """The checkpoint behind `model_id` (from registry.model_id_for), or None when its
     files cannot be read."""
-    import llm
-
-    name = llm.get_model(model_id).name
     settings = load_settings()
     try:
-        path, _ = checkpoint_for(checked_name(name, settings), settings)
+        path, _ = checkpoint_for(checked_name(name_of(model_id), settings), settings)
         config = json.loads((path / "config.json").read_text())
     except (MlxStreamError, OSError, ValueError):
         return None

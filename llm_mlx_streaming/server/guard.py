@@ -15,7 +15,7 @@ import socket
 from typing import Iterable
 from urllib.parse import urlsplit
 
-from .http_layer import ApiError
+from .errors import ApiError
 
 OPEN_PATHS = ("/health",)
 
@@ -92,11 +92,11 @@ class Guard:
         if host and not self.host_allowed(host):
             refusal = ApiError(403, f"Host {host_name(host)!r} is not a name this server answers to; "
                                "add it with `llm mlxs config server_hosts`", code="host_not_allowed")
-            return await refusal.response(scope["path"])(scope, receive, send)
+            return await refusal.response(scope)(scope, receive, send)
         if origin and not self.origin_allowed(origin, host):
             refusal = ApiError(403, f"Origin {origin!r} is not allowed; add it with "
                                "`llm mlxs config server_origins`", code="origin_not_allowed")
-            return await refusal.response(scope["path"])(scope, receive, send)
+            return await refusal.response(scope)(scope, receive, send)
         cors = self._cors(origin)
         if cors and scope["method"] == "OPTIONS":  # a preflight: answered here
             await send({"type": "http.response.start", "status": 204, "headers": cors})

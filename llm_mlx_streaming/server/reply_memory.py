@@ -16,12 +16,13 @@ class ReplyMemory:
         self.size = size
         self._by_reply: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()
 
-    def remember(self, reply) -> None:
-        """Keep a finished reply's (bridge.Reply) token ids, by its text and calls."""
-        tokens = reply.result.tokens
+    def remember(self, transcript) -> None:
+        """Keep a finished reply's (turns.Transcript) token ids, by its text and calls."""
+        tokens = transcript.outcome.tokens
         if tokens:
-            key = _key(reply.text, reply.result.tool_calls)
-            self._by_reply[key] = (reply.reasoning, tokens)
+            calls = [{"name": c.name, "arguments": c.arguments} for c in transcript.outcome.tool_calls]
+            key = _key(transcript.text, calls)
+            self._by_reply[key] = (transcript.reasoning, tokens)
             self._by_reply.move_to_end(key)
             while len(self._by_reply) > self.size:
                 self._by_reply.popitem(last=False)

@@ -12,9 +12,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ..model import Options
-from ..settings import first_error
-from .schemas import engine_option_names
+from ..options.settings import Options
+from ..options.settings import first_error
+from .openai.schemas import engine_option_names
 
 POOL_KEYS = ("expert_slots", "policy", "memory_budget")
 

@@ -1,44 +1,26 @@
-"""The ASGI app: OpenAI-compatible routes, the runtime API, and the server's state.
-
-FastAPI, because its routes are typed by pydantic models (the same pydantic llm and the
-plugin's Options use), which gives request validation and an OpenAPI schema for free;
-the property-based tests are generated from that schema (see docs/server.md).
+"""The server's state: the gate, the runtime parameters, the replies it gave, the
+model it serves, and its figures. The routes (app.py and each API's routes.py) read it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from contextlib import asynccontextmanager
 from typing import Any, Optional
 
-from fastapi import APIRouter, Body, Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import Request
 
-from ..client.discovery import public_id
-from ..errors import one_line
-from ..run_config import resolve
-from . import anthropic, ollama
-from .catalog import model_ids
+from ..errors import MlxStreamError, SettingsError, one_line
+from ..options import registry
+from ..options.run_config import configure
+from ..options.settings import Options, load_settings
+from .errors import ApiError
 from .gate import Gate
-from ..messages import llm_messages
-from .guard import Guard, key_accepted
-from .openai_tools import llm_tools
-from .http_layer import ApiError, BodyLimit, error_for
+from .guard import key_accepted
 from .reply_memory import ReplyMemory
-from .runtime import POOL_KEYS, ConfigError, RuntimeConfig, touches_pools
-from .schemas import (
-    ChatCompletion,
-    ChatCompletionRequest,
-    Completion,
-    CompletionRequest,
-    ErrorResponse,
-    ModelList,
-    engine_option_names,
-)
-from .shapes import ChatShape, TextShape
-from .turns import answer, take_turn
-from ..messages import raw_message
+from .runtime import ConfigError, RuntimeConfig, touches_pools
+from .turns import take_turn
+
 
 class Service:
     """The server's state: the gate, the runtime parameters, the replies it gave."""
@@ -70,28 +52,17 @@ class Service:
                            code="invalid_api_key")
 
     def model_for(self, name: Optional[str]) -> str:
-        import llm
-
-        from ..model import MlxStreamModel
-        from ..registry import MODEL_PREFIX
-
-        name = name or self.default_model or MODEL_PREFIX
+        """The model id a request's model name stands for; 404 when none is served."""
+        name = name or self.default_model or registry.MODEL_PREFIX
         try:
-            model = llm.get_model(name)
-        except llm.UnknownModelError:
-            model = None
-        if not isinstance(model, MlxStreamModel):
+            return registry.model_id_for(name)
+        except SettingsError:
             raise ApiError(404, f"the model {name!r} is not served here; see /v1/models",
-                           code="model_not_found", param="model")
-        return model.model_id
+                           code="model_not_found", param="model") from None
 
-    async def generate(self, request: Request, body, model_id: str, messages: list, chat: bool, tools=()):
-        """Answer `body` (its `engine_fields(names)` give the plugin's options, among them
-        tool_choice and parallel_tool_calls) with `messages` (llm's) and `tools` (llm `Tool`s)."""
-        shape = (ChatShape if chat else TextShape)(model_id, body)
-        schema = body.response_format.schema_dict() if body.response_format else None
-        return await answer(self, request, shape, model_id, messages, body.engine_fields(engine_option_names()),
-                            schema, body.stream, tools)
+    @staticmethod
+    def name_of(model_id: str) -> Optional[str]:
+        return registry.name_of(model_id)
 
     async def load(self, model_id: str) -> None:
         """Load `model_id` in its turn, and return once it is loaded."""
@@ -99,7 +70,7 @@ class Service:
         self.keep_loaded()
         try:
             self.model_id = model_id
-            await asyncio.to_thread(self._load_blocking, model_id)
+            await self._load_model(model_id)
         finally:
             self.gate.release()
 
@@ -128,8 +99,6 @@ class Service:
 
     # -- runtime config -------------------------------------------------------
     def config(self) -> dict:
-        from ..settings import load_settings
-
         return {**self.runtime.shown(load_settings()), "rebuilding": self.rebuilds > 0}
 
     async def change_config(self, changes: Any) -> dict:
@@ -143,15 +112,10 @@ class Service:
         return self.config()
 
     def _check_plan(self, model_id: str, values: dict) -> None:
-        """Resolve the pools as a request would, so a budget too small is refused now."""
-        import llm
-
-        from ..model import Options
-        from ..settings import load_settings
-
+        """Plan the pools as a request would, so a budget too small is refused now."""
         try:
-            resolve(llm.get_model(model_id).name, Options.model_validate(values), load_settings())
-        except llm.ModelError as e:
+            configure(self.name_of(model_id), Options.model_validate(values), load_settings())
+        except MlxStreamError as e:
             raise ConfigError(str(e)) from None
 
     def schedule_load(self, model_id: str) -> None:
@@ -165,7 +129,7 @@ class Service:
             await self.gate.acquire(first=True)
             try:
                 self.model_id = model_id
-                await asyncio.to_thread(self._load_blocking, model_id)
+                await self._load_model(model_id)
                 self.rebuild_error = None
             except Exception as e:
                 self.rebuild_error = one_line(e)
@@ -174,14 +138,9 @@ class Service:
         finally:
             self.rebuilds -= 1
 
-    def _load_blocking(self, model_id: str) -> None:
-        import llm
-
-        from ..settings import load_settings
-
-        settings = load_settings()
-        run = resolve(llm.get_model(model_id).name, self.runtime.options(), settings)
-        for _ in _engine().queue_load(run.load):
+    async def _load_model(self, model_id: str) -> None:
+        run = await asyncio.to_thread(configure, self.name_of(model_id), self.runtime.options(), load_settings())
+        async for _ in _engine().queue_load(run.load):
             pass
 
     def _spawn(self, coro) -> None:
@@ -211,85 +170,3 @@ def _engine():
     from ..engine.manager import get_manager
 
     return get_manager()
-
-
-ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 422, 503)}
-
-
-def create_app(service: Service) -> FastAPI:
-    @asynccontextmanager
-    async def lifespan(app):
-        if service.default_model:  # load at start, so the first request finds it warm
-            service.schedule_load(service.model_for(service.default_model))
-        yield
-
-    app = FastAPI(title="llm-mlx-streaming", summary="OpenAI-compatible API of `llm mlxs serve`",
-                  lifespan=lifespan)
-    app.state.service = service
-    app.add_middleware(BodyLimit)
-    app.add_middleware(Guard, hosts=service.hosts, origins=service.origins)  # outermost
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request, exc: ApiError):
-        return exc.response(request.url.path)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request, exc: RequestValidationError):
-        err = (exc.errors() or [{}])[0]
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        where = ".".join(loc)
-        message = err.get("msg", "invalid request").removeprefix("Value error, ")
-        if err.get("type") == "extra_forbidden":
-            message = "not a field this server knows (docs/server.md lists the fields)"
-        refusal = ApiError(400, f"{where}: {message}" if where else message, param=where or None)
-        return refusal.response(request.url.path)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request, exc: Exception):
-        return error_for(exc).response(request.url.path)
-
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "id": public_id(service.secret) if service.secret else None}
-
-    api = APIRouter(dependencies=[Depends(service.check_api_key)], responses=ERRORS)
-
-    @api.get("/v1/models", response_model=ModelList)
-    async def models() -> dict:
-        created = int(time.time())
-        return {"object": "list", "data": [{"id": i, "object": "model", "created": created, "owned_by": "mlx-stream"}
-                                           for i in model_ids()]}
-
-    @api.post("/v1/chat/completions", responses={200: {"model": ChatCompletion, "description":
-              "The reply, or with stream: true an SSE stream of chat.completion.chunk objects"}})
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        model_id = service.model_for(body.model)
-        return await service.generate(request, body, model_id, llm_messages(body.messages, service.replies.known),
-                                      chat=True, tools=llm_tools(body.tools))
-
-    @api.post("/v1/completions", responses={200: {"model": Completion, "description":
-              "The text, or with stream: true an SSE stream of text_completion objects"}})
-    async def completions(body: CompletionRequest, request: Request):
-        model_id = service.model_for(body.model)
-        return await service.generate(request, body, model_id, [raw_message(body.text())], chat=False)
-
-    @api.get("/api/stats")
-    async def stats() -> dict:
-        return service.stats()
-
-    @api.get("/api/engine/config")
-    async def get_config() -> dict:
-        return service.config()
-
-    @api.post("/api/engine/config", description="Change runtime parameters (null unsets one). "
-              f"{', '.join(POOL_KEYS)} rebuild the pools before the waiting requests run.")
-    async def post_config(changes: dict[str, Any] = Body(...)) -> dict:
-        try:
-            return await service.change_config(changes)
-        except ConfigError as e:
-            raise ApiError(422, str(e), code="invalid_config") from None
-
-    app.include_router(api)
-    app.include_router(anthropic.router(service))
-    app.include_router(ollama.router(service))
-    return app

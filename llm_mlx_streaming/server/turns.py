@@ -1,10 +1,10 @@
 """One generation request through the gate, answered in any API's shape.
 
 Every API (OpenAI, Anthropic, Ollama) runs the same path: wait for the turn, start the
-run with the runtime parameters of that moment, then give the whole reply or stream it.
-The API's shape (shapes.py, anthropic_shapes.py, ollama_shapes.py) only lays out what
-the run said: `whole(reply)` is the body, `opening()`, `delta(kind, value)`,
-`closing(reply)` and `failure(error)` are the stream's frames.
+reply core with the runtime parameters of that moment, then give the whole reply or
+stream it. The API's shape (openai/shapes.py, anthropic/shapes.py, ollama/shapes.py)
+only lays out what the core said: `whole(transcript)` is the body, `opening()`,
+`delta(event)`, `closing(transcript)` and `failure(error)` are the stream's frames.
 """
 
 from __future__ import annotations
@@ -15,19 +15,23 @@ from typing import Optional, Sequence
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from .bridge import Reply, Result, Run
+from ..options.settings import Options
+from ..reply.build import Ask
+from ..reply.core import AsyncReply
+from ..reply.events import Finished
+from .errors import ApiError, error_for
 from .gate import QueueFull
-from .http_layer import ApiError, error_for
+from .transcript import Transcript
 
 RETRY_AFTER_SECONDS = 2
 
 
 class Turn:
-    """A request's hold on the gate and its run: finishing cancels the run if it is
+    """A request's hold on the gate and its reply: finishing cancels the reply if it is
     still going and passes the turn on, once."""
 
-    def __init__(self, service, run: Run) -> None:
-        self.service, self.run = service, run
+    def __init__(self, service, reply: AsyncReply) -> None:
+        self.service, self.reply = service, reply
         self._done = False
 
     @property
@@ -38,8 +42,7 @@ class Turn:
         if self._done:
             return
         self._done = True
-        if not self.run.finished:
-            self.run.cancel()
+        self.reply.cancel()  # nothing once it has ended
         self.service.served += served
         self.service.gate.release()
 
@@ -71,26 +74,26 @@ async def take_turn(service, first: bool = False) -> None:
 
 
 async def answer(service, request: Request, shape, model_id: str, messages: list, fields: dict,
-                 schema: Optional[dict], stream: bool, tools: Sequence = ()):
-    """Run `messages` (llm's) on `model_id` with the request's engine `fields` (the plugin's
-    options) and `tools` (llm `Tool`s), and answer in `shape`."""
+                 schema: Optional[dict], stream: bool, tools: Sequence[dict] = ()):
+    """Answer `messages` (llm's) on `model_id` with the request's engine `fields` (the
+    plugin's options) and `tools` (function specs), in `shape`."""
     await take_turn(service)
     service.keep_loaded()
     try:
         options = service.runtime.for_request(fields)  # now: a config change made while it waited applies
         options.setdefault("max_batch", service.gate.capacity)  # the requests it admits at once may batch
-        run = Run(model_id, messages, options, schema, tools).start()
-    except BaseException:
+        ask = Ask(service.name_of(model_id), messages, Options.model_validate(options), tools, schema)
+    except Exception as e:
         service.gate.release()
-        raise
+        raise error_for(e) from None
     service.model_id = model_id
-    turn = Turn(service, run)
-    # A client that goes away cancels the run; once a stream has started, the
+    turn = Turn(service, AsyncReply(ask))
+    # A client that goes away cancels the reply; once a stream has started, the
     # streaming response watches for that itself.
-    watcher = asyncio.get_running_loop().create_task(_cancel_on_disconnect(service, request, run))
+    watcher = asyncio.get_running_loop().create_task(_cancel_on_disconnect(service, request, turn.reply))
+    events = turn.reply.events()
     try:
-        events = turn.run.events()
-        first = await _first(events)  # a load or prompt error is still an HTTP error
+        first = await anext(events, None)  # a load or prompt error is still an HTTP error
         if stream:
             watcher.cancel()
             return GatedStream(turn, _stream(service, turn, events, first, shape), media_type=shape.media_type)
@@ -106,53 +109,46 @@ async def answer(service, request: Request, shape, model_id: str, messages: list
 
 
 async def _whole(service, turn: Turn, events, first, shape) -> dict:
-    reply = Reply()
+    transcript = Transcript()
     try:
-        async for kind, value in _chain(first, events):
-            reply.add(kind, value)
+        async for event in _chain(first, events):
+            transcript.add(event)
     finally:
-        turn.finish(served=not turn.run.cancelled)
-    service.replies.remember(reply)
-    return shape.whole(reply)
+        turn.finish(served=not turn.reply.cancelled)
+    service.replies.remember(transcript)
+    return shape.whole(transcript)
 
 
 async def _stream(service, turn: Turn, events, first, shape):
-    reply = Reply()
+    transcript = Transcript()
     try:
         for frame in shape.opening():
             yield frame
-        async for kind, value in _chain(first, events):
-            reply.add(kind, value)
-            if kind == "done":
+        async for event in _chain(first, events):
+            transcript.add(event)
+            if isinstance(event, Finished):
                 break
-            for frame in shape.delta(kind, value):
+            for frame in shape.delta(event):
                 yield frame
-        service.replies.remember(reply)
+        service.replies.remember(transcript)
         turn.finish(served=True)
-        for frame in shape.closing(reply):
+        for frame in shape.closing(transcript):
             yield frame
     except Exception as e:  # the status line is sent: the error goes in the stream
         for frame in shape.failure(error_for(e)):
             yield frame
 
 
-async def _cancel_on_disconnect(service, request: Request, run: Run) -> None:
+async def _cancel_on_disconnect(service, request: Request, reply: AsyncReply) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
     service.disconnects += 1
-    run.cancel()
-
-
-async def _first(events):
-    try:
-        return await events.__anext__()
-    except StopAsyncIteration:  # pragma: no cover - a run always ends with "done"
-        return ("done", Result())
+    reply.cancel()
 
 
 async def _chain(first, events):
-    yield first
-    if first[0] == "done":
+    if first is None:
         return
-    async for item in events:
-        yield item
+    yield first
+    async for event in events:
+        yield event

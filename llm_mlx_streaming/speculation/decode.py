@@ -79,7 +79,7 @@ class SpeculativeRun:
     target: TargetSampler
     sampler: object
     max_tokens: int
-    processors: list  # stateless logits processors (engine/history.py), applied per position
+    processors: list  # stateless logits processors (processors.py), applied per position
     figures: SpecFigures
     fed: list[int] = field(default_factory=list)
     observer: object = None  # called with (inputs, kept) after each verify pass (benchmarks)

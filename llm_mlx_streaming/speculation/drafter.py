@@ -50,15 +50,15 @@ class DraftContext:
     model: the mlx-lm model the engine runs (its MoE layers stream experts);
     loaded: the engine's StreamingModel (store, pools, config) or None in tests
     that drive a plain mlx-lm model; checkpoint: the target's checkpoint directory;
-    resolve: maps a registered model
-    name to its checkpoint directory (None when no registry is at hand).
+    draft_path: maps a registered model name to its checkpoint directory (None when
+    no registry is at hand).
     """
 
     model: Any
     tokenizer: Any
     checkpoint: Optional[Path] = None
     loaded: Any = None
-    resolve: Optional[Callable[[str], Optional[Path]]] = None
+    draft_path: Optional[Callable[[str], Optional[Path]]] = None
 
 
 class DraftError(ValueError):

@@ -16,7 +16,7 @@ def make_drafter(name: str, context: DraftContext) -> Drafter:
     """The drafter called `name` for the target in `context`; DraftError in one line if none."""
     if name in KINDS:
         return KINDS[name](context)
-    path = context.resolve(name) if context.resolve else None
+    path = context.draft_path(name) if context.draft_path else None
     if path is None:
         raise DraftError(
             f"unknown draft {name!r}: use one of {', '.join(sorted(KINDS))}, or a model added with `llm mlxs add`"

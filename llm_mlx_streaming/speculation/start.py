@@ -63,7 +63,7 @@ def _drafter(request, loaded, drafters: dict):
         return drafters[key]
     context = DraftContext(
         model=loaded.model, tokenizer=loaded.tokenizer, checkpoint=loaded.path, loaded=loaded,
-        resolve=lambda name: request.draft_path if name == request.draft else None,
+        draft_path=lambda name: request.draft_path if name == request.draft else None,
     )
     drafter = make_drafter(request.draft, context)
     drafters.clear()

@@ -1,0 +1,96 @@
+"""The ``llm.Model`` that serves ``mlx-stream`` and ``mlx-stream/<name>``.
+
+It hands llm's prompt to the reply core (reply/), or to a running `llm mlxs serve`
+through its client, and maps the core's events once into llm's: text, reasoning and
+tool calls as they stream, then the reply's token ids, the figures and the usage.
+The engine keeps the KV cache and reuses it when a new prompt extends the last one,
+so each turn passes the *whole* conversation and `llm chat` prefills only what is new.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import click
+import llm
+
+from ..client.client import running_server
+from ..options import registry
+from ..options.run_config import drafter
+from ..options.settings import Options, load_settings
+from ..prompt.constrained import cut_short_notice
+from ..prompt.messages import reply_metadata
+from ..prompt.tools import function_tools, template_tools
+from ..reply.build import Ask
+from ..reply.core import reply
+from ..reply.events import CallArguments, CallBegins, Chunk, Event, Finished, Outcome
+
+class MlxStreamModel(llm.Model):
+    can_stream = True
+    supports_schema = True  # constrained decoding (prompt/constrained.py)
+    supports_tools = True  # through the chat template (prompt/tools.py)
+    Options = Options
+
+    def __init__(self, name: Optional[str] = None):
+        """``name=None`` is the ``mlx-stream`` id: whichever model is the default."""
+        self.name = name
+        self.model_id = registry.MODEL_PREFIX if name is None else f"{registry.MODEL_PREFIX}/{name}"
+
+    def __str__(self) -> str:
+        return f"MLX streaming: {self.model_id}"
+
+    def execute(self, prompt, stream, response, conversation):
+        yield from self._execute(prompt, response)
+
+    def _execute(self, prompt, response, on_handle=None):
+        """llm's stream events for `prompt`; `on_handle` is told each handle whose
+        `cancel()` stops the reply (the async model cancels through it)."""
+        settings = load_settings()
+        options = prompt.options
+        drafter(options, settings)  # an unknown drafter is refused before a server sees it
+        server = running_server(options, settings)
+        ask = Ask(self.name, prompt.messages, options, template_tools(function_tools(prompt)), schema_dict(prompt))
+        events = server.answer(self.model_id, ask, on_handle) if server else reply(ask, on_handle)
+        yield from llm_events(events, response)
+
+
+def schema_dict(prompt) -> Optional[dict]:
+    schema = prompt.schema
+    return schema.model_json_schema() if hasattr(schema, "model_json_schema") else schema
+
+
+def llm_events(events: Iterator[Event], response) -> Iterator:
+    """The core's events as llm's; at the end the calls, the ids and the figures go on
+    `response`."""
+    from llm.parts import StreamEvent
+
+    for event in events:
+        if isinstance(event, Chunk):
+            yield StreamEvent(type=event.kind, chunk=event.text)
+        elif isinstance(event, CallBegins):
+            yield StreamEvent(type="tool_call_name", chunk=event.name, tool_call_id=event.id)
+        elif isinstance(event, CallArguments):
+            yield StreamEvent(type="tool_call_args", chunk=event.text, tool_call_id=event.id)
+        elif isinstance(event, Finished):
+            yield from _finish(event.outcome, response)
+
+
+def _finish(outcome: Outcome, response) -> Iterator:
+    """The reply's own token ids ride on its last part, logged with it, so a later turn
+    reuses the KV cache exactly (prompt/render.py): on the last call too, since a reply
+    that ends in calls has no text part to carry them."""
+    from llm.parts import StreamEvent
+
+    metadata = reply_metadata(outcome.tokens)
+    for call in outcome.tool_calls:
+        response.add_tool_call(llm.ToolCall(name=call.name, arguments=call.arguments, tool_call_id=call.id))
+    if outcome.tool_calls:
+        yield StreamEvent(type="tool_call_args", chunk="", tool_call_id=outcome.tool_calls[-1].id,
+                          provider_metadata=metadata)
+    yield StreamEvent(type="text", chunk="", provider_metadata=metadata)
+    if notice := cut_short_notice(outcome.figures):
+        click.echo(notice, err=True)
+    response.set_usage(input=outcome.prompt_tokens, output=outcome.figures.get("generated_tokens"))
+    response.response_json = outcome.figures
+    if outcome.resolved_model:
+        response.set_resolved_model(outcome.resolved_model)

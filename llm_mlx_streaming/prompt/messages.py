@@ -1,0 +1,153 @@
+"""Messages in each direction: llm's chain to chat-template dicts (the engine's prompt)
+and to OpenAI messages (a prompt sent to `llm mlxs serve`), and OpenAI messages back to
+llm's (a server request). Each reply carries the token ids it was generated as, in its
+`provider_metadata` under METADATA_KEY, so every path can reuse the KV cache exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+from .tools import assistant_tool_calls, tool_result_messages
+
+METADATA_KEY = "mlx-stream"
+
+
+class PromptError(ValueError):
+    pass
+
+
+def reply_metadata(tokens: list[int]) -> dict:
+    return {METADATA_KEY: {"tokens": [int(t) for t in tokens]}}
+
+
+def stored_tokens(message) -> Optional[list[int]]:
+    found = None
+    for part in message.parts:
+        meta = getattr(part, "provider_metadata", None) or {}
+        tokens = (meta.get(METADATA_KEY) or {}).get("tokens")
+        if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens):
+            found = tokens
+    return found
+
+
+def template_messages(messages, think_start=None, think_end=None) -> tuple[list[dict], dict[int, list[int]]]:
+    """Template dicts for the chain, and {message index: stored token ids}.
+
+    Earlier replies keep their reasoning inside the think tags, so the
+    rendered conversation is what the model generated.
+    """
+    out, stored = [], {}
+    for message in messages:
+        if message.role == "tool":  # results of the tools the model called
+            out.extend(tool_result_messages(message))
+            continue
+        pieces = _pieces(message)
+        tagged = bool(think_start and think_end)
+        content = "".join(f"{think_start}{text}{think_end}" if kind == "reasoning" else text
+                          for kind, text in pieces if kind == "text" or (text and tagged))
+        item = {"role": message.role, "content": content}
+        if message.role == "assistant":
+            tokens = stored_tokens(message)
+            if tokens is not None:
+                stored[len(out)] = tokens
+            if calls := assistant_tool_calls(message.parts):
+                item["tool_calls"] = calls
+        out.append(item)
+    return out, stored
+
+
+def openai_messages(messages) -> list[dict]:
+    """llm's message chain as OpenAI messages (tool calls and results included); replies
+    carry the ids they were generated as (the `tokens` extension), so the server reuses
+    its KV cache exactly."""
+    import json
+
+    out = []
+    for message in messages:
+        if message.role == "tool":
+            out.extend({"role": "tool", "tool_call_id": m["tool_call_id"], "content": m["content"]}
+                       for m in tool_result_messages(message))
+            continue
+        pieces = _pieces(message)
+        item = {"role": message.role, "content": "".join(text for kind, text in pieces if kind == "text")}
+        if reasoning := "".join(text for kind, text in pieces if kind == "reasoning"):
+            item["reasoning_content"] = reasoning
+        if calls := assistant_tool_calls(message.parts):
+            item["tool_calls"] = [{**c, "function": {"name": c["function"]["name"],
+                                                     "arguments": json.dumps(c["function"]["arguments"])}}
+                                  for c in calls]
+        if message.role == "assistant" and (tokens := stored_tokens(message)) is not None:
+            item["tokens"] = tokens
+        out.append(item)
+    return out
+
+
+def _pieces(message) -> list[tuple[str, str]]:
+    """A message's ("text" | "reasoning", text) parts in order (its tool calls are read
+    apart); a role or part this plugin cannot send is a PromptError."""
+    from llm.parts import ReasoningPart, TextPart, ToolCallPart
+
+    if message.role not in ("system", "user", "assistant"):
+        raise PromptError(f"mlx-stream cannot send '{message.role}' messages")
+    out = []
+    for part in message.parts:
+        if isinstance(part, ReasoningPart):
+            out.append(("reasoning", part.text or ""))
+        elif isinstance(part, TextPart):
+            out.append(("text", part.text))
+        elif not isinstance(part, ToolCallPart):
+            raise PromptError(f"mlx-stream supports text only, not {type(part).__name__}")
+    return out
+
+
+def llm_messages(messages, known=lambda text, calls=(): None) -> list:
+    """OpenAI chat messages (the server's bodies) as llm's; an assistant reply without
+    its `tokens` gets them from `known(text, calls)` -> (reasoning, tokens) or None.
+    A message's tool calls come from its `calls()`: [{"id", "name", "arguments"}]."""
+    from llm.parts import Message, TextPart
+
+    out, called = [], {}
+    for i, m in enumerate(messages):
+        text = m.text()
+        role = "system" if m.role == "developer" else m.role
+        if role == "tool":
+            if m.tool_call_id not in called:
+                raise PromptError(f"messages.{i}.tool_call_id: no earlier assistant message made the call "
+                                  f"{m.tool_call_id!r}")
+            out.append(tool_result_message(m.tool_call_id, called[m.tool_call_id], text))
+        elif role == "assistant":
+            calls = m.calls()
+            called.update((c["id"], c["name"]) for c in calls)
+            reasoning, tokens = m.reasoning_content or "", m.tokens
+            if tokens is None and (found := known(text, calls)) is not None:
+                reasoning, tokens = reasoning or found[0], found[1]
+            out.append(assistant_message(text, reasoning, tokens, calls))
+        else:
+            out.append(Message(role=role, parts=[TextPart(text=text)]))
+    return out
+
+
+def assistant_message(text: str, reasoning: str = "", tokens: Optional[list[int]] = None, calls=()):
+    """An earlier reply as llm's message: its reasoning, text and tool calls
+    ({"id", "name", "arguments": dict}), with the token ids it was generated as."""
+    from llm.parts import Message, ReasoningPart, TextPart, ToolCallPart
+
+    parts = [ReasoningPart(text=reasoning)] if reasoning else []
+    parts.append(TextPart(text=text, provider_metadata=reply_metadata(tokens) if tokens else None))
+    parts.extend(ToolCallPart(name=c["name"], arguments=c["arguments"], tool_call_id=c["id"]) for c in calls)
+    return Message(role="assistant", parts=parts)
+
+
+def tool_result_message(tool_call_id: str, name: str, output: str):
+    """A tool's result, as llm's `tool` message."""
+    from llm.parts import Message, ToolResultPart
+
+    return Message(role="tool", parts=[ToolResultPart(name=name, output=output, tool_call_id=tool_call_id)])
+
+
+def raw_message(text: str):
+    """A prompt of plain text, encoded without the chat template (the server's
+    /v1/completions): one user message marked in its metadata."""
+    from llm.parts import Message, TextPart
+
+    return Message(role="user", parts=[TextPart(text=text)], provider_metadata={METADATA_KEY: {"raw": True}})

@@ -1,0 +1,149 @@
+"""llm's message chain -> chat-template token ids.
+
+Why not just ``apply_chat_template(..., tokenize=True)``: re-encoding the
+text of an earlier reply does not always give back the tokens the model
+generated (byte-level BPE has many spellings of one string). The engine can
+only reuse its KV cache up to the first differing token, so a chat turn would
+prefill most of the previous reply again, and the model would see a
+conversation it did not write. So each reply carries the ids it was generated
+as (``provider_metadata``, logged with the message by llm), and the prompt is
+built by splicing those ids between the canonically encoded template pieces.
+Any process that gets the same messages (``llm chat``, ``llm -c``, Python's
+``conversation.prompt``) builds the same ids. Messages without ids, or a
+template that rewrites message content, fall back to plain encoding.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+from .messages import METADATA_KEY, PromptError, template_messages
+from .tools import check_tool_support
+
+
+def _raw_text(messages) -> Optional[str]:
+    if len(messages) == 1 and ((messages[0].provider_metadata or {}).get(METADATA_KEY) or {}).get("raw"):
+        return "".join(getattr(part, "text", "") for part in messages[0].parts)
+    return None
+
+
+def render_prompt(tokenizer, messages, *, thinking: Optional[bool] = None,
+                  tools: Optional[list[dict]] = None) -> tuple[list[int], str]:
+    """Token ids for the conversation (llm's `Message`s), plus the text of the generation prompt.
+
+    `thinking` sets the template's thinking switch (None: the template's default);
+    `tools` are function specs for the template (tools.py)."""
+    raw = _raw_text(messages)
+    if raw is not None:
+        return encode_text(tokenizer, raw), ""
+    start = getattr(tokenizer, "think_start", None)
+    end = getattr(tokenizer, "think_end", None)
+    messages, stored = template_messages(messages, start, end)
+    uses_tools = bool(tools) or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+    if uses_tools:
+        check_tool_support(tokenizer)
+    if not getattr(tokenizer, "has_chat_template", False):
+        if thinking is not None:
+            raise PromptError("-o thinking: this model has no chat template, so no thinking switch")
+        text = "\n\n".join(m["content"] for m in messages)
+        return encode_text(tokenizer, text), ""
+    extra = template_switches(tokenizer, thinking)
+    if tools:
+        extra["tools"] = tools
+
+    def render(msgs, generation=True):
+        return tokenizer.apply_chat_template(
+            msgs, add_generation_prompt=generation, tokenize=False, **extra
+        )
+
+    text = render(messages)
+    try:
+        head = render(messages, generation=False)
+        generation_prompt = text[len(head):] if text.startswith(head) else ""
+    except Exception:
+        generation_prompt = ""
+    overhang = {}  # message index -> what its ids spell past its content (tool-call markup)
+    for i, ids in list(stored.items()):
+        past = _beyond(tokenizer.decode(ids), messages[i]["content"])
+        if past is None or (past and not messages[i].get("tool_calls")):
+            del stored[i]
+        elif past:
+            overhang[i] = past
+    tokens = _spliced(tokenizer, render, messages, stored, text, overhang) if stored else None
+    if tokens is None:
+        tokens = encode_text(tokenizer, text)
+    return tokens, generation_prompt
+
+
+def template_switches(tokenizer, thinking: Optional[bool]) -> dict:
+    """Keyword arguments for the chat template: `enable_thinking` (Qwen3, GLM and the
+    like) when asked for; a template that never reads it cannot honour it, so that is
+    an error rather than silence."""
+    if thinking is None:
+        return {}
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str) and "enable_thinking" not in template:
+        raise PromptError("-o thinking: this model's chat template has no thinking switch (enable_thinking)")
+    return {"enable_thinking": bool(thinking)}
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Encode without special tokens and without HF's "longer than the maximum
+    sequence length" warning (the context check gives a clearer error)."""
+    try:
+        return tokenizer.encode(text, add_special_tokens=False, verbose=False)
+    except TypeError:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _beyond(decoded: str, content: str) -> Optional[str]:
+    """What the stored ids spell past the message's content ("" when they spell just
+    it), None when they do not start with it. (The streaming detokenizer drops the
+    leading space of a reply's first token, as mlx-lm's output does.)"""
+    for text in (decoded, decoded[1:] if decoded.startswith(" ") else None):
+        if text is not None and text.startswith(content):
+            return text[len(content):]
+    return None
+
+
+def _spliced(tokenizer, render, messages, stored, text, overhang=None) -> Optional[list[int]]:
+    """Encode the template around each stored reply, keeping the reply's own ids.
+
+    A reply that ended in tool calls has ids that spell its content and then the
+    call markup (`overhang`); they are kept when the template writes the calls the
+    same way right after the content, so the next turn reuses the whole reply."""
+    overhang = overhang or {}
+    marks = {i: f"\x00mlx-stream-reply-{i}\x00" for i in stored}
+    marked = [
+        {**m, "content": marks[i]} if i in marks else m for i, m in enumerate(messages)
+    ]
+    try:
+        pieces = re.split("(" + "|".join(map(re.escape, marks.values())) + ")", render(marked))
+    except Exception:
+        return None
+    by_mark = {mark: i for i, mark in marks.items()}
+    seen = [by_mark[p] for p in pieces if p in by_mark]
+    if sorted(seen) != sorted(marks):  # a reply dropped or repeated by the template
+        return None
+    if "".join(messages[by_mark[p]]["content"] if p in by_mark else p for p in pieces) != text:
+        return None  # the template rewrites content (e.g. strips old reasoning)
+    differ = {
+        by_mark[piece] for j, piece in enumerate(pieces)
+        if overhang.get(by_mark.get(piece)) and not (j + 1 < len(pieces) and pieces[j + 1].startswith(overhang[by_mark[piece]]))
+    }
+    if differ:  # the template writes those calls otherwise: encode those replies' text
+        kept = {i: ids for i, ids in stored.items() if i not in differ}
+        return _spliced(tokenizer, render, messages, kept, text, overhang) if kept else None
+    tokens: list[int] = []
+    skip = 0
+    for piece in pieces:
+        if piece in by_mark:
+            tokens.extend(stored[by_mark[piece]])
+            skip = len(overhang.get(by_mark[piece], ""))
+        elif piece[skip:]:
+            tokens.extend(encode_text(tokenizer, piece[skip:]))
+            skip = 0
+        else:
+            skip = 0
+    return tokens

@@ -1,0 +1,117 @@
+"""The prompt half of a reply: the run configuration's tokenizer renders the messages
+and tools into token ids, with the logits processors that constrain what may follow.
+Counting a prompt's tokens is this half alone."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from ..engine.request import Request
+from ..errors import MlxStreamError
+from ..options.knobs import REPETITION_CONTEXT
+from ..options.run_config import RunConfig
+from ..prompt.constrained import SchemaError, SchemaProcessor, schema_grammar
+from ..prompt.messages import PromptError
+from ..prompt.render import render_prompt
+from ..prompt.split import opens_thinking
+from ..prompt.tools import AUTO, NONE, ToolError, check_tool_choice, forced_call_grammar, shown_tools
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One request to the core, whichever door it came through."""
+
+    model: Optional[str]  # a registered name; None: the default model
+    messages: Sequence  # llm's `Message`s (llm.parts)
+    options: Any  # the plugin's `Options`
+    tools: Sequence[dict] = ()  # function specs, as chat templates take them
+    schema: Optional[dict] = None  # a JSON schema the reply must follow
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What the engine is handed for one ask, rendered with the checkpoint's tokenizer."""
+
+    request: Request
+    generation_prompt: str  # the template's text after the last message (it may open a thinking block)
+    tools: list[dict]  # the function specs the template was shown
+    one_call: bool  # the reply ends with its first tool call (parallel_tool_calls off)
+    schema_check: tuple = ()  # the --schema processor, asked at the end whether the document closed
+
+
+def schema_of(schema) -> Optional[str]:
+    """The grammar of a schema, compiled before anything is loaded; one line if it cannot be."""
+    if schema is None:
+        return None
+    try:
+        return schema_grammar(schema)
+    except SchemaError as exc:
+        raise MlxStreamError(f"--schema: {exc}") from None
+
+
+def prepare(tokenizer, run: RunConfig, ask: Ask, grammar: Optional[str]) -> Prepared:
+    """Render `ask` for the engine: token ids, processors, stops."""
+    options = ask.options
+    tools = list(ask.tools)
+    forced = _forcing(tokenizer, tools, options, grammar)
+    tools = shown_tools(tools, options.tool_choice)
+    tokens, generation_prompt = render_prompt(tokenizer, ask.messages, thinking=options.thinking, tools=tools)
+    processors = repetition_processors(run.repetition_penalty)
+    if options.thinking_budget and options.thinking is not False:
+        processors.append(_reasoning_cap(tokenizer, tokens, generation_prompt, options.thinking_budget))
+    if forced is not None:
+        grammar = forced(generation_prompt)
+    budget_aware = (SchemaProcessor(grammar, tokenizer),) if grammar is not None else ()
+    request = run.request(tokens, [*processors, *budget_aware], budget_aware)
+    end_tag = tokenizer.tool_call_end if tools else None
+    one_call = bool(end_tag) and options.parallel_tool_calls is False
+    if one_call:
+        request.stop = (*request.stop, end_tag)
+    return Prepared(request, generation_prompt, tools, one_call, budget_aware if ask.schema is not None else ())
+
+
+def count(tokenizer, ask: Ask) -> int:
+    """The prompt's tokens, rendered as a generation would render them."""
+    tools = shown_tools(list(ask.tools), ask.options.tool_choice)
+    tokens, _ = render_prompt(tokenizer, ask.messages, thinking=ask.options.thinking, tools=tools or None)
+    return len(tokens)
+
+
+def repetition_processors(penalty: float) -> list:
+    """mlx-lm's repetition penalty as a logits processor, when it is on. It is a
+    deterministic function of the logits and the history, so decoding stays exact at
+    every pool size and under speculation (it is `Stateless`)."""
+    if penalty == 1.0:
+        return []
+    from mlx_lm.sample_utils import make_logits_processors
+
+    from ..processors import Stateless
+
+    return [Stateless(p) for p in make_logits_processors(repetition_penalty=penalty,
+                                                          repetition_context_size=REPETITION_CONTEXT)]
+
+
+def _reasoning_cap(tokenizer, tokens: list[int], generation_prompt: str, budget: int):
+    from ..processors import reasoning_cap
+
+    start, end = getattr(tokenizer, "think_start", None), getattr(tokenizer, "think_end", None)
+    ids = [tokenizer.encode(tag, add_special_tokens=False) if tag else [] for tag in (start, end)]
+    if not all(len(i) == 1 for i in ids):
+        raise PromptError("thinking_budget: this model's think tags are not single tokens, so the block "
+                          "cannot be closed at a budget")
+    return reasoning_cap(len(tokens), opens_thinking(generation_prompt, start, end), ids[0][0], ids[1][0], budget)
+
+
+def _forcing(tokenizer, tools: list[dict], options, grammar):
+    """What builds the grammar of the tool call `options.tool_choice` forces, once the
+    generation prompt is known (it may open a think block), or None."""
+    if options.tool_choice in (None, AUTO, NONE):
+        return None
+    check_tool_choice(options.tool_choice, tools)
+    if grammar:
+        raise ToolError("a schema and a forced tool call (tool_choice) cannot be combined")
+    start, end = getattr(tokenizer, "think_start", None), getattr(tokenizer, "think_end", None)
+    return lambda generation_prompt: forced_call_grammar(
+        tokenizer, tools, options.tool_choice, options.parallel_tool_calls,
+        thinking=opens_thinking(generation_prompt, start, end))

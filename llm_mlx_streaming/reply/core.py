@@ -1,0 +1,216 @@
+"""One reply, driven from a thread (llm's sync model) or from an event loop (the
+server): resolve the run configuration, render the prompt with the checkpoint's
+tokenizer, queue the generation on the engine thread, and turn its tokens into the
+core's events (reply/events.py), ending with the `Outcome`.
+
+The server awaits the engine's handle directly (engine/generation.py): no thread of
+its own per request and no trip through llm's model registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import contextmanager
+from typing import AsyncIterator, Callable, Iterator, Optional
+
+from ..engine.generation import Cancelled, Generation
+from ..engine.manager import EngineError, LoadError, get_manager
+from ..errors import MlxStreamError, one_line
+from ..options.run_config import RunConfig, configure
+from ..options.settings import load_settings
+from ..prompt.constrained import SchemaError
+from ..prompt.messages import PromptError
+from ..prompt.render import encode_text
+from ..prompt.split import TOOL, TOOL_TEXT, UNFINISHED_TOOL, ReplySplitter, opens_thinking
+from ..prompt.tools import CallReader, ToolError
+from .build import Ask, Prepared, count, prepare, schema_of
+from .events import CallArguments, CallBegins, Chunk, Event, Finished, Outcome, ToolCall, plain
+
+
+def reply(ask: Ask, on_handle: Optional[Callable[[Generation], None]] = None) -> Iterator[Event]:
+    """The events of one reply, read on this thread; `on_handle` is told each engine
+    handle as it is made (a caller cancels through it)."""
+    run = configure(ask.model, ask.options, load_settings())
+    grammar = schema_of(ask.schema)
+    engine = get_manager()
+    with one_line_errors(run):
+        ready = engine.tokenizer_for(run.load)
+        if on_handle is not None:
+            on_handle(ready)
+        prepared = prepare(ready.tokenizer, run, ask, grammar)
+    generation = engine.run(run.load, prepared.request)
+    if on_handle is not None:
+        on_handle(generation)
+    replier = Replier(run, ask, prepared)
+    with generation, one_line_errors(run):
+        tokenizer = generation.tokenizer
+        replier.start(tokenizer)
+        for result in generation:
+            yield from replier.feed(result)
+    yield from replier.finish(generation)
+
+
+class AsyncReply:
+    """One reply read on an event loop; `cancel()` (from any task) stops it at the
+    engine's next token, and its events then simply end."""
+
+    def __init__(self, ask: Ask) -> None:
+        self.ask = ask
+        self.cancelled = False
+        self._handles: list[Generation] = []
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        for handle in self._handles:
+            handle.cancel()
+
+    def _hold(self, handle: Generation) -> Generation:
+        self._handles.append(handle)
+        if self.cancelled:
+            handle.cancel()
+        return handle
+
+    async def events(self) -> AsyncIterator[Event]:
+        ask, engine = self.ask, get_manager()
+        run, grammar = await asyncio.to_thread(_configured, ask)  # it may read checkpoint headers to plan
+        try:
+            with one_line_errors(run):
+                ready = await self._hold(engine.tokenizer_for(run.load)).astarted()
+                prepared = await asyncio.to_thread(prepare, ready.tokenizer, run, ask, grammar)
+            generation = self._hold(engine.run(run.load, prepared.request))
+            replier = Replier(run, ask, prepared)
+            with one_line_errors(run):
+                replier.start((await generation.astarted()).tokenizer)
+                async for result in generation:
+                    for event in replier.feed(result):
+                        yield event
+            for event in replier.finish(generation):
+                yield event
+        except Cancelled:
+            return
+        finally:
+            for handle in self._handles:
+                handle.cancel()  # a no-op once it is done; the engine thread lets go at its next token
+
+
+async def count_tokens(ask: Ask) -> int:
+    """The prompt's token count as /v1/messages would render it (the tokenizer may load)."""
+    run, _ = await asyncio.to_thread(_configured, ask)
+    with one_line_errors(run):
+        ready = await get_manager().tokenizer_for(run.load).astarted()
+        return await asyncio.to_thread(count, ready.tokenizer, ask)
+
+
+def _configured(ask: Ask) -> tuple[RunConfig, Optional[str]]:
+    return configure(ask.model, ask.options, load_settings()), schema_of(ask.schema)
+
+
+class Replier:
+    """A generation's tokens -> the core's events: text and reasoning split at the think
+    tags, tool calls read out of their markup, and the outcome at the end."""
+
+    def __init__(self, run: RunConfig, ask: Ask, prepared: Prepared) -> None:
+        self.run, self.ask, self.prepared = run, ask, prepared
+        self.generated: list[int] = []
+        self.raw: list[str] = []  # the reply's text as generated (tags and markup included)
+        self.logprobs: Optional[list] = [] if ask.options.top_logprobs is not None else None
+        self.finish_reason = None
+        self.calls: list[ToolCall] = []
+
+    def start(self, tokenizer) -> None:
+        """Once the engine has the tokenizer: the splitter and the tool-call reader."""
+        self.tokenizer = tokenizer
+        start, end = getattr(tokenizer, "think_start", None), getattr(tokenizer, "think_end", None)
+        if self.ask.options.thinking is False:  # thinking off: no reasoning events, whatever the model writes
+            start = end = None
+        tools = self.prepared.tools
+        self.splitter = ReplySplitter(start, end, opens_thinking(self.prepared.generation_prompt, start, end),
+                                      *((tokenizer.tool_call_start, tokenizer.tool_call_end) if tools else ()))
+        self.reader = CallReader(tokenizer, tools)
+        self.eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+
+    def feed(self, result) -> list[Event]:
+        """The events one mlx-lm GenerationResponse makes certain."""
+        if result.token not in self.eos or result.finish_reason != "stop":
+            self.generated.append(int(result.token))
+            if self.logprobs is not None:
+                self.logprobs.append(_logprob_entry(self.tokenizer, result))
+        self.raw.append(result.text)
+        self.finish_reason = result.finish_reason
+        return [e for kind, chunk in self.splitter.feed(result.text) for e in self._events(kind, chunk)]
+
+    def finish(self, generation: Generation) -> list[Event]:
+        """The held-back events and the outcome."""
+        out = []
+        for kind, chunk in self.splitter.flush():
+            if kind == UNFINISHED_TOOL and self.prepared.one_call and self.finish_reason == "stop":
+                kind = TOOL  # stopped at the call's end tag
+            out.extend(self._events(kind, chunk))
+        figures = plain({**self.run.plan_figures, **generation.stats})
+        if self.logprobs is not None:
+            figures["logprobs"] = self.logprobs
+        for schema in self.prepared.schema_check:
+            figures["schema_closed"] = schema.closed(self.generated)
+        tokens = _spelled(self.tokenizer, self.generated, "".join(self.raw))
+        out.append(Finished(Outcome(figures, tokens, self.calls, self.run.resolved_model)))
+        return out
+
+    def _events(self, kind: str, chunk: str) -> list[Event]:
+        """Events for one piece of the split reply. A tool call streams as the reader
+        reads it; a block that is no call is the text the model wrote."""
+        if kind == TOOL_TEXT:
+            return [_call_event(*e) for e in self.reader.piece(chunk)]
+        if kind in (TOOL, UNFINISHED_TOOL):
+            closed = self.reader.close(chunk, finished=kind == TOOL)
+            if closed is None:
+                end = self.tokenizer.tool_call_end if kind == TOOL else ""
+                return [Chunk("text", f"{self.tokenizer.tool_call_start}{chunk}{end}")]
+            events, calls = closed
+            self.calls.extend(ToolCall(c["id"], c["name"], c["arguments"], complete=kind == TOOL) for c in calls)
+            return [_call_event(*e) for e in events]
+        return [Chunk(kind, chunk)] if chunk else []
+
+
+def _call_event(kind: str, call_id: str, chunk: str) -> Event:
+    return CallBegins(call_id, chunk) if kind == "name" else CallArguments(call_id, chunk)
+
+
+@contextmanager
+def one_line_errors(run: RunConfig):
+    """Whatever loading, rendering or generating raises reaches the user as one line
+    (KeyboardInterrupt passes through: the generation is closed and the engine stays usable)."""
+    try:
+        yield
+    except (MlxStreamError, Cancelled):
+        raise
+    except LoadError as exc:
+        raise MlxStreamError(f"Could not load '{run.name}' ({run.path}): {exc}") from None
+    except (EngineError, PromptError, SchemaError, ToolError) as exc:
+        raise MlxStreamError(str(exc)) from None
+    except Exception as exc:  # template errors, OSError from a changed file, mlx errors
+        raise MlxStreamError(f"{type(exc).__name__}: {one_line(exc)}") from None
+
+
+def _spelled(tokenizer, generated: list[int], text: str, scan: int = 32) -> list[int]:
+    """Ids that spell the reply's `text`: the generated ids, or, when a stop sequence
+    cut the text inside them, the longest run of them that spells a prefix of it (the
+    part the KV cache holds) and the rest encoded."""
+    def spelled(ids):  # the streaming detokenizer drops a reply's leading space
+        out = tokenizer.decode(ids)
+        return out[1:] if out.startswith(" ") and not text.startswith(" ") else out
+
+    if spelled(generated) == text:
+        return generated
+    for k in range(len(generated) - 1, max(-1, len(generated) - 1 - scan), -1):
+        prefix = spelled(generated[:k]) if k else ""
+        if text.startswith(prefix):
+            rest = text[len(prefix):]
+            return generated[:k] + (encode_text(tokenizer, rest) if rest else [])
+    return generated
+
+
+def _logprob_entry(tokenizer, result) -> dict:
+    """A generated token with its log-probability and the most likely alternatives."""
+    logprob, top = result.logprobs
+    return {"token": tokenizer.decode([int(result.token)]), "logprob": logprob,
+            "top_logprobs": [{"token": tokenizer.decode([i]), "logprob": value} for i, value in top]}

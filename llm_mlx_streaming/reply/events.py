@@ -1,0 +1,98 @@
+"""What a reply says as it streams, and what it leaves when it ends.
+
+Every door maps these once into its own shape: llm's stream events (plugin/model.py),
+an API's frames (server/), or reads them back from a server's stream (client/).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of the reply's text or reasoning."""
+
+    kind: str  # "text" | "reasoning"
+    text: str
+
+
+@dataclass(frozen=True)
+class CallBegins:
+    """A tool call starts: its id and the function's name."""
+
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class CallArguments:
+    """A piece of a call's arguments, as JSON text in the order generated."""
+
+    id: str
+    text: str
+
+
+@dataclass
+class ToolCall:
+    """A call of the finished reply; `complete` when its block closed (a call cut off by
+    the end of the reply keeps what was written of it under `_raw`)."""
+
+    id: str
+    name: str
+    arguments: dict
+    complete: bool = True
+
+    @property
+    def arguments_text(self) -> str:
+        if not self.complete and set(self.arguments) == {"_raw"}:
+            return str(self.arguments["_raw"])
+        return json.dumps(self.arguments)
+
+
+@dataclass
+class Outcome:
+    """The figures and ids a finished reply leaves: what llm logs and an API reports."""
+
+    figures: dict = field(default_factory=dict)  # the engine's and the plan's, plain JSON values
+    tokens: list[int] = field(default_factory=list)  # the ids that spell the reply (reused by the next turn)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    resolved_model: Optional[str] = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self.figures.get("prompt_tokens") or 0)
+
+    @property
+    def completion_tokens(self) -> int:
+        return int(self.figures.get("generated_tokens") or 0)
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return self.figures.get("finish_reason")
+
+    def complete_calls(self) -> list[ToolCall]:
+        return [call for call in self.tool_calls if call.complete]
+
+
+@dataclass(frozen=True)
+class Finished:
+    outcome: Outcome
+
+
+Event = Union[Chunk, CallBegins, CallArguments, Finished]
+
+
+def plain(value):
+    """Figures as plain JSON values (numpy scalars and paths come out of the engine)."""
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)

@@ -1,0 +1,101 @@
+"""The Anthropic Messages API: `POST /v1/messages` and `POST /v1/messages/count_tokens`.
+
+A request becomes the same llm messages and engine options an OpenAI request would, and
+runs the same gated path (turns.py); only the layout of the answer is Anthropic's
+(shapes.py), errors included.
+"""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import APIRouter, Depends, Request
+
+from ...options.settings import Options
+from ...prompt.messages import llm_messages
+from ...prompt.tools import function_spec
+from ...reply.build import Ask
+from ...reply.core import count_tokens as counted
+from ..errors import ApiError, error_for, routes_shaped
+from ..openai.schemas import ChatMessage, engine_values
+from ..openai.tools import CalledFunction, ToolCall
+from ..turns import answer
+from .schemas import AnthropicEngineOptions, AnthropicError, CountTokensRequest, MessagesRequest
+from .shapes import MessageShape, error_body
+
+
+def chat_messages(body) -> list[ChatMessage]:
+    """The system prompt and the messages as the server's chat messages (a user message's
+    tool results become tool messages); a block this server cannot take is a 400 naming it."""
+    out = []
+    if system := body.system_text():
+        out.append(ChatMessage(role="system", content=system))
+    for i, message in enumerate(body.messages):
+        text, reasoning, calls, results = [], [], [], []
+        for j, block in enumerate(message.blocks()):
+            if block.type == "text":
+                text.append(block.text)
+            elif block.type == "thinking" and message.role == "assistant":
+                reasoning.append(block.thinking)
+            elif block.type == "tool_use" and message.role == "assistant":
+                calls.append(ToolCall(id=block.id, function=CalledFunction(name=block.name,
+                                                                          arguments=json.dumps(block.input))))
+            elif block.type == "tool_result" and message.role == "user":
+                results.append(ChatMessage(role="tool", tool_call_id=block.tool_use_id, content=block.text()))
+            else:
+                where = f"messages.{i}.content.{j}"
+                raise ApiError(400, f"{where}: a {block.type} block is not taken in a {message.role} message",
+                               param=where)
+        out.extend(results)
+        if message.role == "assistant" or text or not results:
+            out.append(ChatMessage(role=message.role, content="".join(text),
+                                   reasoning_content="".join(reasoning) or None, tool_calls=calls or None))
+    if body.messages[-1].role != "user":
+        raise ApiError(400, "messages: the last message must be the user's (an assistant prefill is not "
+                       "continued by this server)", param="messages")
+    return out
+
+
+def function_specs(body) -> list[dict]:
+    """The request's tools as the chat template's function specs (the server never runs them)."""
+    return [function_spec(t.name, t.description, t.input_schema) for t in body.tools or []]
+
+
+def engine_options(body) -> dict:
+    """The plugin's options the request sets: its extension fields and what Anthropic's
+    own fields (stop_sequences, thinking, tool_choice) mean in the plugin's terms."""
+    fields = engine_values(body, AnthropicEngineOptions.model_fields)
+    if getattr(body, "stop_sequences", None):
+        fields["stop"] = body.stop_sequences
+    fields.update(body.thinking_options())
+    if body.tool_choice is not None:
+        fields["tool_choice"] = body.tool_choice.option()
+        if body.tool_choice.disable_parallel_tool_use:
+            fields["parallel_tool_calls"] = False
+    return fields
+
+
+def router(service) -> APIRouter:
+    errors = {status: {"model": AnthropicError} for status in (400, 401, 403, 404, 413, 503)}
+    api = APIRouter(dependencies=[Depends(service.check_api_key)], tags=["Anthropic"], responses=errors,
+                    route_class=routes_shaped(error_body))
+
+    @api.post("/v1/messages", description="Anthropic's Messages API; with stream: true its event stream")
+    async def messages(body: MessagesRequest, request: Request):
+        model_id = service.model_for(body.model)
+        chain = llm_messages(chat_messages(body), service.replies.known)
+        return await answer(service, request, MessageShape(model_id), model_id, chain, engine_options(body),
+                            body.schema_dict(), body.stream, function_specs(body))
+
+    @api.post("/v1/messages/count_tokens", description="The prompt's tokens, rendered as /v1/messages would")
+    async def count_tokens(body: CountTokensRequest) -> dict:
+        model_id = service.model_for(body.model)
+        chain = llm_messages(chat_messages(body), service.replies.known)
+        try:
+            options = Options.model_validate(service.runtime.for_request(engine_options(body)))
+            count = await counted(Ask(service.name_of(model_id), chain, options, function_specs(body)))
+        except Exception as e:
+            raise error_for(e) from None
+        return {"input_tokens": count}
+
+    return api

@@ -1,0 +1,92 @@
+"""The ASGI app: the guard and the body limit, errors in each API's shape, the server's
+own routes (health, figures, runtime parameters) and each API's router.
+
+FastAPI, because its routes are typed by pydantic models (the same pydantic llm and the
+plugin's Options use), which gives request validation and an OpenAPI schema for free;
+the property-based tests are generated from that schema (see docs/server.md).
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, Body, Depends, FastAPI
+from fastapi.exceptions import RequestValidationError
+
+from ..discovery import public_id
+from .anthropic import routes as anthropic
+from .errors import ApiError, BodyLimit, error_for
+from .guard import Guard
+from .ollama import routes as ollama
+from .openai import routes as openai
+from .openai.schemas import ErrorResponse
+from .runtime import POOL_KEYS, ConfigError
+from .service import Service
+
+
+def create_app(service: Service) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app):
+        if service.default_model:  # load at start, so the first request finds it warm
+            service.schedule_load(service.model_for(service.default_model))
+        yield
+
+    app = FastAPI(title="llm-mlx-streaming", summary="OpenAI-compatible API of `llm mlxs serve`",
+                  lifespan=lifespan)
+    app.state.service = service
+    app.add_middleware(BodyLimit)
+    app.add_middleware(Guard, hosts=service.hosts, origins=service.origins)  # outermost
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, exc: ApiError):
+        return exc.response(request.scope)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc: RequestValidationError):
+        err = (exc.errors() or [{}])[0]
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        where = ".".join(loc)
+        message = err.get("msg", "invalid request").removeprefix("Value error, ")
+        if err.get("type") == "extra_forbidden":
+            message = "not a field this server knows (docs/server.md lists the fields)"
+        refusal = ApiError(400, f"{where}: {message}" if where else message, param=where or None)
+        return refusal.response(request.scope)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, exc: Exception):
+        return error_for(exc).response(request.scope)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "id": public_id(service.secret) if service.secret else None}
+
+    app.state.routers = [_runtime_routes(service), openai.router(service), anthropic.router(service),
+                         ollama.router(service)]  # errors.shape_for reads their routes' shapes
+    for router in app.state.routers:
+        app.include_router(router)
+    return app
+
+
+def _runtime_routes(service: Service) -> APIRouter:
+    """The server's own API: its figures and the parameters it runs with."""
+    errors = {status: {"model": ErrorResponse} for status in (401, 422)}
+    api = APIRouter(dependencies=[Depends(service.check_api_key)], responses=errors)
+
+    @api.get("/api/stats")
+    async def stats() -> dict:
+        return service.stats()
+
+    @api.get("/api/engine/config")
+    async def get_config() -> dict:
+        return service.config()
+
+    @api.post("/api/engine/config", description="Change runtime parameters (null unsets one). "
+              f"{', '.join(POOL_KEYS)} rebuild the pools before the waiting requests run.")
+    async def post_config(changes: dict[str, Any] = Body(...)) -> dict:
+        try:
+            return await service.change_config(changes)
+        except ConfigError as e:
+            raise ApiError(422, str(e), code="invalid_config") from None
+
+    return api

@@ -1,0 +1,105 @@
+"""HTTP-level pieces: errors in each API's own shape, the body size limit.
+
+Every error the server answers has a one-line message, never a traceback, in the shape
+of the API whose route it is: each API's router declares its shape (`routes_shaped`),
+OpenAI's `{"error": {"message", "type", "param", "code"}}` being the server's own. An
+error raised before routing (the guard, the body limit) finds the route the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from pydantic import ValidationError
+from starlette.routing import Match
+
+from ..errors import MlxStreamError, one_line
+
+MAX_BODY_BYTES = 8 * 2**20  # a request body larger than this is refused (413)
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 code: Optional[str] = None, param: Optional[str] = None, headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code, self.param = status, one_line(message), kind, code, param
+        self.headers = headers
+
+    def openai_body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self, scope) -> JSONResponse:
+        """The error in the shape of the API whose route `scope` is for."""
+        return JSONResponse(shape_for(scope)(self), status_code=self.status, headers=self.headers)
+
+
+Shape = Callable[[ApiError], dict]
+
+
+def routes_shaped(shape: Shape) -> type[APIRoute]:
+    """The route class of an API whose errors look like `shape(error)`."""
+    return type(f"{shape.__name__}_route", (APIRoute,), {"error_shape": staticmethod(shape)})
+
+
+def shape_for(scope) -> Shape:
+    """The error shape of the route `scope` is for (OpenAI's where none declares one);
+    it is found the same way before routing (the guard, the body limit) and after."""
+    app = scope.get("app")
+    for router in getattr(getattr(app, "state", None), "routers", ()):
+        for route in router.routes:
+            if route.matches(scope)[0] != Match.NONE:
+                return getattr(route, "error_shape", ApiError.openai_body)
+    return ApiError.openai_body
+
+
+def _too_large() -> ApiError:
+    return ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="body_too_large")
+
+
+class BodyLimit:
+    """ASGI middleware: refuse bodies over MAX_BODY_BYTES, declared or streamed.
+
+    The body is read here first (it is small by then) and handed on whole, so a body
+    that grows past the limit is refused before any route sees it."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            return await _too_large().response(scope)(scope, receive, send)
+        body, more = bytearray(), True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > MAX_BODY_BYTES:
+                return await _too_large().response(scope)(scope, receive, send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()  # after the body: the disconnect, for streaming responses
+
+        await self.app(scope, replay, send)
+
+
+def error_for(exc: BaseException) -> ApiError:
+    """What the user can fix (a model error, a bad value) is a 400; anything else a 500."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, (MlxStreamError, ValidationError, ValueError)):
+        return ApiError(400, one_line(exc))
+    return ApiError(500, f"{type(exc).__name__}: {one_line(exc)}", kind="server_error")

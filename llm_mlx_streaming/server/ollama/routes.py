@@ -1,0 +1,151 @@
+"""Ollama's API: /api/chat and /api/generate (NDJSON streams by default), /api/tags,
+/api/show, /api/ps, /api/version; what does not map onto this engine (pull, push,
+create, copy, delete, embed) is a 400 in Ollama's error shape.
+
+A request becomes the same llm messages and engine options an OpenAI request would and
+runs the same gated path (turns.py); shapes.py lays out the answer, errors included.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib.metadata import version
+
+from fastapi import APIRouter, Depends, Request
+
+from ...options.registry import model_ids
+from ...options.settings import load_settings
+from ...prompt.messages import llm_messages, raw_message
+from ..catalog import Checkpoint, checkpoint
+from ..errors import ApiError, routes_shaped
+from ..openai import tools as openai_tools
+from ..openai.schemas import ChatMessage
+from ..turns import answer
+from .schemas import ChatRequest, GenerateRequest, OllamaError, ShowRequest
+from .shapes import GenerateShape, OllamaChatShape, error_body, stamp
+
+# Ollama's routes that do not map onto this engine: refused in Ollama's error shape.
+REFUSED = ("pull", "push", "create", "copy", "delete", "embed", "embeddings")
+
+
+def chat_messages(messages) -> list[ChatMessage]:
+    """Ollama's messages as the server's chat messages. Ollama's calls have no ids: each
+    gets one, and a tool message answers the earliest open call of its tool_name."""
+    out, open_calls = [], []
+    for i, m in enumerate(messages):
+        if m.role == "tool":
+            call = next((c for c in open_calls if m.tool_name in (None, c.function.name)), None)
+            if call is None:
+                raise ApiError(400, f"messages.{i}: a tool result that answers no call of an earlier assistant "
+                               "message", param=f"messages.{i}")
+            open_calls.remove(call)
+            out.append(ChatMessage(role="tool", tool_call_id=call.id, content=m.content))
+            continue
+        calls = [openai_tools.ToolCall(id=f"call_{i}_{j}", function=openai_tools.CalledFunction(
+            name=c.function.name, arguments=json.dumps(c.function.arguments))) for j, c in enumerate(m.tool_calls or [])]
+        if m.role == "assistant":
+            open_calls = list(calls)
+        out.append(ChatMessage(role=m.role, content=m.content, reasoning_content=m.thinking, tool_calls=calls or None))
+    return out
+
+
+def details(found: Checkpoint | None) -> dict:
+    if found is None:
+        return {"format": "safetensors"}
+    return {"format": "safetensors", "family": found.family, "families": [found.family],
+            "parameter_size": "", "quantization_level": found.quantization}
+
+
+def listed(model_id: str) -> dict:
+    found = checkpoint(model_id)
+    entry = {"name": model_id, "model": model_id, "details": details(found)}
+    if found is not None:
+        entry.update(modified_at=stamp(found.modified_at), size=found.size, digest=found.digest)
+    return entry
+
+
+def router(service) -> APIRouter:
+    errors = {status: {"model": OllamaError} for status in (400, 401, 403, 404, 413, 503)}
+    api = APIRouter(dependencies=[Depends(service.check_api_key)], tags=["Ollama"], responses=errors,
+                    route_class=routes_shaped(error_body))
+
+    async def run(request: Request, body, shape, messages: list, tools=()):
+        """Answer llm's `messages` in `shape`; none: load the model, or unload it."""
+        model_id = service.model_for(body.model)
+        if not messages:  # Ollama's way to load a model, or to unload it with keep_alive 0
+            if body.unloads():
+                await service.unload()
+                return shape.status("unload")
+            await service.load(model_id)
+            reply = shape.status("load")
+        else:
+            reply = await answer(service, request, shape, model_id, messages, body.engine(), body.schema_dict(),
+                                 body.stream, tools)
+        seconds = body.keep_seconds()
+        if seconds == 0:  # after this reply: a stream holds its turn until it ends
+            service.schedule_unload() if body.stream else await service.unload()
+        elif seconds is not None:
+            service.unload_after(seconds)
+        return reply
+
+    @api.post("/api/chat", description="Ollama's chat; NDJSON chunks unless stream is false")
+    async def chat(body: ChatRequest, request: Request):
+        messages = llm_messages(chat_messages(body.messages), service.replies.known)
+        return await run(request, body, OllamaChatShape(body.model), messages, openai_tools.function_specs(body.tools))
+
+    @api.post("/api/generate", description="Ollama's completion; NDJSON chunks unless stream is false")
+    async def generate(body: GenerateRequest, request: Request):
+        if not body.prompt:
+            messages = []
+        elif body.raw:
+            messages = [raw_message(body.prompt)]
+        else:
+            system = [ChatMessage(role="system", content=body.system)] if body.system else []
+            messages = llm_messages(system + [ChatMessage(role="user", content=body.prompt)], service.replies.known)
+        return await run(request, body, GenerateShape(body.model), messages)
+
+    @api.get("/api/tags", description="The models served, as Ollama lists them")
+    async def tags() -> dict:
+        return {"models": [listed(i) for i in model_ids()]}
+
+    @api.post("/api/show", description="What a model's checkpoint says about it")
+    async def show(body: ShowRequest) -> dict:
+        found = checkpoint(service.model_for(body.model))
+        template = found.template if found else ""
+        capabilities = ["completion"] + [c for c, mark in (("tools", "tools"), ("thinking", "think"))
+                                         if mark in template]  # what the chat template reads
+        info = {"general.architecture": found.family if found else ""}
+        if found is not None and found.context_length:
+            info[f"{found.family}.context_length"] = found.context_length
+        return {"modelfile": "", "parameters": "", "template": template, "details": details(found),
+                "model_info": info, "capabilities": capabilities,
+                **({"modified_at": stamp(found.modified_at)} if found else {})}
+
+    @api.get("/api/ps", description="The model loaded now, if any")
+    async def ps() -> dict:
+        from ...engine.manager import get_manager
+
+        engine = get_manager()
+        if engine.state != "loaded" or service.model_id is None:
+            return {"models": []}
+        due = service.unload_due
+        expires = stamp(due) if due is not None else "9999-12-31T23:59:59Z"  # loaded until told
+        return {"models": [{**listed(service.model_id), "expires_at": expires, "size_vram": 0,
+                            "context_length": load_settings().max_context}]}
+
+    @api.get("/api/version")
+    async def ollama_version() -> dict:
+        return {"version": version("llm-mlx-streaming")}
+
+    for name in REFUSED:
+        api.add_api_route(f"/api/{name}", _refusal(name), methods=["POST", "DELETE"] if name == "delete" else ["POST"],
+                          include_in_schema=False)
+    return api
+
+
+def _refusal(name: str):
+    async def refuse() -> None:
+        raise ApiError(400, f"/api/{name} is not served: this server runs the models added with `llm mlxs add` "
+                       "(see /api/tags)")
+
+    return refuse

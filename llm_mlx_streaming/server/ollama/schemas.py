@@ -1,0 +1,190 @@
+"""Request bodies of Ollama's API (`/api/chat`, `/api/generate`, `/api/show`).
+
+Ollama's `options` that map onto this engine are declared under Ollama's names
+(num_predict, repeat_penalty, ...) beside the engine options under their own names
+(expert_slots, k, ...; from knobs.py); Ollama's options that change nothing here are
+accepted only at their no-op value, and any other field is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal, Optional, Union
+
+from pydantic import Field, field_validator, model_validator
+
+from ...options.knobs import BY_NAME, REPETITION_CONTEXT
+from ..openai.tools import ToolSpec
+from ..openai.schemas import StrictModel, engine_fields
+
+# Engine options this API has under its own name: max_tokens is num_predict, repetition_penalty
+# is repeat_penalty, max_context is num_ctx, thinking and top_logprobs are top-level fields;
+# tool_choice has no Ollama spelling.
+RENAMED = ("max_tokens", "repetition_penalty", "max_context", "thinking", "top_logprobs", "tool_choice",
+           "parallel_tool_calls")
+NO_OP_OPTIONS = {"repeat_last_n": (REPETITION_CONTEXT,), "presence_penalty": (0,), "frequency_penalty": (0,),
+                 "typical_p": (1,), "tfs_z": (1,), "mirostat": (0,)}
+
+OllamaEngineOptions = engine_fields("OllamaEngineOptions", exclude=RENAMED)
+
+
+class Options(OllamaEngineOptions):
+    num_predict: Optional[int] = Field(None, ge=-2, description="Most tokens generated; -1 or -2: until the "
+                                       "context (max_context) is full")
+    repeat_penalty: Optional[float] = Field(None, description=BY_NAME["repetition_penalty"].description,
+                                            **BY_NAME["repetition_penalty"].bounds)
+    num_ctx: Optional[int] = Field(None, description=BY_NAME["max_context"].description,
+                                   **BY_NAME["max_context"].bounds)
+    repeat_last_n: Optional[int] = Field(None, description=f"Only {REPETITION_CONTEXT}, the window of repeat_penalty")
+    presence_penalty: Optional[float] = Field(None, description="Only 0")
+    frequency_penalty: Optional[float] = Field(None, description="Only 0")
+    typical_p: Optional[float] = Field(None, description="Only 1")
+    tfs_z: Optional[float] = Field(None, description="Only 1")
+    mirostat: Optional[int] = Field(None, description="Only 0")
+
+    @field_validator("num_predict")
+    @classmethod
+    def _generates_something(cls, value):
+        if value == 0:
+            raise ValueError("0 generates nothing; -1 or -2: until the context is full")
+        return value
+
+    @model_validator(mode="after")
+    def _no_ops_only(self):
+        for name, allowed in NO_OP_OPTIONS.items():
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
+                raise ValueError(f"{name} {value!r} is not supported by this server (accepted: {allowed[0]})")
+        return self
+
+    def engine(self) -> dict:
+        """The plugin's options these set."""
+        fields = {k: getattr(self, k) for k in self.model_fields_set
+                  if k in OllamaEngineOptions.model_fields and getattr(self, k) is not None}
+        if self.num_predict is not None:
+            fields["max_tokens"] = -1 if self.num_predict < 0 else self.num_predict
+        if self.repeat_penalty is not None:
+            fields["repetition_penalty"] = self.repeat_penalty
+        if self.num_ctx is not None:
+            fields["max_context"] = self.num_ctx
+        return fields
+
+
+KeepAlive = Union[float, str]
+_DURATION = re.compile(r"^(-?\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)?$")
+_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600, None: 1}
+
+
+def keep_alive_seconds(value: KeepAlive) -> float:
+    """Seconds of a keep_alive (a number of seconds or a duration like 5m); ValueError if not one."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    match = _DURATION.match(value.strip())
+    if not match:
+        raise ValueError(f"{value!r} is not a duration (like 0, 5m, -1)")
+    return float(match.group(1)) * _SECONDS[match.group(2)]
+
+
+class _Generation(StrictModel):
+    model: str = Field(min_length=1, description="A model from /api/tags")
+    stream: bool = Field(True, description="NDJSON chunks (the default), or one body with false")
+    format: Union[Literal["", "json"], dict[str, Any], None] = Field(
+        None, description="json or a JSON schema: the reply is constrained to it")
+    options: Optional[Options] = None
+    keep_alive: Optional[KeepAlive] = Field(None, description="How long the model stays loaded after this "
+                                            "request (seconds, or a duration like 5m): 0 unloads it now; negative, "
+                                            "or left out: until told (another request cancels a pending unload)")
+    think: Optional[bool] = Field(None, description="The chat template's thinking switch; the reasoning "
+                                  "comes as `thinking`")
+    logprobs: Optional[bool] = Field(None, description="true: each generated token's log-probability "
+                                     "(`logprobs`; streamed: in the last line)")
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20, description="With logprobs: this many most likely "
+                                        "alternatives of each token")
+
+    @field_validator("keep_alive")
+    @classmethod
+    def _a_duration(cls, value):
+        if value is not None:
+            keep_alive_seconds(value)
+        return value
+
+    @model_validator(mode="after")
+    def _top_logprobs_with_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs true")
+        return self
+
+    def schema_dict(self) -> Optional[dict]:
+        if self.format == "json":
+            return {"type": "object"}
+        return self.format or None
+
+    def keep_seconds(self) -> Optional[float]:
+        """Seconds the model stays loaded after this request; None: until told."""
+        if self.keep_alive is None or keep_alive_seconds(self.keep_alive) < 0:
+            return None
+        return keep_alive_seconds(self.keep_alive)
+
+    def unloads(self) -> bool:
+        return self.keep_seconds() == 0
+
+    def engine(self) -> dict:
+        fields = self.options.engine() if self.options else {}
+        if self.think is not None:
+            fields["thinking"] = self.think
+        if self.logprobs:
+            fields["top_logprobs"] = self.top_logprobs or 0
+        return fields
+
+
+class CalledFunction(StrictModel):
+    name: str
+    arguments: dict[str, Any]
+    index: Optional[int] = None
+
+
+class ToolCall(StrictModel):
+    function: CalledFunction
+
+
+class Message(StrictModel):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    thinking: Optional[str] = Field(None, description="An assistant message's reasoning")
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_name: Optional[str] = Field(None, description="A tool message's tool")
+
+    @model_validator(mode="after")
+    def _fields_of_its_role(self):
+        if (self.tool_calls or self.thinking) and self.role != "assistant":
+            raise ValueError("tool_calls and thinking: only in an assistant message")
+        if self.tool_name is not None and self.role != "tool":
+            raise ValueError("tool_name: only in a tool message")
+        return self
+
+
+class ChatRequest(_Generation):
+    messages: list[Message] = Field(default_factory=list, description="None: load the model (or unload "
+                                    "it, with keep_alive 0)")
+    tools: Optional[list[ToolSpec]] = None
+
+
+class GenerateRequest(_Generation):
+    prompt: str = Field("", description="Empty: load the model (or unload it, with keep_alive 0)")
+    system: Optional[str] = None
+    raw: bool = Field(False, description="true: the prompt is encoded as it is, without the chat template")
+
+    @model_validator(mode="after")
+    def _raw_alone(self):
+        if self.raw and self.system is not None:
+            raise ValueError("system: a raw prompt has no template to put it in")
+        return self
+
+
+class ShowRequest(StrictModel):
+    model: str = Field(min_length=1)
+    verbose: Optional[bool] = Field(None, description="Accepted; the answer is the same (no tensor list)")
+
+
+class OllamaError(StrictModel):
+    error: str

@@ -1,0 +1,51 @@
+"""OpenAI's routes: /v1/models, /v1/chat/completions and /v1/completions.
+
+A request becomes llm's messages and the plugin's options and runs the gated path
+(turns.py); shapes.py lays out the answer.
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Depends, Request
+
+from ...options.registry import model_ids
+from ...prompt.messages import llm_messages, raw_message
+from ..turns import answer
+from .schemas import (ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse, ModelList,
+                      engine_option_names)
+from .shapes import ChatCompletionShape, CompletionShape
+from .tools import function_specs
+
+
+def router(service) -> APIRouter:
+    errors = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 422, 503)}
+    api = APIRouter(dependencies=[Depends(service.check_api_key)], tags=["OpenAI"], responses=errors)
+
+    async def generate(request: Request, body, shape, messages: list, tools=()):
+        """Answer `body` (its engine fields give the plugin's options, among them
+        tool_choice and parallel_tool_calls) with `messages` (llm's) and `tools` (function specs)."""
+        model_id = service.model_for(body.model)
+        schema = body.response_format.schema_dict() if body.response_format else None
+        return await answer(service, request, shape(model_id, body), model_id, messages,
+                            body.engine_fields(engine_option_names()), schema, body.stream, tools)
+
+    @api.get("/v1/models", response_model=ModelList)
+    async def models() -> dict:
+        created = int(time.time())
+        return {"object": "list", "data": [{"id": i, "object": "model", "created": created, "owned_by": "mlx-stream"}
+                                           for i in model_ids()]}
+
+    @api.post("/v1/chat/completions", responses={200: {"model": ChatCompletion, "description":
+              "The reply, or with stream: true an SSE stream of chat.completion.chunk objects"}})
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        messages = llm_messages(body.messages, service.replies.known)
+        return await generate(request, body, ChatCompletionShape, messages, function_specs(body.tools))
+
+    @api.post("/v1/completions", responses={200: {"model": Completion, "description":
+              "The text, or with stream: true an SSE stream of text_completion objects"}})
+    async def completions(body: CompletionRequest, request: Request):
+        return await generate(request, body, CompletionShape, [raw_message(body.text())])
+
+    return api

@@ -1,0 +1,102 @@
+"""OpenAI's tool fields: the function specs, `tool_choice`, and the calls in messages
+and replies, as pydantic models, turned into what the plugin takes (llm `Tool`s, the
+`tool_choice` option, {"id", "name", "arguments"} calls)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ...prompt.tools import function_spec
+
+STRICT = ConfigDict(extra="forbid")
+
+
+class FunctionSpec(BaseModel):
+    model_config = STRICT
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: Optional[str] = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}},
+                                       description="A JSON schema of the arguments")
+    strict: Optional[bool] = Field(None, description="A call forced by tool_choice required or a name "
+                                   "always follows the schema (constrained decoding); with auto the "
+                                   "model is not constrained")
+
+
+class ToolSpec(BaseModel):
+    model_config = STRICT
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    model_config = STRICT
+
+    name: str
+
+    @field_validator("name")
+    @classmethod
+    def _not_a_mode(cls, value: str) -> str:
+        if value in ("auto", "none", "required"):  # the option would read it as the mode
+            raise ValueError(f"a tool named {value!r} cannot be chosen by name")
+        return value
+
+
+class NamedToolChoice(BaseModel):
+    model_config = STRICT
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Union[Literal["auto", "none", "required"], NamedToolChoice]
+
+
+class CalledFunction(BaseModel):
+    model_config = STRICT
+
+    name: str
+    arguments: str = Field(description="The arguments, a JSON object as text")
+
+    @field_validator("arguments")
+    @classmethod
+    def _a_json_object(cls, value: str) -> str:
+        try:
+            parsed = json.loads(value or "{}")
+        except json.JSONDecodeError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise ValueError("the arguments must be a JSON object as text")
+        return value
+
+
+class ToolCall(BaseModel):
+    model_config = STRICT
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+    def call(self) -> dict:
+        """The call as the plugin takes it: {"id", "name", "arguments": dict}."""
+        return {"id": self.id, "name": self.function.name, "arguments": json.loads(self.function.arguments or "{}")}
+
+
+def function_specs(specs: Optional[list[ToolSpec]]) -> list[dict]:
+    """The request's tools as the chat template's function specs (the server never runs them)."""
+    return [function_spec(s.function.name, s.function.description, s.function.parameters) for s in specs or []]
+
+
+def choice_option(choice: Optional[ToolChoice]) -> Optional[str]:
+    """`tool_choice` as the plugin's option: auto, none, required or the tool's name."""
+    return choice.function.name if isinstance(choice, NamedToolChoice) else choice
+
+
+def reply_calls(calls) -> list[dict]:
+    """A reply's calls (reply.events.ToolCall) in OpenAI's layout."""
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_text}}
+            for c in calls]
