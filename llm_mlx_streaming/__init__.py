@@ -14,7 +14,8 @@ from .plugin.logs_db import prepare_logs_db
 def register_models(register):
     from .plugin.async_model import MlxStreamAsyncModel
     from .plugin.model import MlxStreamModel
-    from .options.settings import BUNDLED_NAME, load_settings
+    from .options.knobs import BUNDLED_NAME
+    from .options.settings import load_settings
 
     # Each id has a sync and an async model; both share the one engine.
     register(MlxStreamModel(), MlxStreamAsyncModel())

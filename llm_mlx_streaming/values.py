@@ -21,7 +21,22 @@ KV_GROUP_SIZES = (32, 64, 128)  # the group sizes mx.quantize accepts
 MAX_K = 32  # a pass of more positions than this is a prefill, not a verification
 MIN_PREFILL_STEP = 16
 OVERLAP_MODES = ("auto", "on", "off")  # experts/prefetch.py: when decode reads overlap compute
+PAGE_CACHE_MODES = ("keep", "bypass")  # experts/store.py: whether reads go through the OS page cache
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def one_of(name: str, value, choices) -> str:
+    """`value` if it is one of `choices`, else a ValueError naming them."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def at_least_one(name: str, value) -> int:
+    """`value` if it is an integer of at least 1, else a ValueError."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an integer of at least 1, got {value!r}")
+    return value
 
 
 def parse_switch(value):

@@ -15,7 +15,7 @@ from mlx_lm.utils import load_model
 
 from llm_mlx_streaming.engine.loading import load_streaming
 from llm_mlx_streaming.experts.index import CheckpointIndex
-from llm_mlx_streaming.speculation.mtp_head import NoHeadError, loaded_head, mtp_head
+from llm_mlx_streaming.speculation.mtp_head import ATTACHMENT, NoHeadError, mtp_head
 
 HEADS = [("deepseek_v3", None), ("deepseek_v3", "4bit"), ("qwen3_next", None),
          ("qwen3_next", "8bit"), ("glm4_moe", "4bit")]
@@ -83,14 +83,14 @@ def _reference(path, arch, tokens, hidden):
     import sys
 
     from mlx_lm.models.base import create_attention_mask
-    from mlx_lm.utils import _get_classes
+    from llm_mlx_streaming.checkpoints.classes import model_classes
 
     config = json.loads((path / "config.json").read_text())
     weights = {}
     for file in path.glob("model*.safetensors"):
         weights.update(mx.load(str(file)))
     eps = config["rms_norm_eps"]
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     args = args_class.from_dict(config)
     module = sys.modules[model_class.__module__]
     embedded = weights["model.embed_tokens.weight"][tokens]
@@ -166,7 +166,7 @@ def test_a_checkpoint_without_a_head_is_one_line(build, arch, kwargs, says):
         with pytest.raises(NoHeadError, match=says) as raised:
             mtp_head(loaded)
         assert "\n" not in str(raised.value) and "MTP" in str(raised.value)
-        assert loaded_head(loaded) is None
+        assert ATTACHMENT not in loaded.attachments
     finally:
         loaded.store.close()
 
@@ -283,7 +283,7 @@ def test_a_damaged_head_is_one_line(build, tmp_path):
     try:
         with pytest.raises(DraftError, match=r"model\.layers\.2\.hnorm\.weight.*\[32\]") as raised:
             _drafter(loaded)
-        assert "\n" not in str(raised.value) and loaded_head(loaded) is None
+        assert "\n" not in str(raised.value) and ATTACHMENT not in loaded.attachments
     finally:
         loaded.store.close()
 
@@ -328,7 +328,7 @@ def test_engine_greedy_with_draft_mtp_equals_plain_decoding(build, arch, quant):
                 assert drafter.cache.offset == len(drafter.seen) - 1 - drafter.start
             follow = prompt + plain + [97, 230]
             assert _run(engine, follow, k=3, draft="mtp")[0] == _run(engine, follow, k=0)[0]
-            head = loaded_head(engine.loaded).pool
+            head = engine.loaded.attachments[ATTACHMENT].pool
             assert head.counters.hits + head.counters.misses > 0
             assert engine.bad_slots() == 0
         finally:

@@ -14,10 +14,10 @@ from mlx_lm.utils import load_model
 from exactness import greedy_tokens, logits_trace, prompt_tokens, vocab_size
 from fixtures.factory import ARCHITECTURES, supported_quants
 from llm_mlx_streaming.engine.loading import load_streaming
+from llm_mlx_streaming.experts.prefetch import Overlap
 from llm_mlx_streaming.engine.provider import EngineError, ModelProvider
 from llm_mlx_streaming.experts import prefetch, switch
 from llm_mlx_streaming.experts.pool import ExpertPool
-from llm_mlx_streaming.experts.prefetch import check_overlap
 from test_faults import assert_pool_sound, interrupt_each_line
 
 EXPERTS, TOP_K, SLOTS = 16, 4, 6
@@ -210,7 +210,7 @@ def test_auto_overlaps_where_reads_wait_on_the_disk_and_not_where_the_page_cache
 
 def test_a_bad_overlap_is_one_line(build):
     with pytest.raises(ValueError) as e:
-        check_overlap("sometimes")
+        Overlap("sometimes")
     assert str(e.value) == "overlap must be one of auto, on, off, got 'sometimes'"
     path = build("qwen3_moe", quant="4bit", num_experts=EXPERTS, top_k=TOP_K)
     with pytest.raises(EngineError) as e:

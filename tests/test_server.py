@@ -90,6 +90,32 @@ def in_thread(fn, *args):
 # -- the OpenAI API ------------------------------------------------------------------
 
 
+def test_a_server_request_never_goes_through_llms_models(served, monkeypatch):
+    """Every API's route drives the reply core itself: llm's model registry is never asked."""
+    import llm
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the server looked a model up through llm")
+
+    for name in ("get_model", "get_async_model", "get_models_with_aliases"):
+        monkeypatch.setattr(llm, name, refuse)
+    ask = [{"role": "user", "content": "hello there"}]
+    streamed = urllib.request.Request(served.server.url + "/v1/chat/completions", method="POST",
+                                      data=json.dumps(chat_body("hello there", stream=True)).encode(),
+                                      headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(streamed, timeout=60) as resp:
+        assert resp.read().endswith(b"data: [DONE]\n\n")
+    for path, body in (("/v1/chat/completions", chat_body("hello there")),
+                       ("/v1/completions", {"model": "mlx-stream", "prompt": "hello", "max_tokens": 4}),
+                       ("/v1/messages", {"model": "mlx-stream", "max_tokens": 4, "messages": ask}),
+                       ("/v1/messages/count_tokens", {"model": "mlx-stream", "messages": ask}),
+                       ("/api/chat", {"model": "mlx-stream", "messages": ask, "stream": False,
+                                      "options": {"num_predict": 4}})):
+        status, _, reply = call(served, "POST", path, body)
+        assert status == 200, (path, reply)
+    assert call(served, "GET", "/v1/models")[0] == 200
+
+
 def test_openai_client_matches_in_process_greedy(served):
     c = client(served)
     ids = [m.id for m in c.models.list().data]

@@ -119,12 +119,12 @@ def decoder_shape(config: dict) -> tuple[int, int, int]:
 @functools.lru_cache(maxsize=16)
 def _decoder_shape(config_json: str) -> tuple[int, int, int]:
     import mlx.nn as nn
-    from mlx_lm.utils import _get_classes
+    from .classes import model_classes
 
     config = json.loads(config_json)
     heads = int(config_field(config, ("num_attention_heads", "num_heads", "n_heads", "n_head")) or 1)
     try:
-        model_class, args_class = _get_classes(config)
+        model_class, args_class = model_classes(config)
         model = model_class(args_class.from_dict(config))
         widths = [m.weight.shape[1] for _, m in model.named_modules() if isinstance(m, nn.Embedding)]
         return len(model.layers), max(widths), heads
@@ -150,13 +150,13 @@ def _hidden_size(model, block, attr: str, experts: int) -> int:
 def _moe_model(config_json: str) -> tuple[tuple[int, int] | None, tuple[str, ...]]:
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes
+    from .classes import model_classes
 
     from ..experts.switch import expert_containers
 
     config = json.loads(config_json)
     try:
-        model_class, args_class = _get_classes(config)
+        model_class, args_class = model_classes(config)
         model = model_class(args_class.from_dict(config))
     except Exception as e:  # mlx-lm's own error, whatever its type
         raise CheckpointError(
@@ -235,10 +235,10 @@ def check_checkpoint(path: Path) -> dict:
 
 
 def _check_model_type(config: dict, config_file: Path) -> None:
-    from mlx_lm.utils import _get_classes
+    from .classes import model_classes
 
     try:
-        _get_classes(config)
+        model_classes(config)
     except (ValueError, ImportError):
         from importlib.metadata import version
 

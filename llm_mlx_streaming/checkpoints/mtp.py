@@ -151,12 +151,12 @@ def output_head(model):
 
 def build_head(config: dict) -> MTPHead:
     """An MTP head of mlx-lm's layer classes for `config` (weights not loaded)."""
-    from mlx_lm.utils import _get_classes
+    from .classes import model_classes
 
     arch = config["model_type"]
     if arch not in HEAD_ARCHITECTURES:
         raise ValueError(f"{arch} has no MTP head; architectures with one: {HEAD_ARCHITECTURES}")
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     module = sys.modules[model_class.__module__]
     return MTPHead(arch, args_class.from_dict(config), getattr(module, _DECODER_LAYER[arch]))
 
@@ -166,9 +166,9 @@ def classes_without_head(config: dict):
     dropping MTP head tensors: mlx-lm drops them itself only in the layouts it expects
     (deepseek_v3 only for layer 61, qwen3_next only with unstacked experts), and its
     strict load would otherwise refuse a converted checkpoint that kept its head."""
-    from mlx_lm.utils import _get_classes
+    from .classes import model_classes
 
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     if not declared_layers(config):
         return model_class, args_class
     return _WITHOUT_HEAD.setdefault(model_class, _subclass_without_head(model_class)), args_class

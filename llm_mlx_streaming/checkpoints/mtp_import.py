@@ -99,9 +99,9 @@ def _read_head(source: Path, prefix: str) -> dict:
 def _mlx_layout(arch: str, config: dict, weights: dict) -> dict:
     """Head tensors (relative names, Hugging Face layout) converted by mlx-lm's sanitize,
     run as if the head were decoder layer 0 of a one-layer model."""
-    from mlx_lm.utils import _get_classes
+    from .classes import model_classes
 
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     model = SimpleNamespace(args=args_class.from_dict({**config, "num_hidden_layers": 1}))
     layer = "layers.0." if arch == "qwen3_next" else ""
     renamed = {}
@@ -141,9 +141,9 @@ def _dense_dtype(model_dir: Path, config: dict):
 
 def _model_predicate(config: dict):
     """The model class's per-path quantization choices (e.g. 8-bit routers), if any."""
-    from mlx_lm.utils import _get_classes
+    from .classes import model_classes
 
-    prop = getattr(_get_classes(config)[0], "quant_predicate", None)
+    prop = getattr(model_classes(config)[0], "quant_predicate", None)
     return prop.fget(None) if isinstance(prop, property) else None
 
 

@@ -45,9 +45,9 @@ def moe_modules() -> tuple[str, ...]:
 
 def model_module(config: dict) -> str:
     """The mlx-lm module that builds `config`, resolved as mlx_lm.load resolves it."""
-    from mlx_lm.utils import _get_classes
+    from .classes import model_classes
 
-    return _get_classes(config)[0].__module__.rpartition(".")[2]
+    return model_classes(config)[0].__module__.rpartition(".")[2]
 
 
 def unsupported_reason(config: dict) -> str | None:

@@ -8,7 +8,8 @@ import click
 
 from ..options import registry
 from ..errors import SettingsError
-from ..options.settings import BUNDLED_NAME, CONFIG_KEYS, Settings, budget_bytes, check_setting_name, explicit_keys, load_settings, set_value, settings_path, unset_value
+from ..options.knobs import BUNDLED_NAME
+from ..options.settings import CONFIG_KEYS, Settings, budget_bytes, check_setting_name, explicit_keys, load_settings, set_value, settings_path, unset_value
 
 from .group import mlxs
 from ..sizes import format_size

@@ -7,7 +7,8 @@ from pathlib import Path
 from ..options import registry
 from ..checkpoints.config import read_config
 from ..errors import SettingsError
-from ..options.settings import BUNDLED_NAME, Settings
+from ..options.knobs import BUNDLED_NAME
+from ..options.settings import Settings
 
 
 def find_checkpoint(name: str | None, settings: Settings) -> tuple[str, Path, object]:

@@ -12,7 +12,8 @@ import llm
 from ..options import registry
 from ..checkpoints.config import check_checkpoint, describe, read_config
 from ..errors import CheckpointError, SettingsError, one_line
-from ..options.settings import BUNDLED_NAME, Settings, load_settings
+from ..options.knobs import BUNDLED_NAME
+from ..options.settings import Settings, load_settings
 
 from .group import mlxs
 from ..sizes import format_size

@@ -12,7 +12,8 @@ from ..options import registry
 from ..engine.planner import DEFAULT_HIT_RATES, default_reserve
 from ..errors import MlxStreamError, SettingsError, one_line
 from ..options.run_config import budget_value, kv_spec
-from ..options.settings import AUTO_BUDGET_SHARE, BUNDLED_NAME, budget_bytes, load_settings
+from ..options.knobs import AUTO_BUDGET_SHARE, BUNDLED_NAME
+from ..options.settings import budget_bytes, load_settings
 from ..sizes import format_size
 
 from .group import mlxs

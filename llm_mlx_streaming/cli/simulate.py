@@ -10,7 +10,8 @@ import click
 
 from ..options import registry
 from ..errors import MlxStreamError, SettingsError, one_line
-from ..options.settings import POLICIES, load_settings, trace_file, traces_dir
+from ..options.knobs import POLICY_NAMES
+from ..options.settings import load_settings, trace_file, traces_dir
 
 from .group import mlxs
 from ..sizes import format_size
@@ -89,7 +90,7 @@ def _int_list(text: str, what: str) -> list[int]:
 @mlxs.command(short_help="Replay a routing trace: hit rates of each policy and Belady.")
 @click.argument("trace")
 @click.option("--slots", help="Comma-separated slot counts, e.g. 8,16,32 (default: a sweep from top_k up)")
-@click.option("--policies", default=",".join(POLICIES), show_default=True, help="Comma-separated policies to compare with LRU and Belady")
+@click.option("--policies", default=",".join(POLICY_NAMES), show_default=True, help="Comma-separated policies to compare with LRU and Belady")
 @click.option("--phase", type=click.Choice(["decode", "prefill"]), default="decode", show_default=True, help="Which recorded phase to replay")
 @click.option("json_", "--json", is_flag=True, help="Output as JSON")
 def simulate(trace, slots, policies, phase, json_):

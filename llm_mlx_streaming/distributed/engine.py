@@ -178,6 +178,8 @@ class PipelineEngine(EngineManager):
         if out is not None:
             out.put("error", EngineError(f"{self.broken}; restart the ranks"))
 
+    batches = False  # every rank steps each generation in lockstep
+
     def steps(self, responses):
         """Tells the other ranks the request as its first forward is about to run."""
         self._say(self._request)

@@ -17,9 +17,9 @@ from typing import Any
 from .. import syncs
 from ..stops import StopMatcher
 from . import figures as fig
-from .generation import Channel, Started
+from .generation import Channel
 from .request import Injected, Request
-from .respond import cache_from_disk, disk_cache_for, kv_layout, save_to_disk, stopped, token_budget, token_logprobs
+from .respond import begin, save_to_disk, stopped, token_logprobs
 from .planner import PREFILL_STEP
 
 TILE = 2048  # longer chunks take TiledAttention's path, written for one sequence's cache
@@ -89,24 +89,16 @@ class Batch:
         from mlx_lm.generate import StopSequences
 
         engine = self.engine
-        loaded, session = engine.loaded, engine.session
-        prompt = [int(t) for t in request.prompt]
-        max_tokens = token_budget(prompt, request, engine.max_tokens, engine.context_length)
-        kv, kv_note = kv_layout(loaded, request.kv)
-        cache, new_tokens, reused = session.reuse_for(prompt, kv)
-        disk = disk_cache_for(engine, request, kv, engine.carried)
-        cache, new_tokens, reused, from_disk = cache_from_disk(disk, session, loaded, prompt, kv, cache, new_tokens,
-                                                          reused)
-        session.reset()  # the batch owns that cache now; a later request must not trim it
-        out.put("started", Started(loaded.tokenizer, engine.checkpoint, prompt, reused))
-        tokenizer = loaded.tokenizer
+        b = begin(engine, request, out, engine.carried, engine.max_tokens)
+        engine.session.reset()  # the batch owns that cache now; a later request must not trim it
+        tokenizer = engine.loaded.tokenizer
         (uid,) = self.generator.insert_segments(
-            [[new_tokens]], max_tokens=[max_tokens], caches=[cache], all_tokens=[prompt[:reused]],
+            [[b.new_tokens]], max_tokens=[b.max_tokens], caches=[b.cache], all_tokens=[b.prompt[:b.reused]],
             samplers=[request.make_sampler()], logits_processors=[list(request.logits_processors)],
             stop_sequences=[StopSequences([[t] for t in tokenizer.eos_token_ids])],
         )
-        self.members[uid] = Member(request, out, prompt, reused, len(new_tokens), kv, kv_note, disk, from_disk,
-                                   StopMatcher(request.stop), tokenizer.detokenizer, engine.counters())
+        self.members[uid] = Member(request, out, b.prompt, b.reused, len(b.new_tokens), b.kv, b.kv_note, b.disk,
+                                   b.from_disk, StopMatcher(request.stop), tokenizer.detokenizer, engine.counters())
 
     def step(self) -> None:
         """One pass: every member's next token, then the next chunk of a new member's

@@ -75,14 +75,6 @@ def check_values(bits, group_size, start) -> None:
 FULL_PRECISION = KVSpec()
 
 
-def parse_bits(value) -> Optional[int]:
-    """A kv_bits value as typed ("off", "4", 8, None) -> None or an int; KVError otherwise."""
-    try:
-        return values.kv_bits(value)
-    except ValueError as exc:
-        raise KVError(f"kv_bits {exc}") from None
-
-
 # -- what a model allows -------------------------------------------------------------
 
 

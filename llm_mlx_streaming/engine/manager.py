@@ -16,14 +16,11 @@ from pathlib import Path
 
 from .. import syncs
 from . import figures, worker
-from .figures import peak_rss_bytes, store_in_use
 from .generation import Channel, Generation, Started
 from .provider import EngineError, LoadError, ModelProvider
 from .request import LoadSpec, Request
 from .batch import Batch, admit_or_refuse, alone_reason
 from .respond import Carried, respond
-
-__all__ = ["EngineError", "EngineManager", "LoadError", "get_manager", "peak_rss_bytes", "store_in_use"]
 
 
 class EngineManager(ModelProvider):
@@ -92,8 +89,7 @@ class EngineManager(ModelProvider):
             if load is not None:
                 self.load_spec(load)
             self.require_loaded()
-            # a provider that steps its generations itself (a pipeline rank) runs them alone
-            if alone_reason(request, self.loaded.model) is None and type(self).steps is ModelProvider.steps:
+            if self.batches and alone_reason(request, self.loaded.model) is None:
                 return self._batch(load, request, out)
             stats = respond(self, request, out, self.carried, self.max_tokens)
             self.finished(stats)
@@ -150,7 +146,4 @@ def get_manager() -> EngineManager:
 
 def use_manager(engine: EngineManager) -> None:
     """Make `engine` the process-wide one (a pipeline's rank 0), before anything used it."""
-    with _manager._lock:
-        if _manager._value is not None and _manager._value is not engine:
-            raise RuntimeError("the process-wide engine is already in use")
-        _manager._value = engine
+    _manager.set(engine)

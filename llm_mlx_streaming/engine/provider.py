@@ -9,8 +9,10 @@ changes that do not need a reload. Every change runs under its lock, so no gener
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
+from .. import values
 from ..errors import CheckpointError, one_line
 from ..experts.policies import DEFAULT_POLICY, POLICIES
 from ..experts.pool import PoolCounters
@@ -170,6 +172,8 @@ class ModelProvider:
         if self.state != "loaded":
             raise EngineError(self.error or "no model is loaded")
 
+    batches = True  # a provider that steps its generations itself (a pipeline rank) runs them alone
+
     def steps(self, responses):
         """The responses of one generation as respond() reads them; a pipeline rank
         wraps them to step in lockstep with the other ranks."""
@@ -210,35 +214,36 @@ def _limit_buffer_cache(loaded) -> None:
 
 def _check_params(expert_slots, policy) -> None:
     counts = expert_slots if isinstance(expert_slots, (list, tuple)) else [expert_slots]
-    for n in counts:
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-            raise EngineError(f"expert_slots must be an integer of at least 1, got {n!r}")
-    if policy not in POLICIES:
-        raise EngineError(f"unknown policy {policy!r}: choose one of {', '.join(sorted(POLICIES))}")
+    with _as_engine_error():
+        for n in counts:
+            if n is not None:
+                values.at_least_one("expert_slots", n)
+        values.one_of("policy", policy, POLICIES)
 
 
 def _io_params(threads, page_cache, packed) -> dict:
     """The read settings with the loader's defaults filled in; a bad one is an EngineError."""
-    from ..experts.store import DEFAULT_THREADS, check_page_cache
+    from ..experts.store import DEFAULT_THREADS
 
     threads = DEFAULT_THREADS if threads is None else threads
-    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
-        raise EngineError(f"threads must be an integer of at least 1, got {threads!r}")
     page_cache = page_cache or "keep"
-    try:
-        check_page_cache(page_cache)
-    except ValueError as e:
-        raise EngineError(str(e)) from None
+    with _as_engine_error():
+        values.at_least_one("threads", threads)
+        values.one_of("page_cache", page_cache, values.PAGE_CACHE_MODES)
     return {"threads": threads, "page_cache": page_cache, "packed": True if packed is None else bool(packed)}
 
 
 def _overlap_mode(overlap) -> str:
     """`overlap` with the loader's default filled in; a bad one is an EngineError."""
-    from ..experts.prefetch import check_overlap
-
     overlap = overlap or "auto"
+    with _as_engine_error():
+        values.one_of("overlap", overlap, values.OVERLAP_MODES)
+    return overlap
+
+
+@contextmanager
+def _as_engine_error():
     try:
-        check_overlap(overlap)
+        yield
     except ValueError as e:
         raise EngineError(str(e)) from None
-    return overlap

@@ -48,15 +48,9 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
     from ..speculation import start as spec
 
     loaded, session = provider.loaded, provider.session
-    prompt = [int(t) for t in request.prompt]
-    max_tokens = token_budget(prompt, request, default_max_tokens, provider.context_length)
-    for processor in request.budget_aware:  # constrained decoding closes within it
-        processor.limit_tokens(max_tokens)
-    kv, kv_note = kv_layout(loaded, request.kv)
-    cache, new_tokens, reused = session.reuse_for(prompt, kv)
-    disk = disk_cache_for(provider, request, kv, carried)
-    cache, new_tokens, reused, from_disk = cache_from_disk(disk, session, loaded, prompt, kv, cache, new_tokens, reused)
-    out.put("started", Started(loaded.tokenizer, provider.checkpoint, prompt, reused))
+    begun = begin(provider, request, out, carried, default_max_tokens)
+    prompt, max_tokens, kv, kv_note = begun.prompt, begun.max_tokens, begun.kv, begun.kv_note
+    cache, new_tokens, reused, disk, from_disk = begun.cache, begun.new_tokens, begun.reused, begun.disk, begun.from_disk
 
     prefill_step = request.prefill_step or PREFILL_STEP
     try:
@@ -124,6 +118,38 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
         _write_trace(recorder, request.trace_path, provider.checkpoint.name, stats, carried.warned)
     save_to_disk(disk, session, from_disk, stats, carried.warned)
     return stats
+
+
+@dataclass
+class Begun:
+    """What a generation starts from: its prompt and token budget, its KV layout, and the
+    cached prefix it reuses (from the session, or the conversation cache on disk)."""
+
+    prompt: list[int]
+    max_tokens: int
+    kv: Any
+    kv_note: Any
+    cache: Any
+    new_tokens: list[int]
+    reused: int
+    disk: Any
+    from_disk: int
+
+
+def begin(provider: ModelProvider, request: Request, out: Channel, carried: Carried,
+          default_max_tokens: int) -> Begun:
+    """The start every generation shares, alone or in a batch, ending with "started" on `out`."""
+    loaded, session = provider.loaded, provider.session
+    prompt = [int(t) for t in request.prompt]
+    max_tokens = token_budget(prompt, request, default_max_tokens, provider.context_length)
+    for processor in request.budget_aware:  # constrained decoding closes within it
+        processor.limit_tokens(max_tokens)
+    kv, kv_note = kv_layout(loaded, request.kv)
+    cache, new_tokens, reused = session.reuse_for(prompt, kv)
+    disk = disk_cache_for(provider, request, kv, carried)
+    cache, new_tokens, reused, from_disk = cache_from_disk(disk, session, loaded, prompt, kv, cache, new_tokens, reused)
+    out.put("started", Started(loaded.tokenizer, provider.checkpoint, prompt, reused))
+    return Begun(prompt, max_tokens, kv, kv_note, cache, new_tokens, reused, disk, from_disk)
 
 
 def token_budget(prompt: list[int], request: Request, default_max_tokens: int, context: int | None) -> int:

@@ -84,5 +84,12 @@ class Once:
                 self._value = self._factory()
             return self._value
 
+    def set(self, value) -> None:
+        """Make `value` the object, before anything used another."""
+        with self._lock:
+            if self._value is not None and self._value is not value:
+                raise RuntimeError("the process-wide object is already in use")
+            self._value = value
+
 
 _engine_thread = Once(_EngineThread)

@@ -22,23 +22,17 @@ import mlx.nn as nn
 import numpy as np
 
 from .. import syncs
-from ..values import OVERLAP_MODES
+from ..values import OVERLAP_MODES, one_of
 
 FROM_DISK = 0.5  # a read counts as waiting on the device from this share of pages uncached
 SAMPLED = 2  # experts whose pages are looked up per decision
-
-
-def check_overlap(mode: str) -> None:
-    """A ValueError unless `mode` is one of OVERLAP_MODES."""
-    if mode not in OVERLAP_MODES:
-        raise ValueError(f"overlap must be one of {', '.join(OVERLAP_MODES)}, got {mode!r}")
 
 
 class Overlap:
     """One per loaded model: the mode, and the per-call choices every layer asks for."""
 
     def __init__(self, mode: str = "auto"):
-        check_overlap(mode)
+        one_of("overlap", mode, OVERLAP_MODES)
         self.mode = mode
         self.disk = None  # auto: whether the last call's misses waited on the device
 

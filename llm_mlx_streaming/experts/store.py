@@ -28,10 +28,10 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
+from .. import values
 from . import residency
 
 DEFAULT_THREADS = 8  # see docs/benchmarks.md, "I/O"
-PAGE_CACHE_MODES = ("keep", "bypass")
 MAX_MERGED_BYTES = 16 << 20  # one merged read never grows past this
 MAX_IOV = 512  # buffers per preadv (IOV_MAX is 1024 on Linux and macOS)
 _PAGE = 4096
@@ -58,7 +58,7 @@ class ExpertStore:
     """
 
     def __init__(self, threads: int = DEFAULT_THREADS, page_cache: str = "keep"):
-        check_page_cache(page_cache)
+        values.one_of("page_cache", page_cache, values.PAGE_CACHE_MODES)
         self.threads = max(1, int(threads))
         self.page_cache = page_cache
         self.packed = None
@@ -210,12 +210,6 @@ class ExpertStore:
             os.close(fd)
         self._fds.clear()
         self._direct.clear()
-
-
-def check_page_cache(mode: str) -> None:
-    """A ValueError unless `mode` is one of PAGE_CACHE_MODES."""
-    if mode not in PAGE_CACHE_MODES:
-        raise ValueError(f"page_cache must be one of {', '.join(PAGE_CACHE_MODES)}, got {mode!r}")
 
 
 def _merge(jobs: list[ReadJob]) -> list[list[ReadJob]]:

@@ -14,11 +14,11 @@ from typing import Any, Callable, Literal, Optional, Union
 from pydantic import ConfigDict, Field, create_model, field_validator
 
 from .. import values
-from ..experts.policies import DEFAULT_POLICY, POLICIES as POLICY_CLASSES
-from ..experts.store import DEFAULT_THREADS, PAGE_CACHE_MODES
+from ..experts.policies import DEFAULT_POLICY, POLICIES
+from ..experts.store import DEFAULT_THREADS
 
 BUNDLED_NAME = "tiny-moe"
-POLICIES = tuple(POLICY_CLASSES)
+POLICY_NAMES = tuple(POLICIES)
 AUTO_BUDGET_SHARE = 0.6  # memory_budget "auto": this share of physical memory
 BUNDLED_REPETITION_PENALTY = 1.3
 REPETITION_CONTEXT = 64
@@ -105,8 +105,8 @@ KNOBS: tuple[Knob, ...] = (
         "else what memory_budget allows.",
     ),
     Knob(
-        name="policy", type=Optional[Literal[POLICIES]], default=None,
-        description=f"Expert eviction policy when a pool is full: {', '.join(POLICIES)}. "
+        name="policy", type=Optional[Literal[POLICY_NAMES]], default=None,
+        description=f"Expert eviction policy when a pool is full: {', '.join(POLICY_NAMES)}. "
         f"Unset: the engine's default ({DEFAULT_POLICY}).",
     ),
     Knob(
@@ -124,7 +124,7 @@ KNOBS: tuple[Knob, ...] = (
     _setting_only(name="threads", type=int, default=DEFAULT_THREADS, bounds={"ge": 1, "le": 256},
                   description="Threads reading experts from disk."),
     _setting_only(
-        name="page_cache", type=Literal[PAGE_CACHE_MODES], default="keep",
+        name="page_cache", type=Literal[values.PAGE_CACHE_MODES], default="keep",
         description="keep: expert reads go through the OS page cache (a free second tier); "
         "bypass: keep them out of it (macOS F_NOCACHE, Linux O_DIRECT or fadvise DONTNEED).",
     ),

@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import SettingsError
-from .settings import BUNDLED_NAME, NAME_RE, ModelEntry, Settings, load_settings, save_settings
+from ..values import NAME_RE
+from .knobs import BUNDLED_NAME
+from .settings import ModelEntry, Settings, load_settings, save_settings
 from ..checkpoints.default import default_checkpoint
 
 MODEL_PREFIX = "mlx-stream"

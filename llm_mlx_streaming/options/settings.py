@@ -21,11 +21,9 @@ import llm
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import SettingsError
-from .knobs import AUTO_BUDGET_SHARE, BUNDLED_NAME, POLICIES, SETTING_NAMES, SETTINGS_CONFIG, build_options, build_settings
+from .knobs import AUTO_BUDGET_SHARE, SETTING_NAMES, SETTINGS_CONFIG, build_options, build_settings
 from ..sizes import parse_size
-from ..values import NAME_RE
 
-__all__ = ["AUTO_BUDGET_SHARE", "BUNDLED_NAME", "NAME_RE", "POLICIES"]
 
 SETTINGS_FILENAME = "mlx-streaming.json"
 

@@ -63,11 +63,6 @@ def mtp_head(loaded) -> LoadedHead:
     return loaded.attachments[ATTACHMENT]
 
 
-def loaded_head(loaded) -> LoadedHead | None:
-    """The head of `loaded` if a drafter has loaded it, else None."""
-    return loaded.attachments.get(ATTACHMENT)
-
-
 def load_head(loaded) -> LoadedHead:
     """Build, quantize and fill the MTP head of `loaded`'s checkpoint.
 
