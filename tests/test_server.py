@@ -669,7 +669,6 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
 @pytest.mark.parametrize("path,field,value", [
-    ("/v1/chat/completions", "foo", 1),
     ("/v1/completions", "echo", True),
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("/v1/chat/completions", "tool_choice", "required"),
@@ -677,17 +676,42 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     ("/v1/chat/completions", "top_logprobs", 2),
     ("/v1/completions", "logit_bias", {"5": 1.0}),
 ])
-def test_a_field_that_is_not_honoured_is_a_400_naming_it(served, path, field, value):
+def test_a_field_that_changes_the_reply_and_is_not_honoured_is_a_400_naming_it(served, path, field, value):
     body = dict(CHAT) if "chat" in path else {"prompt": "hi", "max_tokens": 2}
     status, _, reply = call(served, "POST", path, {**body, field: value})
     assert status == 400, reply
     assert reply["error"]["message"].startswith(field) or f"{field} " in reply["error"]["message"], reply
 
 
-def test_a_message_field_that_is_not_honoured_is_a_400_naming_it(served):
-    messages = [{"role": "user", "content": "hi", "name": "bob"}]
-    status, _, reply = call(served, "POST", "/v1/chat/completions", {**CHAT, "messages": messages})
-    assert status == 400 and reply["error"]["message"].startswith("messages.0.name"), reply
+def test_hints_and_unknown_fields_are_accepted_and_named_in_a_header(served):
+    messages = [{"role": "user", "content": "hi", "name": "bob", "x_note": 1}]
+    body = {**CHAT, "messages": messages, "metadata": {"a": "b"}, "store": False, "foo": 1}
+    status, headers, reply = call(served, "POST", "/v1/chat/completions", body)
+    assert status == 200, reply
+    named = headers["x-mlx-stream-ignored"].split(", ")
+    assert sorted(named) == ["foo", "messages.name", "messages.x_note", "metadata", "store"]
+    same, _, plain = call(served, "POST", "/v1/chat/completions", CHAT)
+    assert plain["choices"][0]["message"] == reply["choices"][0]["message"]  # they changed nothing
+
+
+def test_the_header_names_the_ignored_fields_of_a_stream_too(served):
+    request = urllib.request.Request(served.server.url + "/v1/chat/completions", method="POST",
+                                     data=json.dumps({**CHAT, "stream": True, "user": "u"}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        assert resp.headers["x-mlx-stream-ignored"] == "user"
+        assert resp.read().endswith(b"data: [DONE]\n\n")
+    assert "x-mlx-stream-ignored" not in {k.lower() for k in call(served, "POST", "/v1/chat/completions", CHAT)[1]}
+
+
+def test_a_strict_server_refuses_an_unknown_field_and_names_it(tmp_path, plugin_checkpoint):
+    from server_support import small_server
+
+    with small_server(tmp_path / "llm", plugin_checkpoint, strict=True) as strict:
+        status, _, reply = call(strict, "POST", "/v1/chat/completions", {**CHAT, "foo": 1})
+        assert status == 400 and reply["error"]["message"].startswith("foo: not a field"), reply
+        status, headers, _ = call(strict, "POST", "/v1/chat/completions", {**CHAT, "user": "u"})
+        assert status == 200 and headers["x-mlx-stream-ignored"] == "user"  # a declared hint
 
 
 def test_openai_fields_at_their_no_op_value_are_accepted(served):

@@ -3,6 +3,8 @@ client against a server on a free loopback port (stopped at the end)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from server_support import call, in_process, served, small_server  # noqa: F401 (served: a fixture)
@@ -82,15 +84,14 @@ def test_engine_options_and_json_output_are_honoured(served):
 
 
 @pytest.mark.parametrize("body,needle", [
-    ({"messages": HELLO, "max_tokens": 4, "foo": 1}, "foo"),
     ({"messages": HELLO}, "max_tokens"),
     ({"messages": HELLO, "max_tokens": 4, "stop": ["x"]}, "stop"),
     ({"messages": HELLO, "max_tokens": 4, "expert_slots": 0}, "expert_slots"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 4}, "messages.0"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 4},
+     "messages.0.content.0: an image"),
     ({"messages": [*HELLO, {"role": "assistant", "content": "The answer is"}], "max_tokens": 4}, "messages"),
     ({"messages": HELLO, "max_tokens": 4, "thinking": {"type": "enabled", "budget_tokens": 0}}, "budget_tokens"),
     ({"messages": HELLO, "max_tokens": 4, "thinking_budget": 3}, "thinking_budget"),
-    ({"messages": HELLO, "max_tokens": 4, "service_tier": "auto"}, "service_tier"),
     ({"messages": HELLO, "max_tokens": 4, "model": "claude-x"}, "claude-x"),
 ])
 def test_errors_are_anthropic_error_objects_naming_the_field(served, body, needle):
@@ -103,8 +104,8 @@ def test_errors_are_anthropic_error_objects_naming_the_field(served, body, needl
 def test_the_client_raises_the_matching_error_class(served):
     import anthropic
 
-    with pytest.raises(anthropic.BadRequestError, match="foo"):
-        client(served).messages.create(model="mlx-stream", messages=HELLO, max_tokens=4, extra_body={"foo": 1})
+    with pytest.raises(anthropic.BadRequestError, match="stop_sequences"):
+        client(served).messages.create(model="mlx-stream", messages=HELLO, max_tokens=4, extra_body={"stop": ["x"]})
     with pytest.raises(anthropic.NotFoundError):
         client(served).messages.create(model="claude-x", messages=HELLO, max_tokens=4)
 
@@ -238,3 +239,41 @@ def test_budget_tokens_closes_the_think_block(tooled, monkeypatch):
     assert tokens[0] == start_id and end_id in tokens
     assert tokens.index(end_id) == 1 + 5  # five tokens of reasoning, then the end tag
     assert reply.content[0].type == "thinking"
+
+
+def test_claude_codes_hint_fields_are_accepted_and_named(served):
+    """What Claude Code sends beside the conversation: hints the engine cannot use are
+    accepted, named once in the x-mlx-stream-ignored header, and change nothing."""
+    body = {"model": "mlx-stream", "max_tokens": 32000, "stream": False, "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "hello there",
+                                              "cache_control": {"type": "ephemeral"}}]}],
+            "system": [{"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral"}}],
+            "metadata": {"user_id": "u"}, "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]},
+            "output_config": {"effort": "high"}, "thinking": {"type": "disabled"}}
+    status, headers, reply = call(served, "POST", "/v1/messages?beta=true", body,
+                                  headers={"anthropic-beta": "claude-code-20250219,context-management-2025-06-27"})
+    assert status == 200, reply
+    assert sorted(headers["x-mlx-stream-ignored"].split(", ")) == [
+        "context_management", "messages.content.cache_control", "metadata", "output_config.effort",
+        "system.cache_control"]
+    plain = {"model": "mlx-stream", "max_tokens": 32000, "messages": HELLO, "system": "You are terse.",
+             "thinking": {"type": "disabled"}}
+    assert call(served, "POST", "/v1/messages", plain)[2]["content"] == reply["content"]
+
+
+def test_thinking_on_a_model_that_cannot_think_is_accepted_as_off(tmp_path, plugin_checkpoint):
+    import shutil
+
+
+    plain = tmp_path / "plain"
+    shutil.copytree(plugin_checkpoint, plain)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    with small_server(tmp_path / "llm", plain) as env:
+        body = {"model": "mlx-stream", "max_tokens": 4, "messages": HELLO,
+                "thinking": {"type": "enabled", "budget_tokens": 100, "display": "omitted"}}
+        status, headers, reply = call(env, "POST", "/v1/messages", body)
+        assert status == 200, reply
+        assert sorted(headers["x-mlx-stream-ignored"].split(", ")) == ["thinking", "thinking.display"]
+        assert [b["type"] for b in reply["content"]] == ["text"]

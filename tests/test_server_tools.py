@@ -194,8 +194,6 @@ def test_an_assistant_message_sent_back_as_openai_gave_it_is_accepted(tooled):
                                                                "content": "5"}]}, "no tool support"),
     ({"tools": [ADD], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice 'nope'"),
     ({"tool_choice": "required"}, "tool_choice required: no tools"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}, "extra": 1}}]},
-     "tools.0.function.extra"),
     ({"tools": [{"type": "function", "function": {"name": "two words"}}]}, "tools.0.function.name"),
     ({"messages": ASK + [{"role": "tool", "tool_call_id": "call_9", "content": "5"}]}, "messages.1.tool_call_id"),
     ({"messages": ASK + [{**CALLED, "tool_calls": [{**CALLED["tool_calls"][0], "function": {

@@ -24,6 +24,9 @@ from .group import mlxs
 @click.option("--allow-origin", "origins", multiple=True, metavar="ORIGIN",
               help="A web origin whose pages may call the API, with CORS (repeatable; * any; "
               "default: `llm mlxs config server_origins`)")
+@click.option("--strict", is_flag=True,
+              help="Refuse (400) a request field this server does not declare, instead of accepting it and "
+              "naming it in the x-mlx-stream-ignored header")
 @click.option("--hosts", "pipeline", metavar="HOST,HOST,...",
               help="Run the model as a pipeline over these machines (mlx.launch; the first serves HTTP)")
 @click.option("--hostfile", type=click.Path(exists=True, dir_okay=False),
@@ -43,7 +46,7 @@ from .group import mlxs
 @click.option("--pipeline-error", hidden=True)
 @click.option("--supervisor", hidden=True)  # HOST:PID
 @click.pass_context
-def serve(ctx, host, port, model, api_key, max_queue, hosts, origins, pipeline, hostfile, backend,
+def serve(ctx, host, port, model, api_key, max_queue, hosts, origins, strict, pipeline, hostfile, backend,
           budgets, ring_port, restarts, pipeline_rank, pipeline_restarts, pipeline_error, supervisor):
     """Serve the mlx-stream models over HTTP: the OpenAI, Anthropic Messages and Ollama APIs.
 
@@ -78,7 +81,7 @@ def serve(ctx, host, port, model, api_key, max_queue, hosts, origins, pipeline, 
 
     server = Server(host=host, port=port, model=model, api_key=api_key, max_queue=max_queue,
                     hosts=list(hosts) if hosts else None, origins=list(origins) if origins else None,
-                    keeper=_keeper(supervisor))
+                    keeper=_keeper(supervisor), strict=strict)
     if engine is not None:
         from ..distributed.launch import leave_when_broken
 
@@ -117,6 +120,8 @@ def _supervise(ctx, pipeline, hostfile, backend, ring_port) -> None:
     for flag, values in (("--allow-host", ctx.params["hosts"]), ("--allow-origin", ctx.params["origins"])):
         for value in values:
             passed += [flag, value]
+    if ctx.params["strict"]:
+        passed.append("--strict")
     hosts = pipeline.split(",") if pipeline else None
     Supervisor([*passed, "--backend", backend, "--pipeline-rank"], hosts=hosts, hostfile=hostfile,
                backend=backend, ring_port=ring_port, host=ctx.params["host"], port=ctx.params["port"],

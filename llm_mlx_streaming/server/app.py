@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from ..discovery import public_id
 from .anthropic import routes as anthropic
 from .errors import ApiError, BodyLimit, error_for
+from .fields import IgnoredHeader
 from .guard import Guard
 from .ollama import routes as ollama
 from .openai import routes as openai
@@ -35,6 +36,7 @@ def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="llm-mlx-streaming", summary="OpenAI-compatible API of `llm mlxs serve`",
                   lifespan=lifespan)
     app.state.service = service
+    app.add_middleware(IgnoredHeader)
     app.add_middleware(BodyLimit)
     app.add_middleware(Guard, hosts=service.hosts, origins=service.origins)  # outermost
 
@@ -48,8 +50,6 @@ def create_app(service: Service) -> FastAPI:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         where = ".".join(loc)
         message = err.get("msg", "invalid request").removeprefix("Value error, ")
-        if err.get("type") == "extra_forbidden":
-            message = "not a field this server knows (docs/server.md lists the fields)"
         refusal = ApiError(400, f"{where}: {message}" if where else message, param=where or None)
         return refusal.response(request.scope)
 

@@ -5,6 +5,7 @@ model it serves, and its figures. The routes (app.py and each API's routes.py) r
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any, Optional
 
@@ -14,7 +15,9 @@ from ..errors import MlxStreamError, SettingsError, one_line
 from ..options import registry
 from ..options.run_config import configure
 from ..options.settings import Options, load_settings
+from .catalog import checkpoint
 from .errors import ApiError
+from .fields import unused
 from .gate import Gate
 from .guard import key_accepted
 from .reply_memory import ReplyMemory
@@ -22,13 +25,20 @@ from .runtime import ConfigError, RuntimeConfig, touches_pools
 from .turns import take_turn
 
 
+log = logging.getLogger(__name__)
+LOGGED_FIELDS = 256  # distinct field names logged, at most (a client could invent any number)
+
+
 class Service:
     """The server's state: the gate, the runtime parameters, the replies it gave."""
 
     def __init__(self, *, default_model: Optional[str] = None, api_key: Optional[str] = None,
                  secret: Optional[str] = None, max_queue: int = 8, hosts: tuple[str, ...] = (),
-                 origins: tuple[str, ...] = (), max_batch: int = 1) -> None:
+                 origins: tuple[str, ...] = (), max_batch: int = 1, strict: bool = False) -> None:
         self.default_model = default_model
+        self.strict = strict  # an undeclared field is a 400 (fields.py)
+        self._logged: set[str] = set()  # fields named in the log already
+        self._thinks: dict[str, bool] = {}  # model id -> whether its template has a thinking switch
         self.hosts, self.origins = tuple(hosts), tuple(origins)  # server/guard.py
         self.api_key, self.secret = api_key, secret
         self.gate = Gate(max_queue, capacity=max_batch)
@@ -63,6 +73,33 @@ class Service:
     @staticmethod
     def name_of(model_id: str) -> Optional[str]:
         return registry.name_of(model_id)
+
+    def accept(self, request: Request, body) -> None:
+        """Name the fields of `body` this server does not act on (fields.py); in --strict,
+        an undeclared one is a 400."""
+        hints, unknown = unused(body)
+        if unknown and self.strict:
+            raise ApiError(400, f"{unknown[0]}: not a field this server knows (served with --strict; "
+                           "docs/server.md lists the fields)", param=unknown[0])
+        self.ignore(request, hints + unknown)
+
+    def ignore(self, request: Request, names: list[str]) -> None:
+        """`names` were not acted on: the response's header says so, and the log once each."""
+        if not names:
+            return
+        state = request.scope.setdefault("state", {})
+        state["ignored"] = [*state.get("ignored", []), *(n for n in names if n not in state.get("ignored", []))]
+        for name in names:
+            if name not in self._logged and len(self._logged) < LOGGED_FIELDS:
+                self._logged.add(name)
+                log.warning("mlx-stream: %s %r: accepted, not acted on", request.url.path, name)
+
+    def thinks(self, model_id: str) -> bool:
+        """Whether the model's chat template has a thinking switch (enable_thinking)."""
+        if model_id not in self._thinks:
+            found = checkpoint(model_id)
+            self._thinks[model_id] = found is not None and "enable_thinking" in found.template
+        return self._thinks[model_id]
 
     async def load(self, model_id: str) -> None:
         """Load `model_id` in its turn, and return once it is loaded."""

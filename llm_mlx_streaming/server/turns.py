@@ -77,6 +77,10 @@ async def answer(service, request: Request, shape, model_id: str, messages: list
                  schema: Optional[dict], stream: bool, tools: Sequence[dict] = ()):
     """Answer `messages` (llm's) on `model_id` with the request's engine `fields` (the
     plugin's options) and `tools` (function specs), in `shape`."""
+    if fields.get("thinking") is not None and not service.thinks(model_id):
+        if fields.pop("thinking"):  # the template cannot think: accepted as off
+            service.ignore(request, ["thinking"])
+        fields.pop("thinking_budget", None)
     await take_turn(service)
     service.keep_loaded()
     try:

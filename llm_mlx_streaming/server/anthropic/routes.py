@@ -40,10 +40,12 @@ def chat_messages(body) -> list[ChatMessage]:
             elif block.type == "tool_use" and message.role == "assistant":
                 calls.append(ToolCall(id=block.id, function=CalledFunction(name=block.name,
                                                                           arguments=json.dumps(block.input))))
-            elif block.type == "tool_result" and message.role == "user":
+            elif block.type == "tool_result" and message.role == "user" and not block.images():
                 results.append(ChatMessage(role="tool", tool_call_id=block.tool_use_id, content=block.text()))
             else:
                 where = f"messages.{i}.content.{j}"
+                if block.type == "image" or block.type == "tool_result":
+                    raise ApiError(400, f"{where}: an image: the model served here reads text only", param=where)
                 raise ApiError(400, f"{where}: a {block.type} block is not taken in a {message.role} message",
                                param=where)
         out.extend(results)
@@ -82,13 +84,15 @@ def router(service) -> APIRouter:
 
     @api.post("/v1/messages", description="Anthropic's Messages API; with stream: true its event stream")
     async def messages(body: MessagesRequest, request: Request):
+        service.accept(request, body)
         model_id = service.model_for(body.model)
         chain = llm_messages(chat_messages(body), service.replies.known)
         return await answer(service, request, MessageShape(model_id), model_id, chain, engine_options(body),
                             body.schema_dict(), body.stream, function_specs(body))
 
     @api.post("/v1/messages/count_tokens", description="The prompt's tokens, rendered as /v1/messages would")
-    async def count_tokens(body: CountTokensRequest) -> dict:
+    async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
+        service.accept(request, body)
         model_id = service.model_for(body.model)
         chain = llm_messages(chat_messages(body), service.replies.known)
         try:

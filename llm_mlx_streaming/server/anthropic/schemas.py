@@ -1,11 +1,12 @@
 """Request bodies of the Anthropic Messages API (`/v1/messages`, `/v1/messages/count_tokens`).
 
-Every field Anthropic documents that this engine can honour is declared; any other is a
-400 naming it. The engine options are extension fields (from knobs.py, as on the OpenAI
-routes), less those this API has under its own name: `stop` (`stop_sequences`),
-`thinking` and `thinking_budget` (`thinking: {"type": ..., "budget_tokens": ...}`),
-`tool_choice` (`tool_choice: {"type": ...}`) and
-`parallel_tool_calls` (`tool_choice.disable_parallel_tool_use`).
+Every field Anthropic documents that this engine can honour is declared, and those it
+cannot use but changes no reply are declared hints (fields.py: accepted and named back).
+The engine options are extension fields (from knobs.py, as on the OpenAI routes), less
+those this API has under its own name: `stop` (`stop_sequences`), `thinking` and
+`thinking_budget` (`thinking: {"type": ..., "budget_tokens": ...}`), `tool_choice`
+(`tool_choice: {"type": ...}`) and `parallel_tool_calls`
+(`tool_choice.disable_parallel_tool_use`): given under the plugin's name they are a 400.
 """
 
 from __future__ import annotations
@@ -14,52 +15,64 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import Field, model_validator
 
-from ..openai.schemas import StrictModel, engine_fields
+from ..fields import RequestModel, hint
+from ..openai.schemas import engine_fields
 
 
-class CacheControl(StrictModel):
-    """Accepted: the engine reuses its KV cache for every prefix anyway."""
-
-    type: Literal["ephemeral"]
-    ttl: Optional[Literal["5m", "1h"]] = None
+CACHED = "the engine reuses its KV cache for every prefix anyway"
 
 
-class TextBlock(StrictModel):
+class TextBlock(RequestModel):
     type: Literal["text"]
     text: str
-    cache_control: Optional[CacheControl] = None
+    cache_control: Optional[dict[str, Any]] = hint(CACHED)
 
 
-class ThinkingBlock(StrictModel):
+class ImageBlock(RequestModel):
+    """Declared so that it is refused in one line: the models served here read text."""
+
+    type: Literal["image"]
+    source: dict[str, Any]
+    cache_control: Optional[dict[str, Any]] = hint(CACHED)
+
+
+class ThinkingBlock(RequestModel):
     type: Literal["thinking"]
     thinking: str
     signature: Optional[str] = Field(None, description="Accepted as given back; it is not checked")
 
 
-class ToolUseBlock(StrictModel):
+class ToolUseBlock(RequestModel):
     type: Literal["tool_use"]
     id: str
     name: str
     input: dict[str, Any]
-    cache_control: Optional[CacheControl] = None
+    cache_control: Optional[dict[str, Any]] = hint(CACHED)
 
 
-class ToolResultBlock(StrictModel):
+ResultPart = Annotated[Union[TextBlock, ImageBlock], Field(discriminator="type")]
+
+
+class ToolResultBlock(RequestModel):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: Union[str, list[TextBlock]] = ""
+    content: Union[str, list[ResultPart]] = ""
     is_error: Optional[bool] = None
-    cache_control: Optional[CacheControl] = None
+    cache_control: Optional[dict[str, Any]] = hint(CACHED)
+
+    def images(self) -> bool:
+        return not isinstance(self.content, str) and any(b.type == "image" for b in self.content)
 
     def text(self) -> str:
         text = self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
         return f"Error: {text}" if self.is_error else text
 
 
-Block = Annotated[Union[TextBlock, ThinkingBlock, ToolUseBlock, ToolResultBlock], Field(discriminator="type")]
+Block = Annotated[Union[TextBlock, ImageBlock, ThinkingBlock, ToolUseBlock, ToolResultBlock],
+                  Field(discriminator="type")]
 
 
-class Message(StrictModel):
+class Message(RequestModel):
     role: Literal["user", "assistant"]
     content: Union[str, list[Block]]
 
@@ -67,34 +80,36 @@ class Message(StrictModel):
         return [TextBlock(type="text", text=self.content)] if isinstance(self.content, str) else self.content
 
 
-class ThinkingEnabled(StrictModel):
+class ThinkingEnabled(RequestModel):
     type: Literal["enabled"]
     budget_tokens: int = Field(ge=1, description="Most tokens of reasoning: the think block is closed after "
                                "this many (the plugin's thinking_budget)")
+    display: Optional[str] = hint("the reasoning is returned as thinking blocks as generated")
 
 
-class ThinkingAdaptive(StrictModel):
+class ThinkingAdaptive(RequestModel):
     type: Literal["adaptive"]
+    display: Optional[str] = hint("the reasoning is returned as thinking blocks as generated")
 
 
-class ThinkingDisabled(StrictModel):
+class ThinkingDisabled(RequestModel):
     type: Literal["disabled"]
 
 
 Thinking = Annotated[Union[ThinkingEnabled, ThinkingAdaptive, ThinkingDisabled], Field(discriminator="type")]
 
 
-class Tool(StrictModel):
+class Tool(RequestModel):
     type: Optional[Literal["custom"]] = None
     name: str = Field(min_length=1)
     description: Optional[str] = None
     input_schema: dict[str, Any]
-    cache_control: Optional[CacheControl] = None
+    cache_control: Optional[dict[str, Any]] = hint(CACHED)
     strict: Optional[bool] = Field(None, description="A call forced by tool_choice any or tool always follows "
                                    "input_schema (constrained decoding); with auto the model is not constrained")
 
 
-class ToolChoice(StrictModel):
+class ToolChoice(RequestModel):
     type: Literal["auto", "any", "tool", "none"] = Field(
         description="any and tool are enforced by constrained decoding; none shows the model no tools")
     name: Optional[str] = Field(None, description="The tool to call, with type tool")
@@ -111,22 +126,19 @@ class ToolChoice(StrictModel):
         return self
 
 
-class Metadata(StrictModel):
-    user_id: Optional[str] = Field(None, description="Accepted; it changes nothing")
-
-
-class JsonOutputFormat(StrictModel):
+class JsonOutputFormat(RequestModel):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema", description="The JSON schema the reply must follow")
 
-    model_config = {**StrictModel.model_config, "populate_by_name": True}
+    model_config = {**RequestModel.model_config, "populate_by_name": True}
 
 
-class OutputConfig(StrictModel):
+class OutputConfig(RequestModel):
     format: Optional[JsonOutputFormat] = Field(None, description="The reply is constrained to this schema")
+    effort: Optional[str] = hint("the chat template has no effort level (thinking is its switch)")
 
 
-class _Conversation(StrictModel):
+class _Conversation(RequestModel):
     """What both routes read: the model, the system prompt, the messages, the tools."""
 
     model: Optional[str] = Field(None, description="A model id from /v1/models (default: the server's)")
@@ -137,7 +149,10 @@ class _Conversation(StrictModel):
     tools: Optional[list[Tool]] = None
     tool_choice: Optional[ToolChoice] = None
     output_config: Optional[OutputConfig] = None
-    cache_control: Optional[CacheControl] = None
+    cache_control: Optional[dict[str, Any]] = hint(CACHED)
+    context_management: Optional[dict[str, Any]] = hint("the conversation is prompted whole: no edit is applied")
+    mcp_servers: Optional[list[Any]] = hint("no MCP server is called from here: the client runs its tools")
+    container: Optional[Any] = hint("no code-execution container here")
 
     def system_text(self) -> Optional[str]:
         if isinstance(self.system, list):
@@ -161,22 +176,35 @@ AnthropicEngineOptions = engine_fields("AnthropicEngineOptions", exclude=(
     "stop", "thinking", "thinking_budget", "tool_choice", "parallel_tool_calls"))
 
 
+# The plugin's options this API has under its own name: given as they are, a 400 that names Anthropic's.
+RENAMED = {"stop": "stop_sequences", "thinking_budget": "thinking.budget_tokens",
+           "parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}
+
+
 class MessagesRequest(_Conversation, AnthropicEngineOptions):
     max_tokens: int = Field(ge=1, description="Most tokens generated (also capped by the context)")
     stop_sequences: Optional[list[str]] = Field(None, description="End the reply before any of these")
     stream: bool = False
-    metadata: Optional[Metadata] = None
+    metadata: Optional[dict[str, Any]] = hint("the client's bookkeeping (user_id)")
+    service_tier: Optional[str] = hint("one tier here")
+
+    @model_validator(mode="after")
+    def _renamed_options(self):
+        for name in self.model_extra or {}:
+            if name in RENAMED:
+                raise ValueError(f"{name}: this API's field is {RENAMED[name]}")
+        return self
 
 
 class CountTokensRequest(_Conversation):
     """The conversation alone (output_config and cache_control change no prompt token)."""
 
 
-class ErrorBody(StrictModel):
+class ErrorBody(RequestModel):
     type: str
     message: str
 
 
-class AnthropicError(StrictModel):
+class AnthropicError(RequestModel):
     type: Literal["error"] = "error"
     error: ErrorBody

@@ -90,11 +90,13 @@ def router(service) -> APIRouter:
 
     @api.post("/api/chat", description="Ollama's chat; NDJSON chunks unless stream is false")
     async def chat(body: ChatRequest, request: Request):
+        service.accept(request, body)
         messages = llm_messages(chat_messages(body.messages), service.replies.known)
         return await run(request, body, OllamaChatShape(body.model), messages, openai_tools.function_specs(body.tools))
 
     @api.post("/api/generate", description="Ollama's completion; NDJSON chunks unless stream is false")
     async def generate(body: GenerateRequest, request: Request):
+        service.accept(request, body)
         if not body.prompt:
             messages = []
         elif body.raw:
@@ -109,7 +111,8 @@ def router(service) -> APIRouter:
         return {"models": [listed(i) for i in model_ids()]}
 
     @api.post("/api/show", description="What a model's checkpoint says about it")
-    async def show(body: ShowRequest) -> dict:
+    async def show(body: ShowRequest, request: Request) -> dict:
+        service.accept(request, body)
         found = checkpoint(service.model_for(body.model))
         template = found.template if found else ""
         capabilities = ["completion"] + [c for c, mark in (("tools", "tools"), ("thinking", "think"))

@@ -2,8 +2,10 @@
 
 Ollama's `options` that map onto this engine are declared under Ollama's names
 (num_predict, repeat_penalty, ...) beside the engine options under their own names
-(expert_slots, k, ...; from knobs.py); Ollama's options that change nothing here are
-accepted only at their no-op value, and any other field is a 400 naming it.
+(expert_slots, k, ...; from knobs.py); Ollama's sampling options that would change
+the reply are accepted only at their no-op value, its options for the hardware are
+declared hints (fields.py: accepted and named back), and an engine option given under
+the plugin's name where Ollama has its own is a 400 naming Ollama's.
 """
 
 from __future__ import annotations
@@ -15,13 +17,17 @@ from pydantic import Field, field_validator, model_validator
 
 from ...options.knobs import BY_NAME, REPETITION_CONTEXT
 from ..openai.tools import ToolSpec
-from ..openai.schemas import StrictModel, engine_fields
+from ..fields import RequestModel, hint
+from ..openai.schemas import engine_fields
 
 # Engine options this API has under its own name: max_tokens is num_predict, repetition_penalty
 # is repeat_penalty, max_context is num_ctx, thinking and top_logprobs are top-level fields;
 # tool_choice has no Ollama spelling.
-RENAMED = ("max_tokens", "repetition_penalty", "max_context", "thinking", "top_logprobs", "tool_choice",
-           "parallel_tool_calls")
+RENAMED = {"max_tokens": "options.num_predict", "repetition_penalty": "options.repeat_penalty",
+           "max_context": "options.num_ctx", "thinking": "think", "top_logprobs": "top_logprobs at the top level",
+           "tool_choice": "no Ollama field (every tool may be called)",
+           "parallel_tool_calls": "no Ollama field (calls may be parallel)"}
+HARDWARE = "this engine places the model itself (memory_budget, expert_slots)"
 NO_OP_OPTIONS = {"repeat_last_n": (REPETITION_CONTEXT,), "presence_penalty": (0,), "frequency_penalty": (0,),
                  "typical_p": (1,), "tfs_z": (1,), "mirostat": (0,)}
 
@@ -41,6 +47,16 @@ class Options(OllamaEngineOptions):
     typical_p: Optional[float] = Field(None, description="Only 1")
     tfs_z: Optional[float] = Field(None, description="Only 1")
     mirostat: Optional[int] = Field(None, description="Only 0")
+    num_gpu: Optional[int] = hint(HARDWARE)
+    main_gpu: Optional[int] = hint(HARDWARE)
+    num_thread: Optional[int] = hint(HARDWARE)
+    num_batch: Optional[int] = hint("the prefill chunk is prefill_step")
+    low_vram: Optional[bool] = hint(HARDWARE)
+    use_mmap: Optional[bool] = hint(HARDWARE)
+    use_mlock: Optional[bool] = hint(HARDWARE)
+    numa: Optional[bool] = hint(HARDWARE)
+    num_keep: Optional[int] = hint("the whole prompt is kept")
+    penalize_newline: Optional[bool] = hint("repeat_penalty applies to every token")
 
     @field_validator("num_predict")
     @classmethod
@@ -51,6 +67,9 @@ class Options(OllamaEngineOptions):
 
     @model_validator(mode="after")
     def _no_ops_only(self):
+        for name in self.model_extra or {}:
+            if name in RENAMED:
+                raise ValueError(f"{name}: this API's field is {RENAMED[name]}")
         for name, allowed in NO_OP_OPTIONS.items():
             value = getattr(self, name)
             if value is not None and value not in allowed:
@@ -85,7 +104,7 @@ def keep_alive_seconds(value: KeepAlive) -> float:
     return float(match.group(1)) * _SECONDS[match.group(2)]
 
 
-class _Generation(StrictModel):
+class _Generation(RequestModel):
     model: str = Field(min_length=1, description="A model from /api/tags")
     stream: bool = Field(True, description="NDJSON chunks (the default), or one body with false")
     format: Union[Literal["", "json"], dict[str, Any], None] = Field(
@@ -137,25 +156,28 @@ class _Generation(StrictModel):
         return fields
 
 
-class CalledFunction(StrictModel):
+class CalledFunction(RequestModel):
     name: str
     arguments: dict[str, Any]
     index: Optional[int] = None
 
 
-class ToolCall(StrictModel):
+class ToolCall(RequestModel):
     function: CalledFunction
 
 
-class Message(StrictModel):
+class Message(RequestModel):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     thinking: Optional[str] = Field(None, description="An assistant message's reasoning")
     tool_calls: Optional[list[ToolCall]] = None
     tool_name: Optional[str] = Field(None, description="A tool message's tool")
+    images: Optional[list[str]] = Field(None, description="Only none: the models served here read text")
 
     @model_validator(mode="after")
     def _fields_of_its_role(self):
+        if self.images:
+            raise ValueError("images: the model served here reads text only")
         if (self.tool_calls or self.thinking) and self.role != "assistant":
             raise ValueError("tool_calls and thinking: only in an assistant message")
         if self.tool_name is not None and self.role != "tool":
@@ -181,10 +203,10 @@ class GenerateRequest(_Generation):
         return self
 
 
-class ShowRequest(StrictModel):
+class ShowRequest(RequestModel):
     model: str = Field(min_length=1)
     verbose: Optional[bool] = Field(None, description="Accepted; the answer is the same (no tensor list)")
 
 
-class OllamaError(StrictModel):
+class OllamaError(RequestModel):
     error: str

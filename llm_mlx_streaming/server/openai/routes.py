@@ -40,12 +40,14 @@ def router(service) -> APIRouter:
     @api.post("/v1/chat/completions", responses={200: {"model": ChatCompletion, "description":
               "The reply, or with stream: true an SSE stream of chat.completion.chunk objects"}})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        service.accept(request, body)
         messages = llm_messages(body.messages, service.replies.known)
         return await generate(request, body, ChatCompletionShape, messages, function_specs(body.tools))
 
     @api.post("/v1/completions", responses={200: {"model": Completion, "description":
               "The text, or with stream: true an SSE stream of text_completion objects"}})
     async def completions(body: CompletionRequest, request: Request):
+        service.accept(request, body)
         return await generate(request, body, CompletionShape, [raw_message(body.text())])
 
     return api

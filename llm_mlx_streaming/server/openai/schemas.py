@@ -17,6 +17,7 @@ from pydantic.json_schema import SkipJsonSchema
 
 from ...options.knobs import build_options
 from ...options.settings import Options
+from ..fields import RequestModel, hint
 from .tools import ToolCall, ToolChoice, ToolSpec, choice_option
 
 # Options fields that mean nothing inside the server (it always runs in-process).
@@ -33,13 +34,6 @@ class TextContent(BaseModel):
     text: str
 
 
-STRICT = ConfigDict(extra="forbid")
-
-
-class StrictModel(BaseModel):
-    model_config = STRICT
-
-
 def engine_values(body, names) -> dict:
     """The engine options `body` sets among `names` (None: not set)."""
     return {k: getattr(body, k) for k in body.model_fields_set if k in names and getattr(body, k) is not None}
@@ -49,7 +43,7 @@ def engine_fields(model_name: str, exclude: tuple[str, ...] = ()):
     """The engine options as body fields of another API's request (a base model), less
     those that API has under its own name."""
     names = tuple(n for n in engine_option_names() if n not in exclude)
-    return build_options(StrictModel, names=names, model_name=model_name)
+    return build_options(RequestModel, names=names, model_name=model_name)
 
 # OpenAI fields accepted only at the value that changes nothing, {field: allowed values}.
 NO_OP_FIELDS = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {})}
@@ -57,8 +51,7 @@ NO_OP_FIELDS = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "
 EMPTY_MESSAGE_FIELDS = ("refusal", "audio", "function_call", "annotations")
 
 
-class ChatMessage(BaseModel):
-    model_config = STRICT
+class ChatMessage(RequestModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextContent], None] = None
@@ -69,6 +62,7 @@ class ChatMessage(BaseModel):
     audio: Optional[dict[str, Any]] = Field(None, description="Only null")
     function_call: Optional[dict[str, Any]] = Field(None, description="Only null (tool_calls replace it)")
     annotations: Optional[list[Any]] = Field(None, description="Only null or []")
+    name: Optional[str] = hint("a participant's name is not shown to the model")
     tokens: Optional[list[int]] = Field(
         None,
         description="Extension: the token ids an assistant message was generated as "
@@ -95,14 +89,13 @@ class ChatMessage(BaseModel):
         return [call.call() for call in self.tool_calls or []]
 
 
-class StreamOptions(BaseModel):
-    model_config = STRICT
+class StreamOptions(RequestModel):
 
     include_usage: bool = False
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
 
     name: Optional[str] = None
     description: Optional[str] = None
@@ -110,8 +103,7 @@ class JsonSchemaFormat(BaseModel):
     schema_: dict[str, Any] = Field(alias="schema", description="The JSON schema the reply must follow")
 
 
-class ResponseFormat(BaseModel):
-    model_config = STRICT
+class ResponseFormat(RequestModel):
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JsonSchemaFormat] = None
@@ -128,7 +120,7 @@ class ResponseFormat(BaseModel):
 class _GenerationRequest(Options):
     """What both generation routes take: the plugin's options plus OpenAI's fields."""
 
-    model_config = STRICT
+    model_config = ConfigDict(extra="allow")
 
     server: SkipJsonSchema[None] = None  # SERVER_ONLY: not part of the API
 
@@ -140,7 +132,15 @@ class _GenerationRequest(Options):
     response_format: Optional[ResponseFormat] = Field(
         None, description="json_object or json_schema: the reply is constrained to it (llm's --schema)"
     )
-    user: Optional[str] = Field(None, description="An end-user id (accepted; it changes nothing)")
+    user: Optional[str] = hint("an end-user id")
+    metadata: Optional[dict[str, Any]] = hint("the client's bookkeeping")
+    store: Optional[bool] = hint("replies are not stored for later retrieval on this route")
+    service_tier: Optional[str] = hint("one tier here")
+    prompt_cache_key: Optional[str] = hint("the KV cache is reused for any matching prefix")
+    safety_identifier: Optional[str] = hint("an end-user id")
+    reasoning_effort: Optional[str] = hint("the template's thinking switch is the `thinking` field")
+    verbosity: Optional[str] = hint("the model's own length")
+    prediction: Optional[dict[str, Any]] = hint("a latency hint for predicted outputs")
     presence_penalty: Optional[float] = Field(None, description="Only 0")
     frequency_penalty: Optional[float] = Field(None, description="Only 0")
     logit_bias: Optional[dict[str, float]] = Field(None, description="Only {}")
@@ -196,6 +196,14 @@ class CompletionRequest(_GenerationRequest):
     prompt: Union[str, list[str]] = Field(description="Raw text, encoded without the chat template")
     logprobs: Optional[int] = Field(None, ge=0, le=20, description="Each generated token's log-probability "
                                     "and this many most likely alternatives (choices[].logprobs)")
+    echo: Optional[bool] = Field(None, description="Only false")
+    best_of: Optional[int] = Field(None, ge=1, le=1, description="Only 1")
+
+    @model_validator(mode="after")
+    def _no_echo(self):
+        if self.echo:
+            raise ValueError("echo true is not supported by this server (accepted: false)")
+        return self
 
     def engine_fields(self, names) -> dict:
         fields = super().engine_fields(names)

@@ -7,15 +7,14 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from ...prompt.tools import function_spec
+from ..fields import RequestModel
 
-STRICT = ConfigDict(extra="forbid")
 
 
-class FunctionSpec(BaseModel):
-    model_config = STRICT
+class FunctionSpec(RequestModel):
 
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: Optional[str] = None
@@ -26,15 +25,13 @@ class FunctionSpec(BaseModel):
                                    "model is not constrained")
 
 
-class ToolSpec(BaseModel):
-    model_config = STRICT
+class ToolSpec(RequestModel):
 
     type: Literal["function"]
     function: FunctionSpec
 
 
-class NamedFunction(BaseModel):
-    model_config = STRICT
+class NamedFunction(RequestModel):
 
     name: str
 
@@ -46,8 +43,7 @@ class NamedFunction(BaseModel):
         return value
 
 
-class NamedToolChoice(BaseModel):
-    model_config = STRICT
+class NamedToolChoice(RequestModel):
 
     type: Literal["function"]
     function: NamedFunction
@@ -56,8 +52,7 @@ class NamedToolChoice(BaseModel):
 ToolChoice = Union[Literal["auto", "none", "required"], NamedToolChoice]
 
 
-class CalledFunction(BaseModel):
-    model_config = STRICT
+class CalledFunction(RequestModel):
 
     name: str
     arguments: str = Field(description="The arguments, a JSON object as text")
@@ -74,8 +69,7 @@ class CalledFunction(BaseModel):
         return value
 
 
-class ToolCall(BaseModel):
-    model_config = STRICT
+class ToolCall(RequestModel):
 
     id: str
     type: Literal["function"] = "function"

@@ -35,7 +35,7 @@ def check_exposure(host: str, api_key: Optional[str]) -> None:
 class Server:
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0, model: Optional[str] = None,
                  api_key: Optional[str] = None, max_queue: int = 8, hosts: Optional[list[str]] = None,
-                 origins: Optional[list[str]] = None, keeper: Optional[int] = None) -> None:
+                 origins: Optional[list[str]] = None, keeper: Optional[int] = None, strict: bool = False) -> None:
         """`keeper`: the pid of a pipeline's supervisor on this machine, which keeps the
         discovery file: the file names it, so that it outlives this rank 0 while the ranks
         restart; this server takes over the file of its stand-in (server/standin.py) and
@@ -56,7 +56,7 @@ class Server:
         origins = settings.server_origins if origins is None else origins
         self.service = Service(default_model=model, api_key=api_key, secret=discovery.new_secret(),
                                max_queue=max_queue, hosts=tuple(hosts), origins=tuple(origins),
-                               max_batch=settings.max_batch)
+                               max_batch=settings.max_batch, strict=strict)
         if model:
             try:
                 self.service.model_for(model)
