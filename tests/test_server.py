@@ -683,6 +683,30 @@ def test_a_field_that_changes_the_reply_and_is_not_honoured_is_a_400_naming_it(s
     assert reply["error"]["message"].startswith(field) or f"{field} " in reply["error"]["message"], reply
 
 
+@pytest.mark.parametrize("path,body,alive", [
+    ("/v1/chat/completions", {**CHAT, "stream": True}, b": waiting for the first token"),
+    ("/v1/messages", {**CHAT, "model": "mlx-stream", "stream": True}, b"event: ping"),
+    ("/v1/responses", {"model": "mlx-stream", "input": "hi", "max_output_tokens": 2, "stream": True},
+     b": waiting for the first token"),
+])
+def test_a_stream_keeps_alive_while_its_prompt_prefills(served, blocked, monkeypatch, path, body, alive):
+    """Until the first token, a stream says it is alive (here every 50 ms, 5 s in use),
+    so that no client gives up during a long prefill; the reply then comes as usual."""
+    from llm_mlx_streaming.server import turns
+
+    monkeypatch.setattr(turns, "KEEPALIVE_SECONDS", 0.05)
+    request = urllib.request.Request(served.server.url + path, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        assert resp.status == 200
+        seen = 0
+        while seen < 3:  # the prompt is held in its rendering until then
+            seen += resp.readline().startswith(alive)
+        blocked.go.set()
+        rest = resp.read()
+    assert b"[DONE]" in rest or b"message_stop" in rest or b"response.completed" in rest
+
+
 def test_hints_and_unknown_fields_are_accepted_and_named_in_a_header(served):
     messages = [{"role": "user", "content": "hi", "name": "bob", "x_note": 1}]
     body = {**CHAT, "messages": messages, "metadata": {"a": "b"}, "store": False, "foo": 1}

@@ -198,6 +198,11 @@ KNOBS: tuple[Knob, ...] = (
         "layer's host round-trip and expert reads); 1: one at a time. `llm mlxs serve` runs this many "
         "requests at once; for one request, the largest batch it may join (1: it runs alone).",
     ),
+    _setting_only(
+        name="max_responses", type=int, default=100, bounds={"ge": 1, "le": 100_000},
+        description="Responses `llm mlxs serve` keeps for the Responses API's previous_response_id and "
+        "GET /v1/responses/ID (with their conversations); past this many the oldest is dropped.",
+    ),
     # -- the conversation cache on disk ----------------------------------------------
     _setting_only(
         name="conversation_cache", type=bool, default=True, check=values.parse_switch,

@@ -42,6 +42,16 @@ def schema_grammar(schema) -> str:
     return checked_grammar(lambda: llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=COMPILE_OPTIONS))
 
 
+def text_grammar(syntax: str, definition: str) -> str:
+    """The llguidance grammar of a Lark or regex definition (a custom tool's input);
+    SchemaError if it cannot be compiled."""
+    import llguidance
+
+    if syntax not in ("lark", "regex"):
+        raise SchemaError(f"a {syntax!r} grammar: the syntaxes are lark and regex")
+    return checked_grammar(lambda: llguidance.grammar_from(syntax, definition), f"the {syntax} grammar")
+
+
 def checked_grammar(make, what: str = "the schema") -> str:
     """The grammar `make()` builds, validated; SchemaError in one line if it is not valid."""
     import llguidance

@@ -11,7 +11,7 @@ from ..engine.request import Request
 from ..errors import MlxStreamError
 from ..options.knobs import REPETITION_CONTEXT
 from ..options.run_config import RunConfig
-from ..prompt.constrained import SchemaError, SchemaProcessor, schema_grammar
+from ..prompt.constrained import SchemaError, SchemaProcessor, schema_grammar, text_grammar
 from ..prompt.messages import PromptError
 from ..prompt.render import render_prompt
 from ..prompt.split import opens_thinking
@@ -27,6 +27,7 @@ class Ask:
     options: Any  # the plugin's `Options`
     tools: Sequence[dict] = ()  # function specs, as chat templates take them
     schema: Optional[dict] = None  # a JSON schema the reply must follow
+    grammar: Optional[tuple[str, str]] = None  # (lark | regex, definition) the whole reply must follow
 
 
 @dataclass(frozen=True)
@@ -40,14 +41,15 @@ class Prepared:
     schema_check: tuple = ()  # the --schema processor, asked at the end whether the document closed
 
 
-def schema_of(schema) -> Optional[str]:
-    """The grammar of a schema, compiled before anything is loaded; one line if it cannot be."""
-    if schema is None:
-        return None
+def grammar_of(ask: Ask) -> Optional[str]:
+    """The llguidance grammar the reply must follow (its schema's or its own), compiled
+    before anything is loaded; one line if it cannot be."""
     try:
-        return schema_grammar(schema)
+        if ask.grammar is not None:
+            return text_grammar(*ask.grammar)
+        return schema_grammar(ask.schema) if ask.schema is not None else None
     except SchemaError as exc:
-        raise MlxStreamError(f"--schema: {exc}") from None
+        raise MlxStreamError(f"--schema: {exc}" if ask.grammar is None else str(exc)) from None
 
 
 def prepare(tokenizer, run: RunConfig, ask: Ask, grammar: Optional[str]) -> Prepared:

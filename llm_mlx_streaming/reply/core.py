@@ -23,7 +23,7 @@ from ..prompt.messages import PromptError
 from ..prompt.render import encode_text
 from ..prompt.split import TOOL, TOOL_TEXT, UNFINISHED_TOOL, ReplySplitter, opens_thinking
 from ..prompt.tools import CallReader, ToolError
-from .build import Ask, Prepared, count, prepare, schema_of
+from .build import Ask, Prepared, count, grammar_of, prepare
 from .events import CallArguments, CallBegins, Chunk, Event, Finished, Outcome, ToolCall, plain
 
 
@@ -31,7 +31,7 @@ def reply(ask: Ask, on_handle: Optional[Callable[[Generation], None]] = None) ->
     """The events of one reply, read on this thread; `on_handle` is told each engine
     handle as it is made (a caller cancels through it)."""
     run = configure(ask.model, ask.options, load_settings())
-    grammar = schema_of(ask.schema)
+    grammar = grammar_of(ask)
     engine = get_manager()
     with one_line_errors(run):
         ready = engine.tokenizer_for(run.load)
@@ -102,7 +102,7 @@ async def count_tokens(ask: Ask) -> int:
 
 
 def _configured(ask: Ask) -> tuple[RunConfig, Optional[str]]:
-    return configure(ask.model, ask.options, load_settings()), schema_of(ask.schema)
+    return configure(ask.model, ask.options, load_settings()), grammar_of(ask)
 
 
 class Replier:

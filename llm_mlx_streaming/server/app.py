@@ -21,6 +21,7 @@ from .fields import IgnoredHeader
 from .guard import Guard
 from .ollama import routes as ollama
 from .openai import routes as openai
+from .responses import routes as responses
 from .openai.schemas import ErrorResponse
 from .runtime import POOL_KEYS, ConfigError
 from .service import Service
@@ -61,8 +62,8 @@ def create_app(service: Service) -> FastAPI:
     async def health() -> dict:
         return {"status": "ok", "id": public_id(service.secret) if service.secret else None}
 
-    app.state.routers = [_runtime_routes(service), openai.router(service), anthropic.router(service),
-                         ollama.router(service)]  # errors.shape_for reads their routes' shapes
+    app.state.routers = [_runtime_routes(service), openai.router(service), responses.router(service),
+                         anthropic.router(service), ollama.router(service)]  # errors.shape_for reads their routes' shapes
     for router in app.state.routers:
         app.include_router(router)
     return app

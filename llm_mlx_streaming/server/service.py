@@ -21,6 +21,7 @@ from .fields import unused
 from .gate import Gate
 from .guard import key_accepted
 from .reply_memory import ReplyMemory
+from .response_store import ResponseStore
 from .runtime import ConfigError, RuntimeConfig, touches_pools
 from .turns import take_turn
 
@@ -44,6 +45,7 @@ class Service:
         self.gate = Gate(max_queue, capacity=max_batch)
         self.runtime = RuntimeConfig()
         self.replies = ReplyMemory()
+        self.responses = ResponseStore(load_settings().max_responses)  # the Responses API's, by id
         self.model_id: Optional[str] = None  # the model last loaded or asked for
         self.served = 0
         self.rebuilds = 0  # rebuilds queued or running

@@ -24,6 +24,7 @@ from .gate import QueueFull
 from .transcript import Transcript
 
 RETRY_AFTER_SECONDS = 2
+KEEPALIVE_SECONDS = 5.0  # a stream waiting for its first token (a long prefill) says so this often
 
 
 class Turn:
@@ -74,9 +75,11 @@ async def take_turn(service, first: bool = False) -> None:
 
 
 async def answer(service, request: Request, shape, model_id: str, messages: list, fields: dict,
-                 schema: Optional[dict], stream: bool, tools: Sequence[dict] = ()):
+                 schema: Optional[dict], stream: bool, tools: Sequence[dict] = (),
+                 grammar: Optional[tuple[str, str]] = None):
     """Answer `messages` (llm's) on `model_id` with the request's engine `fields` (the
-    plugin's options) and `tools` (function specs), in `shape`."""
+    plugin's options), `tools` (function specs) and the `schema` or `grammar` the reply
+    must follow, in `shape`."""
     if fields.get("thinking") is not None and not service.thinks(model_id):
         if fields.pop("thinking"):  # the template cannot think: accepted as off
             service.ignore(request, ["thinking"])
@@ -86,7 +89,7 @@ async def answer(service, request: Request, shape, model_id: str, messages: list
     try:
         options = service.runtime.for_request(fields)  # now: a config change made while it waited applies
         options.setdefault("max_batch", service.gate.capacity)  # the requests it admits at once may batch
-        ask = Ask(service.name_of(model_id), messages, Options.model_validate(options), tools, schema)
+        ask = Ask(service.name_of(model_id), messages, Options.model_validate(options), tools, schema, grammar)
     except Exception as e:
         service.gate.release()
         raise error_for(e) from None
@@ -97,16 +100,20 @@ async def answer(service, request: Request, shape, model_id: str, messages: list
     watcher = asyncio.get_running_loop().create_task(_cancel_on_disconnect(service, request, turn.reply))
     events = turn.reply.events()
     try:
-        first = await anext(events, None)  # a load or prompt error is still an HTTP error
-        if stream:
+        first = asyncio.ensure_future(anext(events, None))
+        if stream:  # a load or prompt error is still an HTTP error, unless the prefill runs long
+            await asyncio.wait({first}, timeout=KEEPALIVE_SECONDS if shape.keepalive() else None)
+            if first.done():
+                first.result()  # raises what it raised
             watcher.cancel()
             return GatedStream(turn, _stream(service, turn, events, first, shape), media_type=shape.media_type)
-        return await _whole(service, turn, events, first, shape)
+        return await _whole(service, turn, events, await first, shape)
     except Exception as e:
         turn.finish()
         raise error_for(e) from None
     except BaseException:
         turn.finish()
+        first.cancel()
         raise
     finally:
         watcher.cancel()
@@ -123,12 +130,18 @@ async def _whole(service, turn: Turn, events, first, shape) -> dict:
     return shape.whole(transcript)
 
 
-async def _stream(service, turn: Turn, events, first, shape):
+async def _stream(service, turn: Turn, events, first: asyncio.Future, shape):
+    """The stream's frames; until the first event comes, a keep-alive every
+    KEEPALIVE_SECONDS, so that no client gives up during a long prefill."""
     transcript = Transcript()
     try:
         for frame in shape.opening():
             yield frame
-        async for event in _chain(first, events):
+        while not first.done():
+            await asyncio.wait({first}, timeout=KEEPALIVE_SECONDS)
+            if not first.done():
+                yield shape.keepalive()
+        async for event in _chain(first.result(), events):
             transcript.add(event)
             if isinstance(event, Finished):
                 break

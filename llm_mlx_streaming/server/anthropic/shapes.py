@@ -77,6 +77,10 @@ class MessageShape:
         return {**self._message(content, reason, stop, usage(outcome)), "mlx_stream": extension(outcome)}
 
     # -- the stream ---------------------------------------------------------------
+    @staticmethod
+    def keepalive() -> str:
+        return event("ping", {})
+
     def opening(self) -> list[str]:
         start = self._message([], None, None, {"input_tokens": 0, "output_tokens": 0})
         return [event("message_start", {"message": start})]

@@ -74,6 +74,11 @@ class _Shape:
     def opening(self) -> list[str]:
         return []
 
+    @staticmethod
+    def keepalive() -> None:
+        """None: every NDJSON line is an object a client parses, so there is no comment line."""
+        return None
+
     def closing(self, transcript: Transcript) -> list[str]:
         outcome = transcript.outcome
         return [line(self._base(**self.empty(), done=True, done_reason=done_reason(outcome), **figures(outcome)))]

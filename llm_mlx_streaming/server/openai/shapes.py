@@ -55,6 +55,10 @@ class Shape:
         return [sse(error.openai_body()), DONE]
 
     @staticmethod
+    def keepalive() -> str:
+        return ": waiting for the first token\n\n"  # an SSE comment: clients skip it
+
+    @staticmethod
     def finish(outcome: Outcome) -> Optional[str]:
         return outcome.finish_reason
 

@@ -1,0 +1,233 @@
+"""OpenAI's Responses API: `POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`.
+
+The input items become the same llm messages an OpenAI chat request would (reasoning
+given back rides on the next assistant message, function calls on it too, their outputs
+are tool messages), the tools the same function specs, and the request runs the same
+gated path (turns.py); shapes.py lays out the answer. A stored response keeps its
+conversation and reply (with the ids it was generated as), so `previous_response_id`
+continues it on the same tokens and the KV cache is reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Optional
+
+from fastapi import APIRouter, Depends, Request
+
+from ...prompt.messages import llm_messages
+from ...prompt.tools import function_spec
+from ..errors import ApiError
+from ..openai.schemas import ChatMessage, ErrorResponse, engine_values
+from ..openai.tools import CalledFunction, ToolCall
+from ..transcript import Transcript
+from ..turns import answer
+from .schemas import (CustomTool, CustomToolCallItem, CustomToolCallOutputItem, FunctionCallItem,
+                      FunctionCallOutputItem, FunctionTool, JsonObjectFormat, JsonSchemaFormat, MessageItem,
+                      NamedToolChoice, NamespaceTool, ReasoningItem, ResponseRequest, ResponsesEngineOptions)
+from .shapes import ResponseShape
+from ..response_store import Kept
+
+NO_THINKING = ("none", "minimal")  # reasoning efforts that turn the thinking switch off
+CUSTOM_INPUT = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
+
+
+def conversation(body: ResponseRequest) -> list[ChatMessage]:
+    """The input items as the server's chat messages; a part or item this server cannot
+    take is a 400 naming it."""
+    items = [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
+    out: list[ChatMessage] = []
+    reasoning = ""
+    for i, item in enumerate(items):
+        if isinstance(item, ReasoningItem):
+            reasoning += item.text()
+        elif isinstance(item, MessageItem):
+            text = _text(item.content, f"input.{i}.content")
+            role = "system" if item.role == "developer" else item.role
+            if role == "assistant":
+                out.append(ChatMessage(role=role, content=text, reasoning_content=reasoning or None))
+                reasoning = ""
+            else:
+                out.append(ChatMessage(role=role, content=text))
+        elif isinstance(item, (FunctionCallItem, CustomToolCallItem)):
+            arguments = item.arguments if isinstance(item, FunctionCallItem) else json.dumps({"input": item.input})
+            call = ToolCall(id=item.call_id, function=CalledFunction(name=item.name, arguments=arguments or "{}"))
+            last = out[-1] if out else None
+            if last is not None and last.role == "assistant" and not reasoning:  # calls of one reply
+                last.tool_calls = [*(last.tool_calls or []), call]
+            else:
+                out.append(ChatMessage(role="assistant", content="", reasoning_content=reasoning or None,
+                                       tool_calls=[call]))
+                reasoning = ""
+        elif isinstance(item, (FunctionCallOutputItem, CustomToolCallOutputItem)):
+            out.append(ChatMessage(role="tool", tool_call_id=item.call_id,
+                                   content=_text(item.output, f"input.{i}.output")))
+    return out
+
+
+def _text(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    for j, part in enumerate(content):
+        if part.type != "input_text" and not hasattr(part, "text"):
+            raise ApiError(400, f"{where}.{j}: an {part.type}: the model served here reads text only",
+                           param=f"{where}.{j}")
+    return "".join(part.value() for part in content)
+
+
+class Tools:
+    """The request's tools as the template's function specs: a namespace's functions
+    flattened (and remembered, for the calls' `namespace`), a custom tool as a function
+    of one string `input`, a hosted tool dropped (named back: nothing here can run it)."""
+
+    def __init__(self, body: ResponseRequest) -> None:
+        self.specs: list[dict] = []
+        self.custom: dict[str, CustomTool] = {}
+        self.namespaces: dict[str, str] = {}
+        self.dropped: list[str] = []
+        for tool in body.tools or []:
+            if isinstance(tool, NamespaceTool):
+                for inner in tool.tools:
+                    self.namespaces[inner.name] = tool.name
+                    self._add(inner)
+            elif isinstance(tool, (FunctionTool, CustomTool)):
+                self._add(tool)
+            else:
+                self.dropped.append(f"tools.{tool.type}")
+
+    def _add(self, tool) -> None:
+        if isinstance(tool, CustomTool):
+            self.custom[tool.name] = tool
+            self.specs.append(function_spec(tool.name, tool.description, CUSTOM_INPUT))
+        else:
+            self.specs.append(function_spec(tool.name, tool.description, tool.parameters))
+
+
+def owner(request: Request) -> Optional[str]:
+    """Who a stored response belongs to: a digest of the key the request came with."""
+    key = request.headers.get("authorization", "").removeprefix("Bearer ").strip() or request.headers.get("x-api-key")
+    return hashlib.sha256(key.encode()).hexdigest() if key else None
+
+
+def router(service) -> APIRouter:
+    errors = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 422, 503)}
+    api = APIRouter(dependencies=[Depends(service.check_api_key)], tags=["OpenAI Responses"], responses=errors)
+
+    def kept(response_id: str, request: Request, param: Optional[str] = None) -> Kept:
+        found = service.responses.find(response_id, owner(request) if service.api_key else None)
+        if found is None:
+            raise ApiError(404, f"no response {response_id!r} is kept here (unknown, made with another key, "
+                           "or dropped as the oldest: see the max_responses setting)", code="response_not_found",
+                           param=param)
+        return found
+
+    @api.post("/v1/responses", description="OpenAI's Responses API; with stream: true its event stream")
+    async def create(body: ResponseRequest, request: Request):
+        service.accept(request, body)
+        model_id = service.model_for(body.model)
+        earlier = kept(body.previous_response_id, request, "previous_response_id").messages \
+            if body.previous_response_id else []
+        tools = Tools(body)
+        service.ignore(request, tools.dropped)
+        fields = engine_values(body, ResponsesEngineOptions.model_fields)
+        if body.max_output_tokens is not None:
+            fields["max_tokens"] = body.max_output_tokens
+        forced_custom, grammar = _choice(body, tools, fields)
+        effort = body.reasoning.effort if body.reasoning is not None else None
+        if effort is not None and forced_custom is None:
+            if service.thinks(model_id):
+                fields["thinking"] = effort not in NO_THINKING
+            else:
+                service.ignore(request, ["reasoning.effort"])
+        system = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
+        chat = [*earlier, *conversation(body)]
+        messages = llm_messages(_one_system_message([*system, *chat]), service.replies.known)
+        store = body.store is not False
+
+        def finish(transcript: Transcript, response: dict) -> None:
+            if store:
+                reply = _reply_message(transcript)
+                service.responses.keep(response["id"], Kept(owner(request) if service.api_key else None,
+                                                            [*chat, reply], response))
+
+        shape = ResponseShape(model_id, _echo(body), custom=frozenset(tools.custom), namespaces=tools.namespaces,
+                              forced_custom=forced_custom, on_finish=finish)
+        specs = [] if forced_custom is not None else tools.specs
+        return await answer(service, request, shape, model_id, messages, fields, _schema(body), body.stream,
+                            specs, grammar=grammar)
+
+    @api.get("/v1/responses/{response_id}", description="A stored response")
+    async def retrieve(response_id: str, request: Request) -> dict:
+        return kept(response_id, request).body
+
+    @api.delete("/v1/responses/{response_id}", description="Forget a stored response")
+    async def delete(response_id: str, request: Request) -> dict:
+        kept(response_id, request)
+        service.responses.drop(response_id, owner(request) if service.api_key else None)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    return api
+
+
+def _choice(body: ResponseRequest, tools: Tools, fields: dict):
+    """(the custom tool the whole reply is the input of, its grammar): tool_choice in the
+    plugin's terms, set on `fields`."""
+    choice = body.tool_choice
+    if body.parallel_tool_calls is not None:
+        fields["parallel_tool_calls"] = body.parallel_tool_calls
+    if isinstance(choice, NamedToolChoice):
+        if choice.type == "custom":
+            tool = tools.custom.get(choice.name)
+            if tool is None:
+                raise ApiError(400, f"tool_choice: no custom tool is named {choice.name!r}", param="tool_choice")
+            fields["thinking"] = False  # the reply is the tool's input, from its first token
+            fmt = tool.format
+            return tool.name, ((fmt.syntax, fmt.definition) if fmt is not None and fmt.type == "grammar" else None)
+        fields["tool_choice"] = choice.name
+    elif isinstance(choice, str):
+        fields["tool_choice"] = choice
+    elif choice is not None:  # allowed_tools: every tool is shown; its mode is honoured
+        fields["tool_choice"] = choice.mode
+    return None, None
+
+
+def _schema(body: ResponseRequest) -> Optional[dict]:
+    fmt = body.text.format if body.text else None
+    if isinstance(fmt, JsonSchemaFormat):
+        return fmt.schema_
+    return {"type": "object"} if isinstance(fmt, JsonObjectFormat) else None
+
+
+def _echo(body: ResponseRequest) -> dict:
+    """The request's fields a response repeats."""
+    return {"instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": body.previous_response_id,
+            "tool_choice": body.tool_choice if isinstance(body.tool_choice, str) or body.tool_choice is None
+            else body.tool_choice.model_dump(), "tools": [t.model_dump(by_alias=True) for t in body.tools or []],
+            "temperature": body.temperature, "top_p": body.top_p, "metadata": body.metadata or {},
+            "store": body.store is not False, "text": body.text.model_dump(by_alias=True) if body.text else
+            {"format": {"type": "text"}}, "reasoning": body.reasoning.model_dump() if body.reasoning else None,
+            "truncation": "disabled", "user": body.user}
+
+
+def _one_system_message(messages: list[ChatMessage]) -> list[ChatMessage]:
+    """The system messages that open the conversation (instructions, developer items) as
+    one: many chat templates take a single system message, first."""
+    head = 0
+    while head < len(messages) and messages[head].role == "system":
+        head += 1
+    if head < 2:
+        return messages
+    joined = "\n\n".join(m.text() for m in messages[:head])
+    return [ChatMessage(role="system", content=joined), *messages[head:]]
+
+
+def _reply_message(transcript: Transcript) -> ChatMessage:
+    """The reply as the next request's history: its text, reasoning, calls and token ids."""
+    outcome = transcript.outcome
+    calls = [ToolCall(id=c.id, function=CalledFunction(name=c.name, arguments=json.dumps(c.arguments)))
+             for c in outcome.complete_calls()]
+    return ChatMessage(role="assistant", content=transcript.text, reasoning_content=transcript.reasoning or None,
+                       tool_calls=calls or None, tokens=outcome.tokens or None)
