@@ -26,7 +26,7 @@ def test_config_show_set_unset(llm_env):
         "memory_budget", "max_context", "threads", "page_cache", "overlap", "trace", "packed",
         "k", "draft",  # speculation (issue 9)
         "kv_bits", "kv_group_size", "kv_start", "prefill_step",  # long context (#13)
-        "server", "server_hosts", "server_origins", "max_batch",  # the server (#22: batching)
+        "server", "server_hosts", "server_origins", "max_batch", "max_responses",  # the server
         "conversation_cache", "conversation_cache_size",  # features (#11)
     }
     assert " set " in lines["default_model"] and " default " in lines["max_tokens"]
