@@ -17,6 +17,7 @@ from typing import Any
 from .. import syncs
 from ..stops import StopMatcher
 from . import figures as fig
+from .activity import ACTIVITY
 from .generation import Channel, Started
 from .request import Injected, Request
 from .respond import (cache_from_disk, disk_cache_for, kv_layout, save_to_disk, stopped, token_budget,
@@ -71,6 +72,7 @@ class Member:
     syncs: float = 0.0  # its share of each pass's host synchronisations
     largest: int = 1  # the largest batch it ran in
     last: Any = None  # its last GenerationResponse
+    flight: Any = None  # engine/activity.py: the dashboard's request in flight
 
 
 class Batch:
@@ -108,6 +110,7 @@ class Batch:
         )
         self.members[uid] = Member(request, out, prompt, reused, len(new_tokens), kv, kv_note, disk, from_disk,
                                    StopMatcher(request.stop), tokenizer.detokenizer, engine.counters())
+        self.members[uid].flight = ACTIVITY.begin(len(prompt), reused, len(new_tokens))
 
     def step(self) -> None:
         """One pass: every member's next token, then the next chunk of a new member's
@@ -117,7 +120,10 @@ class Batch:
         if not self.members:
             return
         before = syncs.count()
-        _, responses = self.generator.next()
+        prompts, responses = self.generator.next()
+        for p in prompts:  # prefill progress, per chunk
+            if p.uid in self.members:
+                ACTIVITY.prefilled(self.members[p.uid].flight, p.progress[0])
         share = (syncs.count() - before) / len(self.members)
         for member in self.members.values():
             member.syncs += share
@@ -134,6 +140,7 @@ class Batch:
         if member.first is None:
             member.first = now
         member.tokens += 1
+        ACTIVITY.token(member.flight)
         if r.finish_reason != "stop":  # mlx-lm shows no text for the end-of-sequence token
             member.detokenizer.add_token(r.token)
         if r.finish_reason is not None:
@@ -179,6 +186,7 @@ class Batch:
 
     def _leave(self, uid: int, kept: bool) -> None:
         member = self.members.pop(uid)
+        ACTIVITY.end(member.flight)
         if not kept:  # cancelled: its half-fed cache is dropped
             self.generator.remove([uid])
         member.out.finished.set()
@@ -187,6 +195,7 @@ class Batch:
         """The pass raised: every member gets the error, the session is dropped."""
         self.engine.session.reset()
         for member in self.members.values():
+            ACTIVITY.end(member.flight)
             member.out.put("error", error)
             member.out.finished.set()
         self.members.clear()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .. import syncs
 from . import figures, worker
+from .activity import ACTIVITY
 from .figures import peak_rss_bytes, store_in_use
 from .generation import Channel, Generation, Started
 from .provider import EngineError, LoadError, ModelProvider
@@ -104,6 +105,7 @@ class EngineManager(ModelProvider):
         self.last_stats, self.last_decode_tps = stats, stats["decode_tps"]
         self.served += 1
         self.generated += stats["generated_tokens"]
+        ACTIVITY.finished(stats)
 
     def _batch(self, load: LoadSpec | None, request: Request, out: Channel) -> None:
         """Decode `request` in a batch that the requests queued behind it join while
