@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from ..client.discovery import public_id
 from ..errors import one_line
 from ..run_config import resolve
-from . import anthropic, ollama
+from . import anthropic, dashboard, ollama
 from .catalog import model_ids
 from .gate import Gate
 from ..messages import llm_messages
@@ -224,7 +224,7 @@ def create_app(service: Service) -> FastAPI:
         yield
 
     app = FastAPI(title="llm-mlx-streaming", summary="OpenAI-compatible API of `llm mlxs serve`",
-                  lifespan=lifespan)
+                  lifespan=lifespan, docs_url=None, redoc_url=None)  # /docs: served offline by dashboard.attach
     app.state.service = service
     app.add_middleware(BodyLimit)
     app.add_middleware(Guard, hosts=service.hosts, origins=service.origins)  # outermost
@@ -292,4 +292,5 @@ def create_app(service: Service) -> FastAPI:
     app.include_router(api)
     app.include_router(anthropic.router(service))
     app.include_router(ollama.router(service))
+    dashboard.attach(app, service)  # /dashboard, /metrics, /docs (server/dashboard/, server/metrics.py)
     return app
