@@ -16,6 +16,7 @@ from .group import mlxs
 from ..sizes import format_size
 from .common import table
 from ..experts.simulate import format_table, simulate as run_simulation
+from .plot import check_path, plot_simulation
 
 
 def _trace_path(trace: str) -> tuple[Path, str]:
@@ -92,7 +93,9 @@ def _int_list(text: str, what: str) -> list[int]:
 @click.option("--policies", default=",".join(POLICIES), show_default=True, help="Comma-separated policies to compare with LRU and Belady")
 @click.option("--phase", type=click.Choice(["decode", "prefill"]), default="decode", show_default=True, help="Which recorded phase to replay")
 @click.option("json_", "--json", is_flag=True, help="Output as JSON")
-def simulate(trace, slots, policies, phase, json_):
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also draw hit rate against pool size (and the first policy's heatmap) into FILE.svg or FILE.png")
+def simulate(trace, slots, policies, phase, json_, plot):
     """Replay a routing trace through each eviction policy and Belady's optimum.
 
     TRACE is a trace file (JSON lines) or a model name, meaning the trace recorded
@@ -103,6 +106,7 @@ def simulate(trace, slots, policies, phase, json_):
     llm mlxs simulate ../shared/traces/mixtral.jsonl --slots 2,4,6 --json
     llm mlxs simulate tests/data/demo-trace.jsonl --slots 4,8   (the bundled demo's routing)
     """
+    check_path(plot)
     path, label = _trace_path(trace)
     if slots:
         counts = _int_list(slots, "--slots")
@@ -114,6 +118,8 @@ def simulate(trace, slots, policies, phase, json_):
         rows = run_simulation(path, counts, policies=names, phase=phase)
     except ValueError as exc:
         raise MlxStreamError(one_line(exc)) from None
+    if plot is not None:
+        plot_simulation(label, path, rows, names[0] if names else "lru", phase, plot)
     if json_:
         click.echo(json.dumps({"trace": str(path), "phase": phase, "rows": rows}, indent=2))
         return
