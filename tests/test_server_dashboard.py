@@ -198,3 +198,35 @@ def test_docs_load_swagger_ui_from_the_package(dash):
     spec = json.loads(request(dash, "GET", "/openapi.json")[2])
     assert "/metrics" in spec["paths"] and "/dashboard/snapshot" in spec["paths"]
     assert "/dashboard/events" not in spec["paths"]  # endless: no schema-driven client should wait on it
+
+
+def test_a_one_chunk_prefill_shows_its_progress_through_the_layers(dash, monkeypatch):
+    """With the whole prompt in one chunk, progress is the share of MoE layers it has gone through."""
+    import threading
+
+    from llm_mlx_streaming.engine.activity import ACTIVITY
+
+    entered, go = threading.Event(), threading.Event()
+    real = ACTIVITY.moe_layer
+
+    def moe_layer(ordinal):
+        real(ordinal)
+        flight = ACTIVITY.prefilling
+        if ordinal == 0 and flight is not None and flight.first_token is None and not go.is_set():
+            entered.set()
+            assert go.wait(60)
+
+    monkeypatch.setattr(ACTIVITY, "moe_layer", moe_layer)
+    body = {"model": "mlx-stream", "max_tokens": 2, "prefill_step": 2048,
+            "messages": [{"role": "user", "content": LONG + " once more"}]}
+    thread, out = in_thread(post, dash, "/v1/chat/completions", body)
+    try:
+        assert entered.wait(60)
+        flight = stats(dash)["in_flight"][0]
+        assert flight["prefill_done"] == 0 and flight["layer"] == 1 and flight["layers"] == 2
+        chunk = flight["prefill_total"] - 1  # the last prompt token goes with the first decode step
+        assert flight["prefill_estimate"] == chunk // 2
+    finally:
+        go.set()
+        thread.join(60)
+    assert out["value"][0] == 200, out

@@ -29,6 +29,9 @@ class Flight:
     prefill_total: int  # tokens to prefill (the prompt less what the KV cache held)
     prefill_done: int = 0
     generated: int = 0
+    prefill_step: int = 0  # tokens per prefill chunk (0: unknown)
+    layers: int = 0  # MoE layers of the model
+    layer: int = 0  # MoE layers the chunk in progress has gone through
     id: int = field(default_factory=lambda: next(_ids))
     started: float = field(default_factory=time.time)
     first_token: float | None = None
@@ -37,9 +40,18 @@ class Flight:
     def phase(self) -> str:
         return "decode" if self.first_token is not None else "prefill"
 
+    @property
+    def prefill_estimate(self) -> int:
+        """Prompt tokens prefilled, counting the chunk in progress by the share of MoE
+        layers it has gone through (a chunk may be the whole prompt)."""
+        if self.first_token is not None or not self.layers or not self.prefill_step:
+            return self.prefill_done
+        chunk = max(0, min(self.prefill_step, self.prefill_total - self.prefill_done - 1))
+        return self.prefill_done + chunk * min(self.layer, self.layers) // self.layers
+
     def shown(self, now: float) -> dict:
         out = asdict(self)
-        out.update(phase=self.phase, seconds=round(now - self.started, 3))
+        out.update(phase=self.phase, seconds=round(now - self.started, 3), prefill_estimate=self.prefill_estimate)
         if self.first_token is not None:
             decode = now - self.first_token
             out["decode_tps"] = round(self.generated / decode, 2) if decode > 0 and self.generated > 1 else None
@@ -71,33 +83,48 @@ class Activity:
         self.live_generated = 0  # every token generated, also of generations still running
         self.live_prefilled = 0  # every prompt token prefilled, also of prefills still running
         self._finished = 0  # numbers the recent responses
+        self.prefilling: Flight | None = None  # the flight whose prompt chunk the MoE layers run now
+        self.batch = None  # the running batch (engine/batch.py), which holds its members' KV caches
         self._lock = threading.Lock()  # begin/end/finished only: never per token
 
     # -- the engine thread ------------------------------------------------------------
-    def begin(self, prompt_tokens: int, reused_tokens: int, prefill_total: int) -> Flight:
-        flight = Flight(prompt_tokens, reused_tokens, prefill_total)
+    def begin(self, prompt_tokens: int, reused_tokens: int, prefill_total: int, prefill_step: int = 0,
+              layers: int = 0) -> Flight:
+        flight = Flight(prompt_tokens, reused_tokens, prefill_total, prefill_step=prefill_step, layers=layers)
         with self._lock:
             self.flights[flight.id] = flight
+        self.prefilling = flight
         return flight
 
     def prefilled(self, flight: Flight, done: int, total: int | None = None) -> None:
         """Prefill progress: `done` of the flight's tokens are in the KV cache (mlx-lm's
         `prompt_progress_callback(done, total)`, called per chunk)."""
         done = min(int(done), flight.prefill_total)
+        self.prefilling, flight.layer = flight, 0  # the next chunk starts at the first layer
         if done > flight.prefill_done:
             self.live_prefilled += done - flight.prefill_done
             flight.prefill_done = done
+
+    def moe_layer(self, ordinal: int) -> None:
+        """A MoE layer ran a prompt chunk (experts/switch.py, any call of more than one token)."""
+        flight = self.prefilling
+        if flight is not None:
+            flight.layer = ordinal + 1
 
     def token(self, flight: Flight) -> None:
         if flight.first_token is None:
             flight.first_token = time.time()
             self.prefilled(flight, flight.prefill_total)
+            if self.prefilling is flight:
+                self.prefilling = None
         flight.generated += 1
         self.live_generated += 1
 
     def end(self, flight: Flight | None) -> None:
         if flight is None:
             return
+        if self.prefilling is flight:
+            self.prefilling = None
         with self._lock:
             self.flights.pop(flight.id, None)
 
@@ -132,6 +159,23 @@ class Activity:
             })
 
     # -- readers ----------------------------------------------------------------------
+    def batch_kv_bytes(self) -> int:
+        """Bytes of the running batch's KV caches (0 without a batch): mlx-lm's
+        BatchGenerator keeps them in its prompt and generation batches."""
+        from .kv import cache_bytes
+
+        generator = getattr(self.batch, "generator", None)
+        total = 0
+        for part in ("_prompt_batch", "_generation_batch"):
+            total += cache_bytes(getattr(getattr(generator, part, None), "prompt_cache", None) or ())
+        return total
+
+    def prefilled_now(self) -> int:
+        """Prompt tokens prefilled so far, the chunks in progress counted by their layers."""
+        with self._lock:
+            flights = list(self.flights.values())
+        return self.live_prefilled + sum(f.prefill_estimate - f.prefill_done for f in flights)
+
     def in_flight(self) -> list[dict]:
         now = time.time()
         with self._lock:

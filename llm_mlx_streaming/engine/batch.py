@@ -86,6 +86,7 @@ class Batch:
         self.generator = BatchGenerator(engine.loaded.model, completion_batch_size=capacity,
                                         prefill_batch_size=capacity, prefill_step_size=self.prefill_step)
         self.members: dict[int, Member] = {}
+        ACTIVITY.batch = self  # its KV caches, for the dashboard's memory figures
 
     def admit(self, request: Request, out: Channel) -> None:
         """Start `request`: its cached prefix, then queued for prefill with the next pass."""
@@ -110,7 +111,8 @@ class Batch:
         )
         self.members[uid] = Member(request, out, prompt, reused, len(new_tokens), kv, kv_note, disk, from_disk,
                                    StopMatcher(request.stop), tokenizer.detokenizer, engine.counters())
-        self.members[uid].flight = ACTIVITY.begin(len(prompt), reused, len(new_tokens))
+        self.members[uid].flight = ACTIVITY.begin(len(prompt), reused, len(new_tokens), self.prefill_step,
+                                                  len(loaded.layers))
 
     def step(self) -> None:
         """One pass: every member's next token, then the next chunk of a new member's
@@ -204,6 +206,7 @@ class Batch:
         import mlx.core as mx
 
         mx.synchronize()  # nothing may still read a slot when the pools change
+        ACTIVITY.batch = None
         self.generator.close()
 
 

@@ -92,7 +92,8 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
             prompt_progress_callback=lambda done, _: ACTIVITY.prefilled(flight, done),
         )
     responses = provider.steps(responses)
-    flight = ACTIVITY.begin(len(prompt), reused, len(new_tokens))  # the dashboard's request in flight
+    # the dashboard's request in flight (engine/activity.py)
+    flight = ACTIVITY.begin(len(prompt), reused, len(new_tokens), prefill_step, len(loaded.layers))
     try:
         for response in responses:
             if ttft is None:

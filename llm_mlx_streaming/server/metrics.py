@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import Response
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, PlatformCollector,
-                               ProcessCollector, generate_latest)
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, PlatformCollector, ProcessCollector,
+                               generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 
 from .http_layer import ANTHROPIC_PATHS, OLLAMA_PATHS
@@ -44,10 +44,11 @@ def api_of(path: str) -> str:
 
 
 class RequestCounter:
-    """ASGI middleware: counts each HTTP response by API and status, when its status is sent."""
+    """ASGI middleware: counts each HTTP response by API and status (in `counts`, a dict
+    the collector reads), when its status line is sent."""
 
-    def __init__(self, app, *, counter: Counter) -> None:
-        self.app, self.counter = app, counter
+    def __init__(self, app, *, counts: dict) -> None:
+        self.app, self.counts = app, counts
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -56,7 +57,8 @@ class RequestCounter:
 
         async def counted(message):
             if message["type"] == "http.response.start":
-                self.counter.labels(api=api, status=str(message["status"])).inc()
+                key = (api, str(message["status"]))
+                self.counts[key] = self.counts.get(key, 0) + 1  # the event loop's thread only
             await send(message)
 
         await self.app(scope, receive, counted)
@@ -89,8 +91,9 @@ TOKEN_COUNTERS = (
 class EngineCollector:
     """The figures of `service` at scrape time."""
 
-    def __init__(self, service, feed=None) -> None:
+    def __init__(self, service, feed=None, requests: dict | None = None) -> None:
         self.service, self.feed = service, feed
+        self.requests = {} if requests is None else requests
 
     def describe(self):
         return []  # collected at scrape time only
@@ -99,6 +102,12 @@ class EngineCollector:
         st = self.service.stats()
         totals, server = st.get("totals") or {}, st.get("server") or {}
         name = lambda n: f"{PREFIX}_{n}"  # noqa: E731
+
+        requests = CounterMetricFamily(name("http_requests"), "HTTP responses by API and status",
+                                       labels=["api", "status"])
+        for (api, status), n in sorted(self.requests.items()):
+            requests.add_metric([api, status], n)
+        yield requests
 
         for metric, key, text in POOL_COUNTERS:
             yield _counter(name(metric), text, st.get(key))
@@ -168,9 +177,8 @@ class Metrics:
 
     def __init__(self, service, feed=None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.requests = Counter(f"{PREFIX}_http_requests", "HTTP responses by API and status",
-                                ["api", "status"], registry=self.registry)
-        self.registry.register(EngineCollector(service, feed))
+        self.requests: dict[tuple[str, str], int] = {}  # (api, status) -> responses
+        self.registry.register(EngineCollector(service, feed, self.requests))
         ProcessCollector(registry=self.registry)  # process_start_time_seconds, process_resident_memory_bytes (Linux)
         PlatformCollector(registry=self.registry)  # python_info
 

@@ -39,7 +39,7 @@ def attach(app: FastAPI, service) -> None:
     feed = Feed()
     metrics = Metrics(service, feed)
     app.state.feed, app.state.metrics = feed, metrics
-    app.add_middleware(RequestCounter, counter=metrics.requests)  # outermost: refusals are counted too
+    app.add_middleware(RequestCounter, counts=metrics.requests)  # outermost: refusals are counted too
     app.mount(STATIC_URL, StaticFiles(directory=STATIC), name="dashboard-static")
     app.include_router(metrics.router(service))
     app.include_router(router(service, feed))

@@ -68,8 +68,8 @@ class Feed:
         dense = pool = slots = 0
         if loaded is not None:
             dense, pool, slots = self._model_sizes(loaded)
-        try:
-            kv = cache_bytes(session.cache) if session is not None else 0
+        try:  # the session's cache, or a running batch's (which took it over)
+            kv = (cache_bytes(session.cache) if session is not None else 0) + ACTIVITY.batch_kv_bytes()
         except Exception:  # a cache being swapped on the engine thread: next frame
             kv = 0
         try:
@@ -117,7 +117,7 @@ class Feed:
             return
         sample = {"t": now, "hits": stats.get("hits") or 0, "misses": stats.get("misses") or 0,
                   "bytes": stats.get("bytes_read") or 0, "syncs": syncs.count(),
-                  "generated": ACTIVITY.live_generated, "prefilled": ACTIVITY.live_prefilled}
+                  "generated": ACTIVITY.live_generated, "prefilled": ACTIVITY.prefilled_now()}
         self.samples.append(sample)
         start = next((s for s in self.samples if now - s["t"] <= WINDOW_SECONDS), sample)
         if start is not sample:

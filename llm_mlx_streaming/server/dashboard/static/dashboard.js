@@ -7,7 +7,7 @@
   const KEY = 'mlxs-api-key';          // sessionStorage: this tab only
   const SERIES_SECONDS = 600;          // the curves' span
   const DECAY = 0.8;                   // per frame: how fast "recent" hits fade
-  const MISS_DECAY = 0.6;              // per frame: how fast "recent" misses fade (about 2 s)
+  const MISS_DECAY = 0.5;              // per frame: how fast "recent" misses fade (about 1.5 s)
   const $ = (id) => document.getElementById(id);
 
   const state = {
@@ -203,12 +203,14 @@
     }
     el.innerHTML = list.map((r) => {
       const total = r.prefill_total || 0;
-      const share = total ? r.prefill_done / total : 1;
       const done = r.phase === 'decode';
+      const est = done ? total : (r.prefill_estimate || r.prefill_done || 0);
+      const share = total ? est / total : 1;
+      const where = !done && r.layers && r.layer ? ` · chunk at MoE layer ${r.layer} of ${r.layers}` : '';
       return `<div class="flight" data-id="${r.id}">
         <div class="row"><span class="chip ${r.phase}">${r.phase}</span><span class="small">${num(r.seconds, 1)} s</span></div>
         <div class="progress ${done ? 'done' : ''}"><div style="width:${(100 * share).toFixed(1)}%"></div></div>
-        <div class="progress-text">prefill ${num(r.prefill_done)} / ${num(total)} tokens (${(100 * share).toFixed(0)}%)</div>
+        <div class="progress-text">prefill ${num(est)} / ${num(total)} tokens (${(100 * share).toFixed(0)}%)${where}</div>
         <div class="facts">
           <span>prompt</span><b>${num(r.prompt_tokens)} tokens</b>
           <span>reused from KV</span><b>${num(r.reused_tokens)} tokens</b>
@@ -273,7 +275,7 @@
   }
   // the mark of a recent miss (the expert was read from disk): a red square inside the cell
   function missShare(row, e) {
-    return row.missHot[e] > 0.08 ? 0.4 + 0.6 * Math.min(1, row.missHot[e]) : 0;
+    return row.missHot[e] > 0.2 ? 0.45 + 0.55 * Math.min(1, row.missHot[e]) : 0;
   }
 
   function drawHeatmap() {
@@ -348,10 +350,10 @@
   // -- the curves -------------------------------------------------------------------------
   const CHARTS = [
     { key: 'hit_rate', title: 'hit rate', colour: '#1f5fa8', fmt: pct, max: 1 },
-    { key: 'mb_per_token', title: 'MB read per token', colour: '#e0533d', fmt: (v) => `${num(v, 2)} MB` },
+    { key: 'mb_per_token', title: 'MB read / token', colour: '#e0533d', fmt: (v) => `${num(v, 2)} MB` },
     { key: 'decode_tps', title: 'decode tok/s', colour: '#2e9d5b', fmt: (v) => num(v, 1) },
     { key: 'prefill_tps', title: 'prefill tok/s', colour: '#d99a1e', fmt: (v) => num(v, 0) },
-    { key: 'syncs_per_token', title: 'host syncs per token', colour: '#8e6cc6', fmt: (v) => num(v, 1) },
+    { key: 'syncs_per_token', title: 'host syncs / token', colour: '#8e6cc6', fmt: (v) => num(v, 1) },
   ];
   $('charts').innerHTML = CHARTS.map((c) => `<article class="card chart" id="chart-${c.key}">
       <h3><span>${c.title}</span><b>–</b></h3><svg preserveAspectRatio="none"></svg></article>`).join('');
