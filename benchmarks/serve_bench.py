@@ -19,6 +19,14 @@ replies from `--clients` clients at once at max_batch 4 (requests per second).
 
     python benchmarks/serve_bench.py [--calls 10] [--tokens 16] [--clients 8] [--rounds 3] [--bundled]
     python benchmarks/serve_bench.py --against ../base [--calls 10] [--clients 8] [--rounds 3]
+
+With --dashboard it measures the dashboard's cost instead: rounds of N requests one
+after another, alternately with no dashboard and with one reading /dashboard/events
+(the live figures' event stream) the whole round; it prints the engine's decode tok/s
+(tokens over the engine's own decode seconds, /api/stats `totals`) of both and their
+ratio, which should be 1 within noise.
+
+    python benchmarks/serve_bench.py --dashboard [--clients 4] [--tokens 64] [--rounds 3] [--bundled]
 """
 
 from __future__ import annotations
@@ -150,6 +158,64 @@ def overhead(llm_bin: Path, env: dict, user_dir: Path, trees: dict, args) -> Non
         print(f"{name:<28} {ttft:>13.1f} {rps:>10.2f} {ttft / base[0]:>12.2f}x {rps / base[1]:>13.2f}x")
 
 
+def totals(url: str) -> dict:
+    with urllib.request.urlopen(url + "/api/stats", timeout=30) as resp:
+        return json.loads(resp.read())["totals"]
+
+
+class Dashboard:
+    """A page's event stream, read on a thread while it is open (frames counted)."""
+
+    def __init__(self, url: str) -> None:
+        self.frames, self._stop = 0, threading.Event()
+        self._resp = urllib.request.urlopen(url + "/dashboard/events", timeout=30)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            while not self._stop.is_set():
+                line = self._resp.readline()
+                if not line:
+                    return
+                self.frames += line.startswith(b"data:")
+        except (OSError, ValueError, AttributeError):  # closed under it by close()
+            return
+
+    def close(self) -> int:
+        self._stop.set()
+        frames = self.frames
+        self._resp.close()
+        self._thread.join(5)
+        return frames
+
+
+def dashboard_cost(url: str, prompts: list[str], tokens: int, rounds: int) -> None:
+    """Decode tok/s with the dashboard closed and open, alternating, and their ratio."""
+    throughput(url, prompts[:1], tokens, at_once=False)  # warm-up
+    runs: dict[str, list] = {"closed": [], "open": []}
+    frames = 0
+    for _ in range(rounds):
+        for mode in ("closed", "open"):
+            page = Dashboard(url) if mode == "open" else None
+            before = totals(url)
+            generated, wall = throughput(url, prompts, tokens, at_once=False)
+            after = totals(url)
+            if page is not None:
+                frames += page.close()
+            decode = after["decode_seconds"] - before["decode_seconds"]
+            runs[mode].append(((after["generated_tokens"] - before["generated_tokens"]) / decode, generated / wall))
+    print(f"\n{'dashboard (median of ' + str(rounds) + ')':<26} {'decode tok/s':>12} {'wall tok/s':>10}")
+    median = {m: (statistics.median(r[0] for r in rows), statistics.median(r[1] for r in rows))
+              for m, rows in runs.items()}
+    for mode, (decode, wall) in median.items():
+        print(f"{mode:<26} {decode:>12.2f} {wall:>10.2f}")
+    print(f"open / closed: decode {median['open'][0] / median['closed'][0]:.3f}x, wall "
+          f"{median['open'][1] / median['closed'][1]:.3f}x ({frames} frames read while open; each round "
+          f"{len(prompts)} requests of {tokens} tokens; per round open/closed decode: "
+          + ", ".join(f"{o[0] / c[0]:.3f}" for c, o in zip(runs["closed"], runs["open"])) + ")")
+
+
 def start_server(llm_bin: Path, env: dict, user_dir: Path) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([str(llm_bin), "mlxs", "serve", "--port", "0", "-m", "mlx-stream"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
@@ -180,6 +246,8 @@ def main() -> None:
     parser.add_argument("--against", type=Path, help="a checkout whose server's overhead is measured beside this one's")
     parser.add_argument("--bundled", action="store_true",
                         help="the bundled (trained) demo model instead, 4 of its 16 experts per layer resident")
+    parser.add_argument("--dashboard", action="store_true",
+                        help="only the dashboard's cost: decode tok/s with /dashboard/events open vs closed")
     args = parser.parse_args()
 
     user_dir = Path(tempfile.mkdtemp(prefix="serve-bench-"))
@@ -205,6 +273,16 @@ def main() -> None:
         here = Path(__file__).resolve().parents[1]
         overhead(llm_bin, env, user_dir, {f"{args.against} (before)": args.against.resolve(), "this tree": here}, args)
         return
+    if args.dashboard:
+        server, url = start_server(llm_bin, env, user_dir)
+        try:
+            dashboard_cost(url, [PROMPTS[i % len(PROMPTS)] + f" ({i})" for i in range(args.clients)], args.tokens,
+                           args.rounds)
+        finally:
+            server.terminate()
+            server.wait(30)
+        return
+
     startup = []  # the floor under both: starting an llm process at all
     for _ in range(3):
         start = time.perf_counter()

@@ -20,12 +20,12 @@ LAYERS = [
     {"client"},  # a running server, as a source of the core's events
     {"reply"},  # the reply core: messages and options -> engine -> events
     {"prompt"},  # messages, chat templates, tools, constraints
-    {"options", "discovery"},  # knobs -> settings, registry -> RunConfig | the file that names a running server
+    {"options", "discovery", "pictures"},  # knobs -> settings, registry -> RunConfig | a running server's file | plots
     {"distributed"},
     {"engine"},
     {"speculation"},
     {"experts", "checkpoints"},
-    {"processors", "values", "stops", "errors", "sizes", "syncs"},
+    {"processors", "values", "stops", "errors", "sizes", "syncs", "activity"},
 ]
 
 # Arrows that point up (known knots, to be untied): none, and none may be added.

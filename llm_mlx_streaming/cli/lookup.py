@@ -1,4 +1,5 @@
-"""A model name, alias or directory -> its checkpoint, for the commands that take one."""
+"""What a command names -> its files: a model name, alias or directory -> its checkpoint;
+a trace file or a model -> its routing trace."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from ..options import registry
 from ..checkpoints.config import read_config
 from ..errors import SettingsError
 from ..options.knobs import BUNDLED_NAME
-from ..options.settings import Settings
+from ..options.settings import Settings, load_settings, trace_file
 
 
 def find_checkpoint(name: str | None, settings: Settings) -> tuple[str, Path, object]:
@@ -36,3 +37,26 @@ def has_packed(path: Path) -> bool:
     from ..experts.packed import INDEX_NAME, packed_dir
 
     return (packed_dir(path) / INDEX_NAME).is_file()
+
+
+def trace_path(trace: str) -> tuple[Path, str]:
+    """A trace file, or the recorded trace of a model (name, alias or mlx-stream)."""
+    local = Path(trace).expanduser()
+    if local.is_file():
+        return local, str(local)
+    settings = load_settings()
+    try:
+        canonical = (
+            registry.default_name(settings)
+            if trace == registry.MODEL_PREFIX
+            else registry.canonical_name(trace, settings)
+        )
+    except SettingsError:
+        raise SettingsError(f"No such trace file or model: {trace}") from None
+    path = trace_file(canonical)
+    if not path.is_file():
+        raise SettingsError(
+            f"No trace recorded for {registry.MODEL_PREFIX}/{canonical} yet ({path}): "
+            "run `llm mlxs config trace on`, then some prompts"
+        )
+    return path, f"{registry.MODEL_PREFIX}/{canonical}"

@@ -8,38 +8,16 @@ from pathlib import Path
 
 import click
 
-from ..options import registry
-from ..errors import MlxStreamError, SettingsError, one_line
+from ..errors import MlxStreamError, one_line
 from ..options.knobs import POLICY_NAMES
-from ..options.settings import load_settings, trace_file, traces_dir
+from ..options.settings import traces_dir
 
 from .group import mlxs
 from ..sizes import format_size
 from .common import table
 from ..experts.simulate import format_table, simulate as run_simulation
-
-
-def _trace_path(trace: str) -> tuple[Path, str]:
-    """A trace file, or the recorded trace of a model (name, alias or mlx-stream)."""
-    local = Path(trace).expanduser()
-    if local.is_file():
-        return local, str(local)
-    settings = load_settings()
-    try:
-        canonical = (
-            registry.default_name(settings)
-            if trace == registry.MODEL_PREFIX
-            else registry.canonical_name(trace, settings)
-        )
-    except SettingsError:
-        raise SettingsError(f"No such trace file or model: {trace}") from None
-    path = trace_file(canonical)
-    if not path.is_file():
-        raise SettingsError(
-            f"No trace recorded for {registry.MODEL_PREFIX}/{canonical} yet ({path}): "
-            "run `llm mlxs config trace on`, then some prompts"
-        )
-    return path, f"{registry.MODEL_PREFIX}/{canonical}"
+from .lookup import trace_path
+from .plot import check_path, plot_simulation
 
 
 def _trace_shape(path: Path, phase: str) -> tuple[int, int]:
@@ -93,7 +71,9 @@ def _int_list(text: str, what: str) -> list[int]:
 @click.option("--policies", default=",".join(POLICY_NAMES), show_default=True, help="Comma-separated policies to compare with LRU and Belady")
 @click.option("--phase", type=click.Choice(["decode", "prefill"]), default="decode", show_default=True, help="Which recorded phase to replay")
 @click.option("json_", "--json", is_flag=True, help="Output as JSON")
-def simulate(trace, slots, policies, phase, json_):
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also draw hit rate against pool size (and the first policy's heatmap) into FILE.svg or FILE.png")
+def simulate(trace, slots, policies, phase, json_, plot):
     """Replay a routing trace through each eviction policy and Belady's optimum.
 
     TRACE is a trace file (JSON lines) or a model name, meaning the trace recorded
@@ -104,7 +84,8 @@ def simulate(trace, slots, policies, phase, json_):
     llm mlxs simulate ../shared/traces/mixtral.jsonl --slots 2,4,6 --json
     llm mlxs simulate tests/data/demo-trace.jsonl --slots 4,8   (the bundled demo's routing)
     """
-    path, label = _trace_path(trace)
+    check_path(plot)
+    path, label = trace_path(trace)
     if slots:
         counts = _int_list(slots, "--slots")
     else:
@@ -115,6 +96,8 @@ def simulate(trace, slots, policies, phase, json_):
         rows = run_simulation(path, counts, policies=names, phase=phase)
     except ValueError as exc:
         raise MlxStreamError(one_line(exc)) from None
+    if plot is not None:
+        plot_simulation(label, path, rows, names[0] if names else "lru", phase, plot)
     if json_:
         click.echo(json.dumps({"trace": str(path), "phase": phase, "rows": rows}, indent=2))
         return

@@ -19,6 +19,7 @@ from .group import mlxs
 from ..sizes import format_size
 from .common import table
 from ..client.client import running_server
+from .plot import check_path, plot_live, plot_logged
 
 
 def _logged(db_path: Path, limit: int) -> list[dict]:
@@ -232,12 +233,17 @@ def _stat_lines(st: dict) -> list[list[str]]:
 @click.option("json_", "--json", is_flag=True, help="Output as JSON")
 @click.option("-d", "--database", type=click.Path(dir_okay=False, path_type=Path), help="Path to log database (default: llm's logs.db)")
 @click.option("--live", is_flag=True, help="The running server's figures now (llm mlxs serve)")
-def stats(count, json_, database, live):
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
+              help="Draw the pool's heatmap and the curves of the last N responses into FILE.svg or FILE.png")
+def stats(count, json_, database, live, plot):
     """Engine figures of the last mlx-stream response, and totals over the last N."""
+    check_path(plot)
     if live:
-        return _live(json_)
+        return _live(json_, plot)
     db_path = database or (llm.user_dir() / "logs.db")
     rows = _logged(db_path, count)
+    if plot is not None and rows:
+        return plot_logged(rows, plot)
     if not rows:
         if json_:
             click.echo(json.dumps({"last": None, "aggregate": None}))
@@ -260,12 +266,14 @@ def stats(count, json_, database, live):
 
 
 # -- the running server's figures ---------------------------------------------
-def _live(json_: bool) -> None:
+def _live(json_: bool, plot: Path | None = None) -> None:
     from ..options.settings import load_settings
 
     server = running_server(None, load_settings())
     if server is None:
         raise click.ClickException("No mlx-stream server runs for this llm user dir (start one: llm mlxs serve)")
+    if plot is not None:
+        return plot_live(server, plot)
     st = server.stats()
     if json_:
         click.echo(json.dumps(st, indent=2))

@@ -103,6 +103,13 @@ class ServerClient:
             raise MlxStreamError(_message(data, status))
         return data
 
+    def snapshot(self) -> dict:
+        """One frame of the server's dashboard (server/dashboard/feed.py)."""
+        status, data = self._json("GET", "/dashboard/snapshot")
+        if status != 200:
+            raise MlxStreamError(_message(data, status))
+        return data
+
     def configure(self, changes: dict) -> dict:
         status, data = self._json("POST", "/api/engine/config", changes)
         if status != 200:

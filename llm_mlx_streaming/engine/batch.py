@@ -17,6 +17,7 @@ from typing import Any
 from .. import syncs
 from ..stops import StopMatcher
 from . import figures as fig
+from ..activity import ACTIVITY
 from .generation import Channel
 from .request import Injected, Request
 from .respond import begin, save_to_disk, stopped, token_logprobs
@@ -70,6 +71,7 @@ class Member:
     syncs: float = 0.0  # its share of each pass's host synchronisations
     largest: int = 1  # the largest batch it ran in
     last: Any = None  # its last GenerationResponse
+    flight: Any = None  # activity.py: the dashboard's request in flight
 
 
 class Batch:
@@ -83,6 +85,7 @@ class Batch:
         self.generator = BatchGenerator(engine.loaded.model, completion_batch_size=capacity,
                                         prefill_batch_size=capacity, prefill_step_size=self.prefill_step)
         self.members: dict[int, Member] = {}
+        ACTIVITY.batch = self  # its KV caches, for the dashboard's memory figures
 
     def admit(self, request: Request, out: Channel) -> None:
         """Start `request`: its cached prefix, then queued for prefill with the next pass."""
@@ -99,6 +102,16 @@ class Batch:
         )
         self.members[uid] = Member(request, out, b.prompt, b.reused, len(b.new_tokens), b.kv, b.kv_note, b.disk,
                                    b.from_disk, StopMatcher(request.stop), tokenizer.detokenizer, engine.counters())
+        self.members[uid].flight = ACTIVITY.begin(len(b.prompt), b.reused, len(b.new_tokens), self.prefill_step,
+                                                  len(engine.loaded.layers))
+
+    def kv_bytes(self) -> int:
+        """Bytes of the batch's KV caches: mlx-lm's BatchGenerator keeps them in its prompt
+        and generation batches (read for the dashboard, between passes)."""
+        from .kv import cache_bytes
+
+        return sum(cache_bytes(getattr(getattr(self.generator, part, None), "prompt_cache", None) or ())
+                   for part in ("_prompt_batch", "_generation_batch"))
 
     def step(self) -> None:
         """One pass: every member's next token, then the next chunk of a new member's
@@ -108,7 +121,10 @@ class Batch:
         if not self.members:
             return
         before = syncs.count()
-        _, responses = self.generator.next()
+        prompts, responses = self.generator.next()
+        for p in prompts:  # prefill progress, per chunk
+            if p.uid in self.members:
+                ACTIVITY.prefilled(self.members[p.uid].flight, p.progress[0])
         share = (syncs.count() - before) / len(self.members)
         for member in self.members.values():
             member.syncs += share
@@ -125,6 +141,7 @@ class Batch:
         if member.first is None:
             member.first = now
         member.tokens += 1
+        ACTIVITY.token(member.flight)
         if r.finish_reason != "stop":  # mlx-lm shows no text for the end-of-sequence token
             member.detokenizer.add_token(r.token)
         if r.finish_reason is not None:
@@ -170,6 +187,7 @@ class Batch:
 
     def _leave(self, uid: int, kept: bool) -> None:
         member = self.members.pop(uid)
+        ACTIVITY.end(member.flight)
         if not kept:  # cancelled: its half-fed cache is dropped
             self.generator.remove([uid])
         member.out.finished.set()
@@ -178,6 +196,7 @@ class Batch:
         """The pass raised: every member gets the error, the session is dropped."""
         self.engine.session.reset()
         for member in self.members.values():
+            ACTIVITY.end(member.flight)
             member.out.put("error", error)
             member.out.finished.set()
         self.members.clear()
@@ -186,6 +205,7 @@ class Batch:
         import mlx.core as mx
 
         mx.synchronize()  # nothing may still read a slot when the pools change
+        ACTIVITY.batch = None
         self.generator.close()
 
 

@@ -13,6 +13,7 @@ from dataclasses import fields
 
 from .. import syncs
 from ..experts.pool import PoolCounters
+from ..activity import ACTIVITY
 from .kv import bits_in_use, cache_bytes, kept_note
 
 
@@ -150,6 +151,8 @@ def engine_figures(manager) -> dict:
         "generated_tokens": manager.generated,
         **sync_figures(syncs.count() - manager.syncs_at_start, manager.generated),
         **manager.counters().as_dict(),
+        "totals": ACTIVITY.totals_shown(),  # every finished generation's tokens and seconds
+        "in_flight": ACTIVITY.in_flight(),
     }
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .. import syncs
 from . import figures, worker
+from ..activity import ACTIVITY
 from .generation import Channel, Generation, Started
 from .provider import EngineError, LoadError, ModelProvider
 from .request import LoadSpec, Request
@@ -100,6 +101,7 @@ class EngineManager(ModelProvider):
         self.last_stats, self.last_decode_tps = stats, stats["decode_tps"]
         self.served += 1
         self.generated += stats["generated_tokens"]
+        ACTIVITY.finished(stats)
 
     def _batch(self, load: LoadSpec | None, request: Request, out: Channel) -> None:
         """Decode `request` in a batch that the requests queued behind it join while

@@ -19,6 +19,7 @@ from ..errors import one_line
 from ..processors import with_history
 from ..stops import StopMatcher
 from . import figures as fig
+from ..activity import ACTIVITY
 from .generation import Channel, Started
 from .provider import EngineError, ModelProvider
 from .request import Request
@@ -82,12 +83,16 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
             logits_processors=with_history(request.logits_processors, prompt[:reused]) or None,
             prompt_cache=cache,
             prefill_step_size=prefill_step, **kv.generate_kwargs(),
+            prompt_progress_callback=lambda done, _: ACTIVITY.prefilled(flight, done),
         )
     responses = provider.steps(responses)
+    # the dashboard's request in flight (activity.py)
+    flight = ACTIVITY.begin(len(prompt), reused, len(new_tokens), prefill_step, len(loaded.layers))
     try:
         for response in responses:
             if ttft is None:
                 ttft = time.perf_counter() - start
+            ACTIVITY.token(flight)
             out.check_cancelled()
             generated.append(response.token)
             if request.top_logprobs is not None:
@@ -100,6 +105,7 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
         session.reset()  # the cache may hold a half-fed step
         raise
     finally:
+        ACTIVITY.end(flight)
         mx.synchronize()  # nothing may still read a slot when the pools change
         if recorder is not None:
             recorder.__exit__(None, None, None)

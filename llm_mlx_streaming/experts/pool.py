@@ -77,6 +77,9 @@ class ExpertPool:
         self.store = store
         self.policy = make_policy(policy, self.slots)
         self.counters = PoolCounters()
+        # per expert, for the dashboard's heatmap: calls that needed it, and of those the misses
+        self.expert_lookups = np.zeros(self.num_experts, dtype=np.int64)
+        self.expert_misses = np.zeros(self.num_experts, dtype=np.int64)
         self.arrays: dict[str, mx.array] = {}
         self._views: dict[str, np.ndarray] = {}
         for comp in layout.components:
@@ -119,6 +122,7 @@ class ExpertPool:
                 misses.append(e)
         c = self.counters
         c.hits += len(needed) - len(misses)
+        self.expert_lookups[needed] += 1  # distinct ids: one numpy call, no host sync
         if not misses:
             c.calls_no_load += 1
             return 0
@@ -137,6 +141,7 @@ class ExpertPool:
             self._reconcile()
             raise
         c.misses += len(targets)
+        self.expert_misses[misses] += 1
         c.bytes_read += result.nbytes
         c.read_seconds += result.seconds
         c.reads += result.reads

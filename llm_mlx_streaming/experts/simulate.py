@@ -55,7 +55,7 @@ def split_step(step: Iterable[int], resident, slots: int) -> list[list[int]]:
     return [order[i : i + slots] for i in range(0, len(order), slots)]
 
 
-def replay(steps: Iterable[Step], slots: int, policy_name: str) -> tuple[int, int]:
+def replay(steps: Iterable[Step], slots: int, policy_name: str, per_expert=None) -> tuple[int, int]:
     """(hits, accesses) of one layer's step sequence through a cold pool of ``slots``
     slots evicting with ``policy_name`` (see ``policies.make_policy``).
 
@@ -63,6 +63,8 @@ def replay(steps: Iterable[Step], slots: int, policy_name: str) -> tuple[int, in
     hits, recorded in router order; then each miss takes a free slot or evicts the
     policy's victim among the residents the call does not need (forgotten at once); then
     the misses are recorded, in router order. Accesses are distinct experts per call.
+    ``per_expert``, when given, is a pair of mutable sequences (accesses, misses) indexed
+    by expert id that the replay adds to (the pictures' heatmap).
     """
     slots = _check_slots(slots)
     policy = make_policy(policy_name, slots)
@@ -81,6 +83,11 @@ def replay(steps: Iterable[Step], slots: int, policy_name: str) -> tuple[int, in
                     hits += 1
                 else:
                     misses.append(e)
+            if per_expert is not None:
+                for e in call:
+                    per_expert[0][e] += 1
+                for e in misses:
+                    per_expert[1][e] += 1
             for _ in range(len(misses) - (slots - len(resident))):
                 v = policy.victim(resident, protected)
                 policy.forget(v)

@@ -16,6 +16,7 @@ import numpy as np
 from mlx.utils import tree_unflatten
 
 from .. import syncs
+from ..activity import ACTIVITY
 from .index import LayerExperts
 from .pool import ExpertPool
 from .store import ExpertStore
@@ -50,6 +51,8 @@ class StreamingExperts(nn.Module):
         if args or kwargs:
             return self._passing_on(x, indices, args, kwargs)
         single_token = indices.size == indices.shape[-1]
+        if not single_token:
+            ACTIVITY.moe_layer(self.ordinal)  # a prompt chunk's progress through the layers (the dashboard)
         # A decode step or a short verify pass (speculation): below mlx-lm's sorting
         # threshold every route is computed alone, so the routes may be split.
         few_routes = indices.size < SORT_THRESHOLD

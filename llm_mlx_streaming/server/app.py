@@ -15,8 +15,9 @@ from fastapi import APIRouter, Body, Depends, FastAPI
 from fastapi.exceptions import RequestValidationError
 
 from ..discovery import public_id
+from . import dashboard
 from .anthropic import routes as anthropic
-from .errors import ApiError, BodyLimit, error_for
+from .errors import ApiError, BodyLimit, api_routes, error_for
 from .fields import IgnoredHeader
 from .guard import Guard
 from .ollama import routes as ollama
@@ -35,7 +36,7 @@ def create_app(service: Service) -> FastAPI:
         yield
 
     app = FastAPI(title="llm-mlx-streaming", summary="OpenAI-compatible API of `llm mlxs serve`",
-                  lifespan=lifespan)
+                  lifespan=lifespan, docs_url=None, redoc_url=None)  # /docs: served offline by dashboard.attach
     app.state.service = service
     app.add_middleware(IgnoredHeader)
     app.add_middleware(BodyLimit)
@@ -66,13 +67,14 @@ def create_app(service: Service) -> FastAPI:
                          anthropic.router(service), ollama.router(service)]  # errors.shape_for reads their routes' shapes
     for router in app.state.routers:
         app.include_router(router)
+    dashboard.attach(app, service)  # /dashboard, /metrics, /docs (server/dashboard/, server/metrics.py)
     return app
 
 
 def _runtime_routes(service: Service) -> APIRouter:
     """The server's own API: its figures and the parameters it runs with."""
     errors = {status: {"model": ErrorResponse} for status in (401, 422)}
-    api = APIRouter(dependencies=[Depends(service.check_api_key)], responses=errors)
+    api = APIRouter(dependencies=[Depends(service.check_api_key)], responses=errors, route_class=api_routes("runtime"))
 
     @api.get("/api/stats")
     async def stats() -> dict:

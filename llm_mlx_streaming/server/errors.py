@@ -1,7 +1,7 @@
 """HTTP-level pieces: errors in each API's own shape, the body size limit.
 
 Every error the server answers has a one-line message, never a traceback, in the shape
-of the API whose route it is: each API's router declares its shape (`routes_shaped`),
+of the API whose route it is: each API's router declares its name and shape (`api_routes`),
 OpenAI's `{"error": {"message", "type", "param", "code"}}` being the server's own. An
 error raised before routing (the guard, the body limit) finds the route the same way.
 """
@@ -40,20 +40,26 @@ class ApiError(Exception):
 Shape = Callable[[ApiError], dict]
 
 
-def routes_shaped(shape: Shape) -> type[APIRoute]:
-    """The route class of an API whose errors look like `shape(error)`."""
-    return type(f"{shape.__name__}_route", (APIRoute,), {"error_shape": staticmethod(shape)})
+def api_routes(api: str, shape: Shape = ApiError.openai_body) -> type[APIRoute]:
+    """The route class of an API: its name (the `api` label of /metrics) and the shape
+    of its errors, `shape(error)`."""
+    return type(f"{api}_route", (APIRoute,), {"api": api, "error_shape": staticmethod(shape)})
 
 
-def shape_for(scope) -> Shape:
-    """The error shape of the route `scope` is for (OpenAI's where none declares one);
-    it is found the same way before routing (the guard, the body limit) and after."""
+def route_for(scope) -> Optional[APIRoute]:
+    """The API route `scope` is for, found the same way before routing (the guard, the
+    body limit, the request counter) and after; None for the server's other pages."""
     app = scope.get("app")
     for router in getattr(getattr(app, "state", None), "routers", ()):
         for route in router.routes:
             if route.matches(scope)[0] != Match.NONE:
-                return getattr(route, "error_shape", ApiError.openai_body)
-    return ApiError.openai_body
+                return route
+    return None
+
+
+def shape_for(scope) -> Shape:
+    """The error shape of the route `scope` is for (OpenAI's where none declares one)."""
+    return getattr(route_for(scope), "error_shape", ApiError.openai_body)
 
 
 def _too_large() -> ApiError:

@@ -16,7 +16,7 @@ from ...prompt.messages import llm_messages
 from ...prompt.tools import function_spec
 from ...reply.build import Ask
 from ...reply.core import count_tokens as counted
-from ..errors import ApiError, error_for, routes_shaped
+from ..errors import ApiError, error_for, api_routes
 from ..openai.schemas import ChatMessage, engine_values
 from ..openai.tools import CalledFunction, ToolCall
 from ..turns import answer
@@ -80,7 +80,7 @@ def engine_options(body) -> dict:
 def router(service) -> APIRouter:
     errors = {status: {"model": AnthropicError} for status in (400, 401, 403, 404, 413, 503)}
     api = APIRouter(dependencies=[Depends(service.check_api_key)], tags=["Anthropic"], responses=errors,
-                    route_class=routes_shaped(error_body))
+                    route_class=api_routes("anthropic", error_body))
 
     @api.post("/v1/messages", description="Anthropic's Messages API; with stream: true its event stream")
     async def messages(body: MessagesRequest, request: Request):

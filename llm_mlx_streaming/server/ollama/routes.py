@@ -17,7 +17,7 @@ from ...options.registry import model_ids
 from ...options.settings import load_settings
 from ...prompt.messages import llm_messages, raw_message
 from ..catalog import Checkpoint, checkpoint
-from ..errors import ApiError, routes_shaped
+from ..errors import ApiError, api_routes
 from ..openai import tools as openai_tools
 from ..openai.schemas import ChatMessage
 from ..turns import answer
@@ -67,7 +67,7 @@ def listed(model_id: str) -> dict:
 def router(service) -> APIRouter:
     errors = {status: {"model": OllamaError} for status in (400, 401, 403, 404, 413, 503)}
     api = APIRouter(dependencies=[Depends(service.check_api_key)], tags=["Ollama"], responses=errors,
-                    route_class=routes_shaped(error_body))
+                    route_class=api_routes("ollama", error_body))
 
     async def run(request: Request, body, shape, messages: list, tools=()):
         """Answer llm's `messages` in `shape`; none: load the model, or unload it."""

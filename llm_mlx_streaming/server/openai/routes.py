@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends, Request
 
 from ...options.registry import model_ids
 from ...prompt.messages import llm_messages, raw_message
+from ..errors import api_routes
 from ..turns import answer
 from .schemas import (ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse, ModelList,
                       engine_option_names)
@@ -21,7 +22,8 @@ from .tools import function_specs
 
 def router(service) -> APIRouter:
     errors = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 422, 503)}
-    api = APIRouter(dependencies=[Depends(service.check_api_key)], tags=["OpenAI"], responses=errors)
+    api = APIRouter(dependencies=[Depends(service.check_api_key)], tags=["OpenAI"], responses=errors,
+                    route_class=api_routes("openai"))
 
     async def generate(request: Request, body, shape, messages: list, tools=()):
         """Answer `body` (its engine fields give the plugin's options, among them

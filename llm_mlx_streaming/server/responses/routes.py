@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, Request
 
 from ...prompt.messages import llm_messages
 from ...prompt.tools import function_spec
-from ..errors import ApiError
+from ..errors import ApiError, api_routes
 from ..openai.schemas import ChatMessage, ErrorResponse, engine_values
 from ..openai.tools import CalledFunction, ToolCall
 from ..transcript import Transcript
@@ -112,7 +112,8 @@ def owner(request: Request) -> Optional[str]:
 
 def router(service) -> APIRouter:
     errors = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 422, 503)}
-    api = APIRouter(dependencies=[Depends(service.check_api_key)], tags=["OpenAI Responses"], responses=errors)
+    api = APIRouter(dependencies=[Depends(service.check_api_key)], tags=["OpenAI Responses"], responses=errors,
+                    route_class=api_routes("openai"))
 
     def kept(response_id: str, request: Request, param: Optional[str] = None) -> Kept:
         found = service.responses.find(response_id, owner(request) if service.api_key else None)
