@@ -13,7 +13,8 @@ from mlx_lm import load as mlx_load
 from exactness import generate, greedy_tokens, prompt_tokens, vocab_size
 from llm_mlx_streaming.engine.loading import load_streaming
 from llm_mlx_streaming.engine.figures import peak_rss_bytes
-from llm_mlx_streaming.engine.manager import EngineError, EngineManager
+from llm_mlx_streaming.engine.manager import EngineManager
+from llm_mlx_streaming.engine.provider import EngineError
 from llm_mlx_streaming.experts.index import CheckpointIndex
 
 

@@ -11,7 +11,8 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make
 from exactness import prompt_tokens, vocab_size
 from llm_mlx_streaming.engine.kv import KVError, KVSpec, cache_bytes
 from llm_mlx_streaming.engine.kv_window import FullPrecisionWindow
-from llm_mlx_streaming.engine.manager import EngineError, EngineManager
+from llm_mlx_streaming.engine.manager import EngineManager
+from llm_mlx_streaming.engine.provider import EngineError
 from llm_mlx_streaming.engine.planner import plan_memory
 from llm_mlx_streaming.engine.request import Request
 

@@ -11,7 +11,8 @@ from mlx_lm.utils import load_model
 from exactness import prompt_tokens, vocab_size
 from fixtures.factory import ARCHITECTURES, supported_quants
 from fixtures.scripted import ScriptedDrafter
-from llm_mlx_streaming.engine.manager import EngineError, EngineManager
+from llm_mlx_streaming.engine.manager import EngineManager
+from llm_mlx_streaming.engine.provider import EngineError
 from llm_mlx_streaming.engine.request import Injected, Request, Sampling
 from llm_mlx_streaming.speculation import heads
 from llm_mlx_streaming.speculation.drafter import DraftContext, DraftError, Drafter

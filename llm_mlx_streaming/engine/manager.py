@@ -18,7 +18,7 @@ from .. import syncs
 from . import figures, worker
 from ..activity import ACTIVITY
 from .generation import Channel, Generation, Started
-from .provider import EngineError, LoadError, ModelProvider
+from .provider import ModelProvider
 from .request import LoadSpec, Request
 from .batch import Batch, admit_or_refuse, alone_reason
 from .respond import Carried, respond

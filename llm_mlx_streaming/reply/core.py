@@ -14,7 +14,8 @@ from contextlib import contextmanager
 from typing import AsyncIterator, Callable, Iterator, Optional
 
 from ..engine.generation import Cancelled, Generation
-from ..engine.manager import EngineError, LoadError, get_manager
+from ..engine.manager import get_manager
+from ..engine.provider import EngineError, LoadError
 from ..errors import MlxStreamError, one_line
 from ..options.run_config import RunConfig, configure
 from ..options.settings import load_settings
