@@ -399,3 +399,51 @@ def test_tokenizer_is_deterministic():
     first = tok_module.tokenizer_json()
     tok_module.tokenizer_json.cache_clear()
     assert tok_module.tokenizer_json() == first
+
+
+# -- the realistic tokenizer (bpe32k) ----------------------------------------------
+
+
+def test_bpe32k_checkpoint_with_the_tool_template(tmp_path):
+    path = build_checkpoint(tmp_path / "bpe32k", "qwen3_moe", tool_template=True,
+                            tokenizer_kind="bpe32k", max_position_embeddings=65536)
+    model, tokenizer = mlx_lm.load(str(path))
+    ids = tok_module.token_ids("bpe32k")
+    assert ids["size"] == tok_module.BPE32K_VOCAB == 32000
+    config = json.loads((path / "config.json").read_text())
+    assert config["vocab_size"] == 32000 and config["max_position_embeddings"] == 65536
+    assert config["eos_token_id"] == tokenizer.eos_token_id == ids["<|im_end|>"]
+    assert json.loads((path / "tokenizer_config.json").read_text())["model_max_length"] == 65536
+    marker = json.loads((path / "factory.json").read_text())
+    assert marker["arguments"]["tokenizer_kind"] == "bpe32k"
+
+    # Qwen3's added tokens are single tokens; mlx-lm finds the thinking and tool markers
+    added = tok_module.THINK_TOKENS + tok_module.TOOL_TOKENS + tok_module.FIM_TOKENS
+    for token in tok_module.SPECIAL_TOKENS + added:
+        assert tokenizer.encode(token) == [ids[token]]
+    assert tokenizer.has_thinking and tokenizer.has_tool_calling
+    assert tokenizer.tool_call_start == "<tool_call>"
+    for sample in (PROMPT, "naïve café — 😀 costs $3.50\n\tindented  twice",
+                   'def f(x):\n    return {"a": [1, 2]}  # done\n', "<tool_call>\n{}\n</tool_call>"):
+        assert tokenizer.decode(tokenizer.encode(sample)) == sample
+    # a realistic vocabulary: prose and code take far fewer tokens than with "tiny"
+    text = ("Use the Read tool to view files, and prefer editing existing files to creating "
+            "new ones.\nimport json\nwith open(path) as f:\n    data = json.load(f)\n")
+    tiny = mlx_lm.load(str(build_checkpoint(tmp_path / "tiny", "qwen3_moe")))[1]
+    assert len(tokenizer.encode(text)) * 2 < len(tiny.encode(text))
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "system", "content": "Context: none."}]
+    tools = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}]
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n\n<tools>\n")
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>system\nContext: none.<|im_end|>\n"
+                         "<|im_start|>assistant\n")
+
+    # the random model never emits an added, padding or lone-byte token
+    from fixtures.factory import _unused_token_ids  # noqa: PLC0415
+
+    unused = set(_unused_token_ids(config, "bpe32k").tolist())
+    assert set(ids.values()) - {ids["size"]} <= unused
+    out = [r.token for r in mlx_lm.stream_generate(model, tokenizer, "Hello", max_tokens=24)]
+    assert len(out) == 24 and not set(out) & unused
