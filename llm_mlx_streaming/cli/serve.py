@@ -27,6 +27,11 @@ from .group import mlxs
 @click.option("--strict", is_flag=True,
               help="Refuse (400) a request field this server does not declare, instead of accepting it and "
               "naming it in the x-mlx-stream-ignored header")
+@click.option("--model-alias", "aliases", multiple=True, metavar="NAME=MODEL",
+              help="Answer requests for the model NAME (e.g. claude-sonnet-4-5) with MODEL (repeatable)")
+@click.option("--any-model", is_flag=True,
+              help="Answer a request for any model name this server does not serve with the default model "
+              "(the reply names the model that answered)")
 @click.option("--hosts", "pipeline", metavar="HOST,HOST,...",
               help="Run the model as a pipeline over these machines (mlx.launch; the first serves HTTP)")
 @click.option("--hostfile", type=click.Path(exists=True, dir_okay=False),
@@ -46,7 +51,8 @@ from .group import mlxs
 @click.option("--pipeline-error", hidden=True)
 @click.option("--supervisor", hidden=True)  # HOST:PID
 @click.pass_context
-def serve(ctx, host, port, model, api_key, max_queue, hosts, origins, strict, pipeline, hostfile, backend,
+def serve(ctx, host, port, model, api_key, max_queue, hosts, origins, strict, aliases, any_model, pipeline, hostfile,
+          backend,
           budgets, ring_port, restarts, pipeline_rank, pipeline_restarts, pipeline_error, supervisor):
     """Serve the mlx-stream models over HTTP: the OpenAI, Anthropic Messages and Ollama APIs.
 
@@ -81,7 +87,7 @@ def serve(ctx, host, port, model, api_key, max_queue, hosts, origins, strict, pi
 
     server = Server(host=host, port=port, model=model, api_key=api_key, max_queue=max_queue,
                     hosts=list(hosts) if hosts else None, origins=list(origins) if origins else None,
-                    keeper=_keeper(supervisor), strict=strict)
+                    keeper=_keeper(supervisor), strict=strict, aliases=_aliases(aliases), any_model=any_model)
     if engine is not None:
         from ..distributed.launch import leave_when_broken
 
@@ -120,8 +126,11 @@ def _supervise(ctx, pipeline, hostfile, backend, ring_port) -> None:
     for flag, values in (("--allow-host", ctx.params["hosts"]), ("--allow-origin", ctx.params["origins"])):
         for value in values:
             passed += [flag, value]
-    if ctx.params["strict"]:
-        passed.append("--strict")
+    for alias in ctx.params["aliases"]:
+        passed += ["--model-alias", alias]
+    for flag in ("strict", "any_model"):
+        if ctx.params[flag]:
+            passed.append(f"--{flag.replace('_', '-')}")
     hosts = pipeline.split(",") if pipeline else None
     Supervisor([*passed, "--backend", backend, "--pipeline-rank"], hosts=hosts, hostfile=hostfile,
                backend=backend, ring_port=ring_port, host=ctx.params["host"], port=ctx.params["port"],
@@ -154,6 +163,16 @@ def _budgets(budgets: str | None) -> list[int] | None:
         return [parse_size(b.strip()) for b in budgets.split(",")] if budgets else None
     except ValueError as e:
         raise MlxStreamError(f"--budgets {budgets}: {e}") from None
+
+
+def _aliases(pairs) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        name, sep, target = pair.partition("=")
+        if not sep or not name or not target:
+            raise click.BadParameter(f"{pair!r}: give NAME=MODEL", param_hint="--model-alias")
+        out[name] = target
+    return out
 
 
 def _interrupt(signum, frame):

@@ -35,8 +35,11 @@ class Service:
 
     def __init__(self, *, default_model: Optional[str] = None, api_key: Optional[str] = None,
                  secret: Optional[str] = None, max_queue: int = 8, hosts: tuple[str, ...] = (),
-                 origins: tuple[str, ...] = (), max_batch: int = 1, strict: bool = False) -> None:
+                 origins: tuple[str, ...] = (), max_batch: int = 1, strict: bool = False,
+                 aliases: Optional[dict[str, str]] = None, any_model: bool = False) -> None:
         self.default_model = default_model
+        self.aliases = dict(aliases or {})  # a client's model name -> a model served here
+        self.any_model = any_model  # every other unknown name: the default model
         self.strict = strict  # an undeclared field is a 400 (fields.py)
         self._logged: set[str] = set()  # fields named in the log already
         self._thinks: dict[str, bool] = {}  # model id -> whether its template has a thinking switch
@@ -64,13 +67,17 @@ class Service:
                            code="invalid_api_key")
 
     def model_for(self, name: Optional[str]) -> str:
-        """The model id a request's model name stands for; 404 when none is served."""
-        name = name or self.default_model or registry.MODEL_PREFIX
+        """The model id a request's model name stands for (through --model-alias, or with
+        --any-model the default model for any name); 404 when none is served."""
+        default = self.default_model or registry.MODEL_PREFIX
+        name = self.aliases.get(name, name) or default
         try:
             return registry.model_id_for(name)
         except SettingsError:
-            raise ApiError(404, f"the model {name!r} is not served here; see /v1/models",
-                           code="model_not_found", param="model") from None
+            if self.any_model:
+                return registry.model_id_for(default)
+            raise ApiError(404, f"the model {name!r} is not served here; see /v1/models (or serve with "
+                           "--model-alias NAME=MODEL or --any-model)", code="model_not_found", param="model") from None
 
     @staticmethod
     def name_of(model_id: str) -> Optional[str]:

@@ -44,7 +44,7 @@ def chat_messages(body) -> list[ChatMessage]:
                 results.append(ChatMessage(role="tool", tool_call_id=block.tool_use_id, content=block.text()))
             else:
                 where = f"messages.{i}.content.{j}"
-                if block.type == "image" or block.type == "tool_result":
+                if block.type == "image" or (block.type == "tool_result" and block.images()):
                     raise ApiError(400, f"{where}: an image: the model served here reads text only", param=where)
                 raise ApiError(400, f"{where}: a {block.type} block is not taken in a {message.role} message",
                                param=where)
@@ -52,7 +52,7 @@ def chat_messages(body) -> list[ChatMessage]:
         if message.role == "assistant" or text or not results:
             out.append(ChatMessage(role=message.role, content="".join(text),
                                    reasoning_content="".join(reasoning) or None, tool_calls=calls or None))
-    if body.messages[-1].role != "user":
+    if body.messages[-1].role == "assistant":
         raise ApiError(400, "messages: the last message must be the user's (an assistant prefill is not "
                        "continued by this server)", param="messages")
     return out

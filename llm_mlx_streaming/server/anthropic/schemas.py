@@ -73,7 +73,8 @@ Block = Annotated[Union[TextBlock, ImageBlock, ThinkingBlock, ToolUseBlock, Tool
 
 
 class Message(RequestModel):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"] = Field(description="system: a system message inside the "
+                                                         "conversation (Claude Code sends its environment so)")
     content: Union[str, list[Block]]
 
     def blocks(self) -> list:

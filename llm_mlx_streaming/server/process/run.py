@@ -13,7 +13,8 @@ import time
 from typing import Optional
 
 from ... import discovery
-from ...errors import MlxStreamError
+from ...errors import MlxStreamError, SettingsError
+from ...options import registry
 from ...options.settings import load_settings
 
 
@@ -35,7 +36,8 @@ def check_exposure(host: str, api_key: Optional[str]) -> None:
 class Server:
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0, model: Optional[str] = None,
                  api_key: Optional[str] = None, max_queue: int = 8, hosts: Optional[list[str]] = None,
-                 origins: Optional[list[str]] = None, keeper: Optional[int] = None, strict: bool = False) -> None:
+                 origins: Optional[list[str]] = None, keeper: Optional[int] = None, strict: bool = False,
+                 aliases: Optional[dict[str, str]] = None, any_model: bool = False) -> None:
         """`keeper`: the pid of a pipeline's supervisor on this machine, which keeps the
         discovery file: the file names it, so that it outlives this rank 0 while the ranks
         restart; this server takes over the file of its stand-in (server/standin.py) and
@@ -56,12 +58,17 @@ class Server:
         origins = settings.server_origins if origins is None else origins
         self.service = Service(default_model=model, api_key=api_key, secret=discovery.new_secret(),
                                max_queue=max_queue, hosts=tuple(hosts), origins=tuple(origins),
-                               max_batch=settings.max_batch, strict=strict)
+                               max_batch=settings.max_batch, strict=strict, aliases=aliases, any_model=any_model)
         if model:
             try:
                 self.service.model_for(model)
             except ApiError:
                 raise MlxStreamError(f"Unknown model '{model}'; see `llm mlxs models`") from None
+        for alias, target in (aliases or {}).items():
+            try:
+                registry.model_id_for(target)
+            except SettingsError:
+                raise MlxStreamError(f"--model-alias {alias}={target}: no model {target!r}; see `llm mlxs models`") from None
         try:
             family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
             self.sock = socket.create_server((host, port), family=family)

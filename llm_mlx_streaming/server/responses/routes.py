@@ -205,8 +205,8 @@ def _echo(body: ResponseRequest) -> dict:
     return {"instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id,
-            "tool_choice": body.tool_choice if isinstance(body.tool_choice, str) or body.tool_choice is None
-            else body.tool_choice.model_dump(), "tools": [t.model_dump(by_alias=True) for t in body.tools or []],
+            "tool_choice": body.tool_choice if isinstance(body.tool_choice, str) else
+            body.tool_choice.model_dump() if body.tool_choice is not None else "auto", "tools": [t.model_dump(by_alias=True) for t in body.tools or []],
             "temperature": body.temperature, "top_p": body.top_p, "metadata": body.metadata or {},
             "store": body.store is not False, "text": body.text.model_dump(by_alias=True) if body.text else
             {"format": {"type": "text"}}, "reasoning": body.reasoning.model_dump() if body.reasoning else None,
