@@ -86,8 +86,8 @@ def wheel_name(path: Path) -> tuple[str, str]:
 # -- the repack ------------------------------------------------------------------------
 
 
-def sections(lib) -> dict[str, tuple[int, int, int]]:
-    """ELF64 section name -> (header offset, file offset, size)."""
+def sections(lib) -> dict[str, tuple[int, int]]:
+    """ELF64 section name -> (file offset, size)."""
     shoff, = struct.unpack_from("<Q", lib, 0x28)
     entsize, count, names = struct.unpack_from("<HHH", lib, 0x3A)
     header = lambda i: shoff + i * entsize  # noqa: E731
@@ -97,14 +97,14 @@ def sections(lib) -> dict[str, tuple[int, int, int]]:
         name_at, = struct.unpack_from("<I", lib, header(i))
         offset, size = struct.unpack_from("<QQ", lib, header(i) + 24)
         end = lib.index(b"\0", strtab + name_at)
-        out[bytes(lib[strtab + name_at:end]).decode()] = (header(i), offset, size)
+        out[bytes(lib[strtab + name_at:end]).decode()] = (offset, size)
     return out
 
 
 def fatbins(lib):
     """(start, header size, end, [(kind, arch, start, end) per entry]) of each fat binary
     in .nv_fatbin; the gaps between them must be zero padding."""
-    _, start, size = sections(lib)[".nv_fatbin"]
+    start, size = sections(lib)[".nv_fatbin"]
     pos, end = start, start + size
     while pos < end:
         if lib[pos:pos + 4] == b"\0\0\0\0":
