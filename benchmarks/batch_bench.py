@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -124,32 +125,46 @@ def late_arrival(url: str, b: int, tokens: int) -> float:
     return outs[-1]["ttft"]
 
 
-def serve_rows(args) -> None:
+@contextmanager
+def serving(path: Path, slots: int, max_batch: int):
+    """The URL of a server in this process serving `path` with `slots` experts per layer
+    resident (its own llm user dir), the model loaded and the pools filled."""
     from llm_mlx_streaming.server.process.run import Server
 
-    slots = SHAPE["num_experts"] // 4
-    path = build_checkpoint(CACHE / "qwen3_moe-bench", "qwen3_moe", quant="4bit", seed=0, **SHAPE)
     user_dir = Path(tempfile.mkdtemp(prefix="batch-bench-"))
     os.environ["LLM_USER_PATH"] = str(user_dir)
     (user_dir / "mlx-streaming.json").write_text(json.dumps({
-        "default_model": "bench", "max_batch": max(args.batches), "conversation_cache": False,
+        "default_model": "bench", "max_batch": max_batch, "conversation_cache": False,
         "models": {"bench": {"path": str(path), "expert_slots": slots}}}))
+    with Server(port=0, max_queue=16) as server:
+        ask(server.url, fresh(0), 8, {})  # warm-up: loads the model (not behind a held engine), fills the pools
+        yield server.url
+
+
+def batch_medians(url: str, kinds: list[tuple[int, dict]], tokens: int, rounds: int) -> list[dict]:
+    """batch_round's figures for each (B, extra request fields), medians over `rounds`;
+    the Bs take turns, so a change of the machine's load hits them all."""
+    runs: list[list[dict]] = [[] for _ in kinds]
+    for _ in range(rounds):
+        for i, (b, extra) in enumerate(kinds):
+            runs[i].append(batch_round(url, b, tokens, **extra))
+    return [{key: statistics.median(r[key] for r in per_kind) for key in per_kind[0]} for per_kind in runs]
+
+
+def serve_rows(args) -> None:
+    slots = SHAPE["num_experts"] // 4
+    path = build_checkpoint(CACHE / "qwen3_moe-bench", "qwen3_moe", quant="4bit", seed=0, **SHAPE)
     print(f"checkpoint {path}, {slots} of {SHAPE['num_experts']} experts per layer resident (25%), "
           f"{args.tokens} tokens per request, {ROUND_TRIP_S * 1e3:.0f} ms per sync modeled; medians of {args.rounds} rounds")
     print(f"{'B':<16} {'batch':>5} {'agg tok/s':>9} {'vs B=1':>6} {'req tok/s':>9} {'late TTFT s':>11} "
           f"{'MB/tok':>7} {'experts/call':>12} {'syncs/tok':>9} {'vs B=1':>6} {'GPU tok/s':>9} {'vs B=1':>6}",
           flush=True)
-    with Server(port=0, max_queue=16) as server:
-        ask(server.url, fresh(0), 8, {})  # warm-up: loads the model (not behind a held engine), fills the pools
+    with serving(path, slots, max(args.batches)) as url:
         kinds = [(b, {}) for b in args.batches] + [(4, {"max_batch": 1})]
-        runs: dict[int, list[dict]] = {i: [] for i in range(len(kinds))}
-        for _ in range(args.rounds):  # the Bs take turns, so a change of the machine's load hits them all
-            for i, (b, extra) in enumerate(kinds):
-                runs[i].append(batch_round(server.url, b, args.tokens, **extra))
+        rows = batch_medians(url, kinds, args.tokens, args.rounds)
         base = None
-        for i, (b, extra) in enumerate(kinds):
-            row = {key: statistics.median(r[key] for r in runs[i]) for key in runs[i][0]}
-            ttft = late_arrival(server.url, b, args.tokens) if not extra else None
+        for row, (b, extra) in zip(rows, kinds):
+            ttft = late_arrival(url, b, args.tokens) if not extra else None
             base = base or row
             assert row["unplaced"] == 0
             name = f"{b}" + (" (max_batch 1)" if extra else "")

@@ -34,9 +34,9 @@ def stock_decode(path: Path, prompt: list[int], tokens: int) -> dict:
 
     model, tokenizer = load(str(path))
     mx.reset_peak_memory()
-    for last in stream_generate(model, tokenizer, prompt, max_tokens=tokens):
-        out = last
-    result = {"tps": out.generation_tps, "peak": mx.get_peak_memory(), "tokens": out.generation_tokens}
+    out = list(stream_generate(model, tokenizer, prompt, max_tokens=tokens))
+    result = {"tps": out[-1].generation_tps, "prefill_tps": out[-1].prompt_tps, "peak": mx.get_peak_memory(),
+              "tokens": [r.token for r in out]}
     del model
     mx.clear_cache()
     return result
@@ -45,10 +45,11 @@ def stock_decode(path: Path, prompt: list[int], tokens: int) -> dict:
 def engine_decode(engine: EngineManager, prompt: list[int], tokens: int) -> dict:
     engine.session.reset()
     mx.reset_peak_memory()
-    first = None
+    first, out = None, []
     for response in engine.run(None, Request(prompt=list(prompt), max_tokens=tokens)):
         if first is None:
             first = engine.counters()  # prefill done: what follows is decode
+        out.append(response.token)
     end = engine.counters()
     stats = engine.last_stats
     decode_tokens = stats["generated_tokens"] - 1
@@ -58,8 +59,9 @@ def engine_decode(engine: EngineManager, prompt: list[int], tokens: int) -> dict
         "peak": mx.get_peak_memory(),
         "hit_rate": (end.hits - first.hits) / lookups if lookups else None,
         "mb_per_token": (end.bytes_read - first.bytes_read) / 1e6 / max(decode_tokens, 1),
-        "tokens": stats["generated_tokens"],
+        "tokens": out,
         "unplaced": stats["unplaced"],
+        "syncs_per_token": stats["syncs_per_token"],
     }
 
 
