@@ -15,7 +15,8 @@ import re
 
 from .sizes import parse_size
 
-DEFAULT_MAX_CONTEXT = 4096  # tokens of KV cache planned for when no max_context is given
+DEFAULT_MAX_CONTEXT = 4096  # tokens of KV cache planned for when neither a number nor the model says
+KV_SHARE = 0.25  # max_context auto: the KV cache takes at most this share of the memory budget
 KV_BITS = (4, 8)  # others are refused until measured on real models (docs/benchmarks.md, "Long context")
 KV_GROUP_SIZES = (32, 64, 128)  # the group sizes mx.quantize accepts
 MAX_K = 32  # a pass of more positions than this is a prefill, not a verification
@@ -37,6 +38,19 @@ def at_least_one(name: str, value) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an integer of at least 1, got {value!r}")
     return value
+
+
+def max_context(value):
+    """A max_context as stored: "auto" or a number of tokens (at least 1)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        tokens = int(value)
+    except (TypeError, ValueError):
+        raise ValueError("use auto or a number of tokens") from None
+    if tokens < 1:
+        raise ValueError("a context holds at least 1 token")
+    return tokens
 
 
 def parse_switch(value):

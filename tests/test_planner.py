@@ -407,3 +407,16 @@ def test_shapes_are_read_from_the_model_mlx_lm_builds(build, arch):
     assert layers == 2 and hidden > 0 and heads > 1
     assert plan_memory(path, "1GB", max_context=1024).kv_bytes > 0
     assert prefill_step_for(path, "1GB") >= 2048
+
+
+def test_max_context_auto_is_the_models_own_as_long_as_its_kv_cache_takes_a_quarter_of_the_budget(build):
+    from llm_mlx_streaming.engine.footprint import kv_cache_bytes
+    from llm_mlx_streaming.engine.planner import auto_context, checkpoint_layout
+
+    layout = checkpoint_layout(build("qwen3_moe", max_position_embeddings=32768))
+    assert auto_context(layout, 2**40) == 32768  # the model's own
+    kv_8k, _ = kv_cache_bytes(layout.config, 8192)
+    shorter = auto_context(layout, 4 * kv_8k)  # room for 8192 tokens of KV cache in a quarter
+    assert 8192 - 256 <= shorter <= 8192 and shorter % 256 == 0
+    assert kv_cache_bytes(layout.config, shorter)[0] <= kv_8k
+    assert auto_context(layout, 1) == 4096  # never below the default: too small a budget is the plan's to refuse

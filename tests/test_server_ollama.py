@@ -102,7 +102,7 @@ def test_a_follow_up_reuses_the_kv_cache(served):
     ({"messages": HELLO, "options": {"mirostat": 2}}, "mirostat"),
     ({"messages": HELLO, "options": {"repeat_penalty": 0.5}}, "options.repeat_penalty"),
     ({"messages": HELLO, "options": {"num_ctx": 0}}, "options.num_ctx"),
-    ({"messages": HELLO, "options": {"num_ctx": 8192}}, "max_context 8192 is above the max_context setting"),
+    ({"messages": HELLO, "options": {"num_ctx": 8192}}, "max_context 8192 is above the 96 tokens the KV cache is planned for"),
     ({"messages": HELLO, "options": {"max_tokens": 3}}, "max_tokens: this API's field is options.num_predict"),
     ({"messages": HELLO, "keep_alive": "a while"}, "keep_alive"),
     ({"messages": HELLO, "think": "high"}, "think"),

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from ..options import registry
 from ..engine.planner import DEFAULT_HIT_RATES, default_reserve
 from ..errors import MlxStreamError, SettingsError, one_line
-from ..options.run_config import budget_value, kv_spec
+from ..options.run_config import budget_value, kv_spec, planned_context
 from ..options.knobs import AUTO_BUDGET_SHARE, BUNDLED_NAME
 from ..options.settings import budget_bytes, load_settings
 from ..sizes import format_size
@@ -47,14 +47,13 @@ def plan(name, budget, max_context, kv_bits, hit_rate, budgets, json_):
     settings = load_settings()
     label, path, entry = find_checkpoint(name, settings)
     options = _options(memory_budget=budget, kv_bits=kv_bits)
+    kv = kv_spec(options, settings)
+    context = max_context or planned_context(label, path, options, settings, kv)
     if budgets:
-        _plan_ranks(label, path, budgets, max_context or settings.max_context,
-                    kv_spec(options, settings), hit_rate, json_)
+        _plan_ranks(label, path, budgets, context, kv, hit_rate, json_)
         return
     value = budget_value(options, settings)
     nbytes = budget_bytes(value)
-    context = max_context or settings.max_context
-    kv = kv_spec(options, settings)
     try:
         result = plan_memory(path, nbytes, max_context=context, kv=kv)
     except PlanError as exc:

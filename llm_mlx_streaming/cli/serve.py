@@ -79,7 +79,7 @@ def serve(ctx, host, port, model, api_key, max_queue, hosts, origins, strict, al
             from ..options.settings import load_settings
 
             engine = join(backend, _budgets(budgets), pipeline_restarts, pipeline_error,
-                          max_context=load_settings().max_context)
+                          max_context=_pipeline_context(load_settings().max_context))
             if engine is None:
                 return  # a following rank, sent home by rank 0
         except (RankLost, ValueError) as e:
@@ -173,6 +173,12 @@ def _aliases(pairs) -> dict[str, str]:
             raise click.BadParameter(f"{pair!r}: give NAME=MODEL", param_hint="--model-alias")
         out[name] = target
     return out
+
+
+def _pipeline_context(setting) -> int | None:
+    """The context a pipeline's ranks plan for: the setting, or (auto) the planner's default,
+    since the ranks plan before they know the model."""
+    return setting if isinstance(setting, int) else None
 
 
 def _interrupt(signum, frame):

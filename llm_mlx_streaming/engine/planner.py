@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 from ..sizes import format_size, parse_size
-from ..values import DEFAULT_MAX_CONTEXT
+from ..values import DEFAULT_MAX_CONTEXT, KV_SHARE
 from .footprint import ATTENTION_TILE, KV_STEP, PREFILL_STEP, Layout, attention_tile_bytes, checkpoint_layout, kv_cache_bytes, prefill_bytes_per_token
 from .kv import FULL_PRECISION, KVSpec, check_model
 
@@ -147,6 +147,28 @@ class Plan:
         d = asdict(self)
         d["unused_bytes"] = self.unused_bytes
         return d
+
+
+def auto_context(layout: Layout, budget: int, kv: KVSpec | None = None) -> int:
+    """max_context auto: the model's own context (DEFAULT_MAX_CONTEXT where its config
+    names none), shortened until its KV cache takes at most KV_SHARE of `budget`; never
+    below DEFAULT_MAX_CONTEXT (a budget too small for that is the plan's to refuse)."""
+    config = layout.config
+    own = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
+    longest = int(own or DEFAULT_MAX_CONTEXT)
+    floor = min(DEFAULT_MAX_CONTEXT, longest)
+
+    def fits(context: int) -> bool:
+        kv_bytes, _ = kv_cache_bytes(config, context, None, kv or FULL_PRECISION, layout.kv_blocker)
+        return kv_bytes <= KV_SHARE * budget
+
+    if fits(longest):
+        return longest
+    low, high = floor, longest  # fits(low) is taken as given, fits(high) is not
+    while high - low > 256:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return max(floor, low // 256 * 256)
 
 
 def plan_memory(

@@ -116,10 +116,12 @@ KNOBS: tuple[Knob, ...] = (
         f"12GB, 12G, 1.5GiB, or auto: {AUTO_BUDGET_SHARE:.0%} of this machine's physical memory.",
     ),
     Knob(
-        name="max_context", type=int, default=values.DEFAULT_MAX_CONTEXT, bounds={"ge": 1},
+        name="max_context", type=Union[Literal["auto"], int], default="auto", check=values.max_context,
         description="Longest conversation (prompt + reply, in tokens) the KV cache is planned for; "
-        "longer prompts are refused and replies stop there. As an option: a lower limit for one prompt "
-        "(the setting is what the KV cache and the memory plan are made for).",
+        "longer prompts are refused and replies stop there. auto: the model's own context, as long as "
+        f"its KV cache takes at most {values.KV_SHARE:.0%} of the memory budget (`llm mlxs plan` shows it). "
+        "As an option: a lower limit for one prompt (the setting is what the KV cache and the memory plan "
+        "are made for).",
     ),
     _setting_only(name="threads", type=int, default=DEFAULT_THREADS, bounds={"ge": 1, "le": 256},
                   description="Threads reading experts from disk."),

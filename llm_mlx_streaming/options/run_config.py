@@ -23,7 +23,7 @@ from .knobs import AUTO_BUDGET_SHARE, BUNDLED_NAME, BUNDLED_REPETITION_PENALTY
 from .settings import Settings, budget_bytes, trace_file
 from ..sizes import parse_size
 from ..engine.disk_cache import DiskCacheSpec
-from ..engine.planner import PlanError, checkpoint_layout, plan_memory, prefill_step_for
+from ..engine.planner import PlanError, auto_context, checkpoint_layout, plan_memory, prefill_step_for
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,7 @@ def configure(name: Optional[str], options, settings: Settings) -> RunConfig:
     path, entry = registry.checkpoint_for(name, settings)
     kv = kv_spec(options, settings)
     draft, draft_path = drafter(options, settings)
+    context = planned_context(name, path, options, settings, kv)
     budget = layout = None
     if options.expert_slots:
         slots, source = options.expert_slots, "option"
@@ -80,7 +81,7 @@ def configure(name: Optional[str], options, settings: Settings) -> RunConfig:
     else:
         value = budget_value(options, settings)
         budget = budget_bytes(value)
-        slots, layout = plan_slots(name, path, value, budget, settings.max_context, kv)
+        slots, layout = plan_slots(name, path, value, budget, context, kv)
         source = "plan"
     return RunConfig(
         name=name,
@@ -94,9 +95,9 @@ def configure(name: Optional[str], options, settings: Settings) -> RunConfig:
         slots_source=source,
         budget=budget,
         kv=kv,
-        prefill_step=prefill_step(options, settings, path, budget, kv, layout),
+        prefill_step=prefill_step(options, settings, path, budget, kv, layout, context),
         max_tokens=settings.max_tokens if options.max_tokens is None else options.max_tokens,
-        max_context=context_limit(options, settings),
+        max_context=context_limit(options, context),
         sampling=Sampling(temperature=options.temperature or 0.0, top_p=options.top_p or 0.0,
                           min_p=options.min_p or 0.0, top_k=options.top_k or 0, seed=options.seed),
         top_logprobs=options.top_logprobs,
@@ -114,15 +115,25 @@ def configure(name: Optional[str], options, settings: Settings) -> RunConfig:
     )
 
 
-def context_limit(options, settings: Settings) -> int:
-    """The prompt's context: the setting, or an option below it (the KV cache and the
-    memory plan are made for the setting, so an option above it is refused)."""
-    if options.max_context is None:
+def planned_context(name: str, path, options, settings: Settings, kv) -> int:
+    """The context the KV cache and the memory plan are made for: the max_context
+    setting, or for auto the model's own within the memory budget (planner.auto_context)."""
+    if settings.max_context != "auto":
         return settings.max_context
-    if options.max_context > settings.max_context:
-        raise MlxStreamError(f"max_context {options.max_context} is above the max_context setting "
-                             f"({settings.max_context} tokens) the KV cache is planned for; raise that with "
-                             "`llm mlxs config max_context N`")
+    try:
+        return auto_context(checkpoint_layout(path), budget_bytes(budget_value(options, settings)), kv)
+    except (CheckpointError, ValueError, OSError) as exc:
+        raise MlxStreamError(f"Could not plan '{name}' ({path}): {one_line(exc)}") from None
+
+
+def context_limit(options, context: int) -> int:
+    """The prompt's context: the planned one, or an option below it (the KV cache and the
+    memory plan are made for the planned one, so an option above it is refused)."""
+    if options.max_context in (None, "auto"):
+        return context
+    if options.max_context > context:
+        raise MlxStreamError(f"max_context {options.max_context} is above the {context} tokens the KV cache is "
+                             "planned for (the max_context setting); raise that with `llm mlxs config max_context N`")
     return options.max_context
 
 
@@ -198,7 +209,8 @@ def plan_slots(name: str, path, value: str, budget: int, max_context: int, kv=No
     return list(plan.slots_per_layer) or None, layout
 
 
-def prefill_step(options, settings: Settings, path, budget: Optional[int], kv, layout=None) -> Optional[int]:
+def prefill_step(options, settings: Settings, path, budget: Optional[int], kv, layout=None,
+                 context: Optional[int] = None) -> Optional[int]:
     """Prompt tokens per prefill chunk: a number given, or for auto the planner's choice
     for the memory budget (None, i.e. mlx-lm's default, when it cannot tell)."""
     step = options.prefill_step or settings.prefill_step
@@ -207,7 +219,7 @@ def prefill_step(options, settings: Settings, path, budget: Optional[int], kv, l
     try:
         if budget is None:
             budget = budget_bytes(budget_value(options, settings))
-        return prefill_step_for(path, budget, max_context=settings.max_context, kv=kv, layout=layout)
+        return prefill_step_for(path, budget, max_context=context, kv=kv, layout=layout)
     except (MlxStreamError, CheckpointError, ValueError, OSError):
         return None
 

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from starlette.routing import Match
 
 from ..errors import MlxStreamError, one_line
+from ..options.settings import first_error
 
 MAX_BODY_BYTES = 8 * 2**20  # a request body larger than this is refused (413)
 
@@ -106,6 +107,8 @@ def error_for(exc: BaseException) -> ApiError:
     """What the user can fix (a model error, a bad value) is a 400; anything else a 500."""
     if isinstance(exc, ApiError):
         return exc
-    if isinstance(exc, (MlxStreamError, ValidationError, ValueError)):
+    if isinstance(exc, ValidationError):  # the options a request's fields made (their names)
+        return ApiError(400, first_error(exc))
+    if isinstance(exc, (MlxStreamError, ValueError)):
         return ApiError(400, one_line(exc))
     return ApiError(500, f"{type(exc).__name__}: {one_line(exc)}", kind="server_error")

@@ -103,6 +103,14 @@ class Service:
                 self._logged.add(name)
                 log.warning("mlx-stream: %s %r: accepted, not acted on", request.url.path, name)
 
+    async def context(self, model_id: str) -> Optional[int]:
+        """The context `model_id` runs with here (max_context, planned), or None if it cannot be planned."""
+        try:
+            run = await asyncio.to_thread(configure, self.name_of(model_id), self.runtime.options(), load_settings())
+        except MlxStreamError:
+            return None
+        return run.max_context
+
     def thinks(self, model_id: str) -> bool:
         """Whether the model's chat template has a thinking switch (enable_thinking)."""
         if model_id not in self._thinks:

@@ -14,7 +14,6 @@ from importlib.metadata import version
 from fastapi import APIRouter, Depends, Request
 
 from ...options.registry import model_ids
-from ...options.settings import load_settings
 from ...prompt.messages import llm_messages, raw_message
 from ..catalog import Checkpoint, checkpoint
 from ..errors import ApiError, api_routes
@@ -134,7 +133,7 @@ def router(service) -> APIRouter:
         due = service.unload_due
         expires = stamp(due) if due is not None else "9999-12-31T23:59:59Z"  # loaded until told
         return {"models": [{**listed(service.model_id), "expires_at": expires, "size_vram": 0,
-                            "context_length": load_settings().max_context}]}
+                            "context_length": await service.context(service.model_id)}]}
 
     @api.get("/api/version")
     async def ollama_version() -> dict:

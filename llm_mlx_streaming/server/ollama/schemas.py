@@ -39,8 +39,8 @@ class Options(OllamaEngineOptions):
                                        "context (max_context) is full")
     repeat_penalty: Optional[float] = Field(None, description=BY_NAME["repetition_penalty"].description,
                                             **BY_NAME["repetition_penalty"].bounds)
-    num_ctx: Optional[int] = Field(None, description=BY_NAME["max_context"].description,
-                                   **BY_NAME["max_context"].bounds)
+    num_ctx: Optional[int] = Field(None, ge=1, description="The context of this request, at most the "
+                                   "server's max_context (the KV cache is planned for that)")
     repeat_last_n: Optional[int] = Field(None, description=f"Only {REPETITION_CONTEXT}, the window of repeat_penalty")
     presence_penalty: Optional[float] = Field(None, description="Only 0")
     frequency_penalty: Optional[float] = Field(None, description="Only 0")
