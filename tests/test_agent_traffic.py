@@ -67,6 +67,7 @@ def agents(tmp_path_factory, build):
         real_run = engine.run
 
         def run(load_spec, request):
+            env.prompt = list(request.prompt)
             if env.script:
                 request.logits_processors.append(Force(tokenizer.encode(env.script.pop(0)) + [end]))
             return real_run(load_spec, request)
@@ -176,3 +177,19 @@ def test_a_recorded_request_is_answered_in_its_apis_shape(agents, name):
         assert reused >= 0.9 * PROMPTS[FOLLOWS[name]], (reused, PROMPTS)
     ignored = set(filter(None, (headers.get("x-mlx-stream-ignored") or "").split(", ")))
     assert ignored == IGNORED.get(name, {"include"} if name.startswith("openai_agents") else set())
+
+
+def test_an_editors_fill_in_the_middle_goes_through_the_models_fim_tokens(agents):
+    """Continue's and other editors' autocomplete: /v1/completions with a suffix."""
+    tokenizer = _tokenizer(agents.checkpoint)
+    prefix, suffix = "def add(a, b):\n    return", "\n\nprint(add(2, 3))"
+    agents.script = [" a + b"]
+    body = {"model": "mlx-stream", "prompt": prefix, "suffix": suffix, "max_tokens": 8}
+    request = urllib.request.Request(agents.server.url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        reply = json.loads(resp.read())
+    ids = tokenizer.convert_tokens_to_ids
+    assert agents.prompt == [ids("<|fim_prefix|>"), *tokenizer.encode(prefix), ids("<|fim_suffix|>"),
+                             *tokenizer.encode(suffix), ids("<|fim_middle|>")]
+    assert reply["choices"][0]["text"] == " a + b"

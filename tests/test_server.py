@@ -707,6 +707,11 @@ def test_a_stream_keeps_alive_while_its_prompt_prefills(served, blocked, monkeyp
     assert b"[DONE]" in rest or b"message_stop" in rest or b"response.completed" in rest
 
 
+def test_a_suffix_on_a_model_without_fim_tokens_is_a_400_naming_it(served):
+    status, _, reply = call(served, "POST", "/v1/completions", {"prompt": "def f(", "suffix": "):", "max_tokens": 2})
+    assert status == 400 and reply["error"]["message"].startswith("suffix: this model has no fill-in-the-middle")
+
+
 def test_hints_and_unknown_fields_are_accepted_and_named_in_a_header(served):
     messages = [{"role": "user", "content": "hi", "name": "bob", "x_note": 1}]
     body = {**CHAT, "messages": messages, "metadata": {"a": "b"}, "store": False, "foo": 1}

@@ -22,7 +22,8 @@ from .messages import METADATA_KEY, PromptError, template_messages
 from .tools import check_tool_support
 
 
-def _raw_text(messages) -> Optional[str]:
+def raw_text(messages) -> Optional[str]:
+    """The text of a prompt of raw text (prompt.messages.raw_message), or None."""
     if len(messages) == 1 and ((messages[0].provider_metadata or {}).get(METADATA_KEY) or {}).get("raw"):
         return "".join(getattr(part, "text", "") for part in messages[0].parts)
     return None
@@ -34,7 +35,7 @@ def render_prompt(tokenizer, messages, *, thinking: Optional[bool] = None,
 
     `thinking` sets the template's thinking switch (None: the template's default);
     `tools` are function specs for the template (tools.py)."""
-    raw = _raw_text(messages)
+    raw = raw_text(messages)
     if raw is not None:
         return encode_text(tokenizer, raw), ""
     start = getattr(tokenizer, "think_start", None)
@@ -86,6 +87,27 @@ def template_switches(tokenizer, thinking: Optional[bool]) -> dict:
     if isinstance(template, str) and "enable_thinking" not in template:
         raise PromptError("-o thinking: this model's chat template has no thinking switch (enable_thinking)")
     return {"enable_thinking": bool(thinking)}
+
+
+# Fill-in-the-middle markers of the code models that have them: (prefix, suffix, middle)
+FIM_MARKERS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder, Qwen3-Coder
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, Granite
+    ("<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>", "<\uff5cfim\u2581end\uff5c>"),  # DeepSeek-Coder
+)
+
+
+def fill_in_the_middle(tokenizer, prefix: str, suffix: str) -> list[int]:
+    """Token ids that ask the model for what goes between `prefix` and `suffix`, in the
+    prefix-suffix-middle order with its own FIM tokens; a PromptError naming `suffix`
+    when it has none."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    for pre, suf, mid in FIM_MARKERS:
+        if all(marker in vocab for marker in (pre, suf, mid)):
+            return [vocab[pre], *encode_text(tokenizer, prefix), vocab[suf], *encode_text(tokenizer, suffix),
+                    vocab[mid]]
+    raise PromptError("suffix: this model has no fill-in-the-middle tokens, so it cannot fill between a prompt "
+                      "and a suffix")
 
 
 def encode_text(tokenizer, text: str) -> list[int]:

@@ -13,7 +13,7 @@ from ..options.knobs import REPETITION_CONTEXT
 from ..options.run_config import RunConfig
 from ..prompt.constrained import SchemaError, SchemaProcessor, schema_grammar, text_grammar
 from ..prompt.messages import PromptError
-from ..prompt.render import render_prompt
+from ..prompt.render import fill_in_the_middle, raw_text, render_prompt
 from ..prompt.split import opens_thinking
 from ..prompt.tools import AUTO, NONE, ToolError, check_tool_choice, forced_call_grammar, shown_tools
 
@@ -28,6 +28,7 @@ class Ask:
     tools: Sequence[dict] = ()  # function specs, as chat templates take them
     schema: Optional[dict] = None  # a JSON schema the reply must follow
     grammar: Optional[tuple[str, str]] = None  # (lark | regex, definition) the whole reply must follow
+    suffix: Optional[str] = None  # fill in the middle: the reply goes between the (raw) prompt and this
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,10 @@ def prepare(tokenizer, run: RunConfig, ask: Ask, grammar: Optional[str]) -> Prep
     tools = list(ask.tools)
     forced = _forcing(tokenizer, tools, options, grammar)
     tools = shown_tools(tools, options.tool_choice)
-    tokens, generation_prompt = render_prompt(tokenizer, ask.messages, thinking=options.thinking, tools=tools)
+    if ask.suffix is not None:
+        tokens, generation_prompt = fill_in_the_middle(tokenizer, raw_text(ask.messages), ask.suffix), ""
+    else:
+        tokens, generation_prompt = render_prompt(tokenizer, ask.messages, thinking=options.thinking, tools=tools)
     processors = repetition_processors(run.repetition_penalty)
     if options.thinking_budget and options.thinking is not False:
         processors.append(_reasoning_cap(tokenizer, tokens, generation_prompt, options.thinking_budget))

@@ -136,9 +136,12 @@ class Replier:
             self.generated.append(int(result.token))
             if self.logprobs is not None:
                 self.logprobs.append(_logprob_entry(self.tokenizer, result))
-        self.raw.append(result.text)
+        text = result.text
+        if not self.raw and self.ask.suffix is not None and _dropped_space(self.tokenizer, result.token, text):
+            text = " " + text  # filling in code, a leading space is part of the answer
+        self.raw.append(text)
         self.finish_reason = result.finish_reason
-        return [e for kind, chunk in self.splitter.feed(result.text) for e in self._events(kind, chunk)]
+        return [e for kind, chunk in self.splitter.feed(text) for e in self._events(kind, chunk)]
 
     def finish(self, generation: Generation) -> list[Event]:
         """The held-back events and the outcome."""
@@ -170,6 +173,11 @@ class Replier:
             self.calls.extend(ToolCall(c["id"], c["name"], c["arguments"], complete=kind == TOOL) for c in calls)
             return [_call_event(*e) for e in events]
         return [Chunk(kind, chunk)] if chunk else []
+
+
+def _dropped_space(tokenizer, token: int, text: str) -> bool:
+    """Whether mlx-lm's streaming detokenizer dropped the leading space of a reply's first token."""
+    return not text.startswith(" ") and tokenizer.decode([int(token)]).startswith(" ")
 
 
 def _call_event(kind: str, call_id: str, chunk: str) -> Event:

@@ -76,10 +76,10 @@ async def take_turn(service, first: bool = False) -> None:
 
 async def answer(service, request: Request, shape, model_id: str, messages: list, fields: dict,
                  schema: Optional[dict], stream: bool, tools: Sequence[dict] = (),
-                 grammar: Optional[tuple[str, str]] = None):
+                 grammar: Optional[tuple[str, str]] = None, suffix: Optional[str] = None):
     """Answer `messages` (llm's) on `model_id` with the request's engine `fields` (the
-    plugin's options), `tools` (function specs) and the `schema` or `grammar` the reply
-    must follow, in `shape`."""
+    plugin's options), `tools` (function specs), the `schema` or `grammar` the reply
+    must follow and the `suffix` it fills up to, in `shape`."""
     if fields.get("thinking") is not None and not service.thinks(model_id):
         if fields.pop("thinking"):  # the template cannot think: accepted as off
             service.ignore(request, ["thinking"])
@@ -89,7 +89,8 @@ async def answer(service, request: Request, shape, model_id: str, messages: list
     try:
         options = service.runtime.for_request(fields)  # now: a config change made while it waited applies
         options.setdefault("max_batch", service.gate.capacity)  # the requests it admits at once may batch
-        ask = Ask(service.name_of(model_id), messages, Options.model_validate(options), tools, schema, grammar)
+        ask = Ask(service.name_of(model_id), messages, Options.model_validate(options), tools, schema, grammar,
+                  suffix)
     except Exception as e:
         service.gate.release()
         raise error_for(e) from None

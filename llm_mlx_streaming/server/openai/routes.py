@@ -25,13 +25,13 @@ def router(service) -> APIRouter:
     api = APIRouter(dependencies=[Depends(service.check_api_key)], tags=["OpenAI"], responses=errors,
                     route_class=api_routes("openai"))
 
-    async def generate(request: Request, body, shape, messages: list, tools=()):
+    async def generate(request: Request, body, shape, messages: list, tools=(), suffix=None):
         """Answer `body` (its engine fields give the plugin's options, among them
         tool_choice and parallel_tool_calls) with `messages` (llm's) and `tools` (function specs)."""
         model_id = service.model_for(body.model)
         schema = body.response_format.schema_dict() if body.response_format else None
         return await answer(service, request, shape(model_id, body), model_id, messages,
-                            body.engine_fields(engine_option_names()), schema, body.stream, tools)
+                            body.engine_fields(engine_option_names()), schema, body.stream, tools, suffix=suffix)
 
     @api.get("/v1/models", response_model=ModelList)
     async def models() -> dict:
@@ -50,6 +50,6 @@ def router(service) -> APIRouter:
               "The text, or with stream: true an SSE stream of text_completion objects"}})
     async def completions(body: CompletionRequest, request: Request):
         service.accept(request, body)
-        return await generate(request, body, CompletionShape, [raw_message(body.text())])
+        return await generate(request, body, CompletionShape, [raw_message(body.text())], suffix=body.suffix)
 
     return api

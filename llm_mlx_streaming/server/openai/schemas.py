@@ -196,6 +196,8 @@ class CompletionRequest(_GenerationRequest):
     prompt: Union[str, list[str]] = Field(description="Raw text, encoded without the chat template")
     logprobs: Optional[int] = Field(None, ge=0, le=20, description="Each generated token's log-probability "
                                     "and this many most likely alternatives (choices[].logprobs)")
+    suffix: Optional[str] = Field(None, description="Fill in the middle: the reply is what goes between the "
+                                  "prompt and this text (through the model's FIM tokens; a 400 where it has none)")
     echo: Optional[bool] = Field(None, description="Only false")
     best_of: Optional[int] = Field(None, ge=1, le=1, description="Only 1")
 
