@@ -492,7 +492,7 @@ def test_schemathesis_finds_no_server_error(served):
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.path for op in operations} >= {"/v1/chat/completions", "/api/engine/config", "/api/stats",
                                               "/v1/messages", "/v1/messages/count_tokens", "/api/chat",
-                                              "/api/generate", "/api/tags", "/api/show", "/api/ps"}
+                                              "/api/generate", "/api/tags", "/api/show", "/api/ps", "/v1/responses"}
 
     @settings(max_examples=120, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
@@ -705,6 +705,39 @@ def test_a_stream_keeps_alive_while_its_prompt_prefills(served, blocked, monkeyp
         blocked.go.set()
         rest = resp.read()
     assert b"[DONE]" in rest or b"message_stop" in rest or b"response.completed" in rest
+
+
+def test_schemathesis_finds_no_server_error_in_the_responses_api(served):
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    url = served.server.url
+    schema = schemathesis.openapi.from_url(url + "/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    operations = [op for op in operations if op.path.startswith("/v1/responses")]
+    assert {op.method.upper() for op in operations} == {"POST", "GET", "DELETE"}
+
+    @settings(max_examples=60, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(case=st.one_of([op.as_strategy() for op in operations]))
+    def no_server_error(case):
+        response = case.call(base_url=url, timeout=60)
+        assert response.status_code < 500, (case.method, case.path, case.body, response.text[:300])
+
+    no_server_error()
+
+
+def test_model_aliases_and_any_model_land_on_the_served_model(tmp_path, plugin_checkpoint):
+    from server_support import small_server
+
+    body = {**CHAT, "model": "claude-sonnet-4-5"}
+    with small_server(tmp_path / "a", plugin_checkpoint, aliases={"claude-sonnet-4-5": "small"}) as env:
+        status, _, reply = call(env, "POST", "/v1/chat/completions", body)
+        assert status == 200 and reply["model"] == "mlx-stream/small", reply
+        assert call(env, "POST", "/v1/chat/completions", {**CHAT, "model": "gpt-x"})[0] == 404
+    with small_server(tmp_path / "b", plugin_checkpoint, any_model=True) as env:
+        status, _, reply = call(env, "POST", "/v1/messages", {**body, "model": "claude-haiku-4-5"})
+        assert status == 200 and reply["model"] == "mlx-stream/small", reply
 
 
 def test_a_suffix_on_a_model_without_fim_tokens_is_a_400_naming_it(served):

@@ -149,13 +149,18 @@ class Plan:
         return d
 
 
+def model_context(config: dict) -> int:
+    """The context a model's config declares (DEFAULT_MAX_CONTEXT where it names none)."""
+    own = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
+    return int(own or DEFAULT_MAX_CONTEXT)
+
+
 def auto_context(layout: Layout, budget: int, kv: KVSpec | None = None) -> int:
     """max_context auto: the model's own context (DEFAULT_MAX_CONTEXT where its config
     names none), shortened until its KV cache takes at most KV_SHARE of `budget`; never
     below DEFAULT_MAX_CONTEXT (a budget too small for that is the plan's to refuse)."""
     config = layout.config
-    own = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
-    longest = int(own or DEFAULT_MAX_CONTEXT)
+    longest = model_context(config)
     floor = min(DEFAULT_MAX_CONTEXT, longest)
 
     def fits(context: int) -> bool:

@@ -8,6 +8,7 @@ chunk, sampling or drafter a request gets.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -22,8 +23,9 @@ from ..experts.policies import DEFAULT_POLICY
 from .knobs import AUTO_BUDGET_SHARE, BUNDLED_NAME, BUNDLED_REPETITION_PENALTY
 from .settings import Settings, budget_bytes, trace_file
 from ..sizes import parse_size
+from ..values import DEFAULT_MAX_CONTEXT
 from ..engine.disk_cache import DiskCacheSpec
-from ..engine.planner import PlanError, auto_context, checkpoint_layout, plan_memory, prefill_step_for
+from ..engine.planner import PlanError, auto_context, checkpoint_layout, model_context, plan_memory, prefill_step_for
 
 
 @dataclass(frozen=True)
@@ -72,17 +74,18 @@ def configure(name: Optional[str], options, settings: Settings) -> RunConfig:
     path, entry = registry.checkpoint_for(name, settings)
     kv = kv_spec(options, settings)
     draft, draft_path = drafter(options, settings)
-    context = planned_context(name, path, options, settings, kv)
     budget = layout = None
     if options.expert_slots:
         slots, source = options.expert_slots, "option"
     elif options.memory_budget is None and (stored := registry.effective_slots(name, entry, settings)):
         slots, source = stored, registry.slots_source(name, entry, settings)
     else:
+        source = "plan"
+    context = planned_context(name, path, options, settings, kv, planned=source == "plan")
+    if source == "plan":
         value = budget_value(options, settings)
         budget = budget_bytes(value)
         slots, layout = plan_slots(name, path, value, budget, context, kv)
-        source = "plan"
     return RunConfig(
         name=name,
         path=path,
@@ -115,11 +118,18 @@ def configure(name: Optional[str], options, settings: Settings) -> RunConfig:
     )
 
 
-def planned_context(name: str, path, options, settings: Settings, kv) -> int:
+def planned_context(name: str, path, options, settings: Settings, kv, planned: bool = True) -> int:
     """The context the KV cache and the memory plan are made for: the max_context
-    setting, or for auto the model's own within the memory budget (planner.auto_context)."""
+    setting, or for auto the model's own, within the memory budget when the pools are
+    planned from it (planner.auto_context); with a slot count, config.json's alone (a
+    checkpoint that cannot be read is the loader's to report)."""
     if settings.max_context != "auto":
         return settings.max_context
+    if not planned:
+        try:
+            return model_context(json.loads((Path(path) / "config.json").read_text()))
+        except (OSError, ValueError, AttributeError):
+            return DEFAULT_MAX_CONTEXT
     try:
         return auto_context(checkpoint_layout(path), budget_bytes(budget_value(options, settings)), kv)
     except (CheckpointError, ValueError, OSError) as exc:

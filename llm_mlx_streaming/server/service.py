@@ -74,8 +74,8 @@ class Service:
         try:
             return registry.model_id_for(name)
         except SettingsError:
-            if self.any_model:
-                return registry.model_id_for(default)
+            if self.any_model:  # the reply names the model that answered
+                return registry.model_id_for(registry.default_name() if default == registry.MODEL_PREFIX else default)
             raise ApiError(404, f"the model {name!r} is not served here; see /v1/models (or serve with "
                            "--model-alias NAME=MODEL or --any-model)", code="model_not_found", param="model") from None
 

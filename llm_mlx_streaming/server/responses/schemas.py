@@ -51,39 +51,41 @@ class MessageItem(RequestModel):
     phase: Optional[str] = hint("an assistant message's phase given back")
 
 
-class FunctionCallItem(RequestModel):
-    type: Literal["function_call"]
+class _Call(RequestModel):
+    """A call an earlier reply made, given back."""
+
     call_id: str
     name: str
-    arguments: str = "{}"
     namespace: Optional[str] = Field(None, description="The namespace tool the function is in")
     id: Optional[str] = hint(SOURCE_ID)
     status: Optional[str] = hint("an item's status given back")
 
 
-class FunctionCallOutputItem(RequestModel):
-    type: Literal["function_call_output"]
-    call_id: str
-    output: Content = ""
-    id: Optional[str] = hint(ITEM_ID)
-    status: Optional[str] = hint("an item's status given back")
+class FunctionCallItem(_Call):
+    type: Literal["function_call"]
+    arguments: str = "{}"
 
 
-class CustomToolCallItem(RequestModel):
+class CustomToolCallItem(_Call):
     type: Literal["custom_tool_call"]
-    call_id: str
-    name: str
     input: str = ""
-    namespace: Optional[str] = None
-    id: Optional[str] = hint(SOURCE_ID)
-    status: Optional[str] = hint("an item's status given back")
 
 
-class CustomToolCallOutputItem(RequestModel):
-    type: Literal["custom_tool_call_output"]
+class _Output(RequestModel):
+    """What the client's tool answered to a call."""
+
     call_id: str
     output: Content = ""
     id: Optional[str] = hint(ITEM_ID)
+    status: Optional[str] = hint("an item's status given back")
+
+
+class FunctionCallOutputItem(_Output):
+    type: Literal["function_call_output"]
+
+
+class CustomToolCallOutputItem(_Output):
+    type: Literal["custom_tool_call_output"]
 
 
 class ReasoningItem(RequestModel):
