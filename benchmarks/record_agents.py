@@ -10,9 +10,8 @@ Not run in CI: it installs the CLIs from the npm registry and takes a minute or 
 What it does:
 
 1. `npm install @anthropic-ai/claude-code@V @openai/codex@V` into benchmarks/.cache/npm
-   (an explicit tag: with an old node, a bare name makes npm pick an older release
-   whose `engines` match; the CLIs ship native binaries, so node's version does not
-   matter to them), and `openai-agents` into a throwaway venv benchmarks/.cache/agents-venv.
+   (benchmarks/agent_clis.py, shared with benchmarks/agents.py), and `openai-agents`
+   into a throwaway venv benchmarks/.cache/agents-venv.
 2. Starts the recorder: a stdlib HTTP server on a free port of 127.0.0.1 that writes
    every request (method, path with query, headers, body) to
    benchmarks/.cache/traffic-raw/NNN-....json and answers with minimal, scripted,
@@ -43,11 +42,9 @@ import base64
 import gzip
 import http.server
 import json
-import os
 import platform
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -59,9 +56,10 @@ import urllib.parse
 import zlib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-CACHE = ROOT / "benchmarks" / ".cache"
-NPM = CACHE / "npm"
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # beside it, also when loaded by path (the tests)
+from agent_clis import (BIN, CACHE, ROOT, base_env, claude_quiet, codex_flags, make_scratch,  # noqa: E402
+                        npm_install, run, versions)
+
 AGENTS_VENV = CACHE / "agents-venv"
 RAW = CACHE / "traffic-raw"
 OUT = ROOT / "tests" / "data" / "traffic"
@@ -72,7 +70,6 @@ CUE = "(use a tool)"
 PROMPT_TOOL = f"List the files in the current directory {CUE}, then say done."
 PROMPT_LATER = "Thanks. Now say goodbye in one word."
 PROMPT_WEATHER = f"What is the weather in Paris? {CUE}"
-CLI_TIMEOUT = 240  # seconds per CLI invocation
 FINAL_TEXT = "Done: the listing came back."
 PLAIN_TEXT = "Hello from the recorder."
 
@@ -539,58 +536,6 @@ def _reply_kind(payload, events) -> str:
 # -- running the clients ------------------------------------------------------------------
 
 
-def run(cmd: list[str], *, env: dict, cwd: Path, timeout: int = CLI_TIMEOUT, stdin: str = "") -> dict:
-    """Run a client in its own process group under a timeout; the group is killed after."""
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True, text=True)
-    try:
-        out, err = proc.communicate(stdin, timeout=timeout)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        _kill_group(proc)
-        out, err = proc.communicate()
-    _kill_group(proc)  # anything it left behind
-    return {"cmd": cmd, "rc": proc.returncode, "timed_out": timed_out,
-            "seconds": round(time.monotonic() - start, 1), "stdout": out[-4000:], "stderr": err[-4000:]}
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def base_env(home: Path) -> dict:
-    """A minimal environment: nothing of this machine's own env leaks into a recording."""
-    return {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "USER": "user",
-        "LOGNAME": "user", "SHELL": "/bin/bash", "LANG": "C.UTF-8", "TERM": "dumb", "TZ": "UTC",
-        "NO_COLOR": "1", "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost",
-    }
-
-
-def npm_install(claude: str, codex: str) -> dict:
-    NPM.mkdir(parents=True, exist_ok=True)
-    cmd = ["npm", "install", "--no-audit", "--no-fund", "--no-save", "--prefix", str(NPM),
-           f"@anthropic-ai/claude-code@{claude}", f"@openai/codex@{codex}"]
-    print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, timeout=900)
-    return versions()
-
-
-def versions() -> dict:
-    out = {}
-    for name, pkg in (("claude_code", "@anthropic-ai/claude-code"), ("codex", "@openai/codex")):
-        try:
-            out[name] = json.loads((NPM / "node_modules" / pkg / "package.json").read_text())["version"]
-        except OSError:
-            out[name] = None
-    return out
-
-
 def agents_venv() -> Path:
     python = AGENTS_VENV / "bin" / "python"
     if not python.exists():
@@ -608,30 +553,12 @@ def pip_version(python: Path | str, dist: str) -> str | None:
     return r.stdout.strip() or None
 
 
-def make_scratch() -> dict:
-    """A scratch HOME with a small project in it (what the tools list and read)."""
-    # Outside any git repository (Claude Code and Codex describe the repository they run
-    # in), so in the system temp dir.
-    work = Path(tempfile.mkdtemp(prefix="record-agents-"))
-    paths = {"work": work, "home": work / "home", "project": work / "home" / "project"}
-    paths["project"].mkdir(parents=True)
-    (paths["project"] / "README.md").write_text("# demo\n\nA tiny project for the recorder.\n")
-    (paths["project"] / "hello.py").write_text('print("hello")\n')
-    return paths
-
-
 def record_claude(rec: Recorder, scratch: dict) -> list[dict]:
-    claude = NPM / "node_modules" / ".bin" / "claude"
-    env = base_env(scratch["home"]) | {
+    claude = BIN / "claude"
+    env = base_env(scratch["home"]) | claude_quiet(scratch["home"]) | {
         "ANTHROPIC_BASE_URL": f"http://127.0.0.1:{rec.port}",
         "ANTHROPIC_API_KEY": "sk-ant-recorder-dummy",
-        "CLAUDE_CONFIG_DIR": str(scratch["home"] / ".claude"),
-        "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1",
-        "DISABLE_BUG_COMMAND": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-        "CLAUDE_CODE_DISABLE_FEEDBACK_SURVEY": "1", "CLAUDE_CODE_DISABLE_TERMINAL_TITLE": "1",
     }
-    if os.geteuid() == 0:  # --dangerously-skip-permissions refuses root outside a sandbox
-        env["IS_SANDBOX"] = "1"
     results = []
     for label, args in (("claude_code.turn1", ["-p", PROMPT_TOOL, "--model", MODEL]),
                         ("claude_code.turn2", ["-p", PROMPT_LATER, "--continue", "--model", MODEL])):
@@ -672,16 +599,12 @@ enabled = false
 
 
 def record_codex(rec: Recorder, scratch: dict, sandbox: str) -> list[dict]:
-    codex = NPM / "node_modules" / ".bin" / "codex"
+    codex = BIN / "codex"
     codex_home = scratch["home"] / ".codex"
     codex_home.mkdir(parents=True, exist_ok=True)
     (codex_home / "config.toml").write_text(CODEX_CONFIG.format(model=MODEL, port=rec.port))
     env = base_env(scratch["home"]) | {"CODEX_HOME": str(codex_home), "MLXS_API_KEY": "recorder-dummy"}
-    flags = ["--skip-git-repo-check", *(["-s", sandbox] if sandbox != "bypass" else
-                                        ["--dangerously-bypass-approvals-and-sandbox"])]
-    # `exec resume` has no -s; the same sandbox through the config instead.
-    resume_flags = ["--skip-git-repo-check", *(["-c", f'sandbox_mode="{sandbox}"'] if sandbox != "bypass"
-                                               else ["--dangerously-bypass-approvals-and-sandbox"])]
+    flags, resume_flags = codex_flags(sandbox)
     results = []
     for label, args in (("codex.turn1", ["exec", *flags, PROMPT_TOOL]),
                         ("codex.turn2", ["exec", "resume", "--last", *resume_flags, PROMPT_LATER])):
@@ -1233,7 +1156,7 @@ def main() -> int:
 
     if RAW.exists():
         shutil.rmtree(RAW)
-    scratch = make_scratch()
+    scratch = make_scratch("record-agents-")
     runs = []
     record_start = time.monotonic()
     with Recorder(RAW) as rec:

@@ -10,6 +10,7 @@ import shutil
 import llm
 import pytest
 
+from fixtures.scripted import Force
 from plugin_support import assert_llm_option_error, assert_ok, assert_one_line_error
 
 
@@ -187,22 +188,6 @@ def test_cancelling_the_async_task_stops_the_generation(llm_env, monkeypatch):
 
 
 # -- tools -------------------------------------------------------------------------------
-
-
-class Force:
-    """A test logits processor: the reply is exactly `ids` (then it stays on the last)."""
-
-    def __init__(self, ids):
-        self.ids = list(ids)
-        self.calls = 0
-
-    def __call__(self, tokens, logits):
-        import mlx.core as mx
-
-        token = self.ids[min(self.calls, len(self.ids) - 1)]
-        self.calls += 1
-        hit = mx.arange(logits.shape[-1]) == token
-        return mx.where(hit, mx.zeros_like(logits), mx.full(logits.shape, -mx.inf, dtype=logits.dtype))
 
 
 @pytest.fixture

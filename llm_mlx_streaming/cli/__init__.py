@@ -5,7 +5,7 @@ docs/llm-plugin.md documents every command.
 
 import click
 
-from . import config, models, mtp, pack, plan, serve, simulate, stats, verify
+from . import config, launch, models, mtp, pack, plan, serve, simulate, stats, verify
 from .group import mlxs
 
 

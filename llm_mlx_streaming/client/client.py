@@ -110,6 +110,13 @@ class ServerClient:
             raise MlxStreamError(_message(data, status))
         return data
 
+    def load(self, model_id: str, timeout: float) -> None:
+        """Have the server load `model_id`; returns once it is loaded (Ollama's way: a
+        generate request with no prompt)."""
+        status, data = self._json("POST", "/api/generate", {"model": model_id, "stream": False}, timeout=timeout)
+        if status != 200:
+            raise MlxStreamError(f"The server at {self.url} could not load {model_id}: {_message(data, status)}")
+
     def configure(self, changes: dict) -> dict:
         status, data = self._json("POST", "/api/engine/config", changes)
         if status != 200:
@@ -236,4 +243,6 @@ def _message(data: dict, status: int) -> str:
     error = data.get("error") if isinstance(data, dict) else None
     if isinstance(error, dict) and error.get("message"):
         return str(error["message"])
+    if isinstance(error, str) and error:  # Ollama's routes
+        return error
     return f"the server answered HTTP {status}"
