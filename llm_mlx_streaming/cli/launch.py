@@ -11,6 +11,7 @@ import subprocess
 import click
 
 from ..errors import MlxStreamError
+from ..options import registry
 from ..options.settings import load_settings
 from .background import serve
 from .coding_agents import AGENTS
@@ -56,11 +57,19 @@ def launch(ctx, agent, model, wait):
         raise MlxStreamError(f"{spec.command} is not on PATH; install it with: npm install -g {spec.package}")
     served = serve(model, wait)
     try:
-        env = spec.environment(dict(os.environ), served, load_settings().max_context)
+        env = spec.environment(dict(os.environ), served, _context(served.model_id))
         status = _foreground([command, *ctx.meta.get(PASSED, [])], env)
     finally:
         served.close()
     ctx.exit(status)
+
+
+def _context(model_id: str) -> int:
+    """The context the server runs `model_id` with (max_context, planned: auto resolved)."""
+    from ..options.run_config import configure
+    from ..options.settings import Options
+
+    return configure(registry.name_of(model_id), Options(), load_settings()).max_context
 
 
 def _foreground(argv: list[str], env: dict) -> int:
