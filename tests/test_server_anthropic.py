@@ -244,7 +244,7 @@ def test_budget_tokens_closes_the_think_block(tooled, monkeypatch):
 def test_claude_codes_hint_fields_are_accepted_and_named(served):
     """What Claude Code sends beside the conversation: hints the engine cannot use are
     accepted, named once in the x-mlx-stream-ignored header, and change nothing."""
-    body = {"model": "mlx-stream", "max_tokens": 32000, "stream": False, "messages": [
+    body = {"model": "mlx-stream", "max_tokens": 8, "stream": False, "messages": [
                 {"role": "user", "content": [{"type": "text", "text": "hello there",
                                               "cache_control": {"type": "ephemeral"}}]}],
             "system": [{"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral"}}],
@@ -256,7 +256,7 @@ def test_claude_codes_hint_fields_are_accepted_and_named(served):
     assert sorted(headers["x-mlx-stream-ignored"].split(", ")) == [
         "context_management", "messages.content.cache_control", "metadata", "output_config.effort",
         "system.cache_control"]
-    plain = {"model": "mlx-stream", "max_tokens": 32000, "messages": HELLO, "system": "You are terse.",
+    plain = {"model": "mlx-stream", "max_tokens": 8, "messages": HELLO, "system": "You are terse.",
              "thinking": {"type": "disabled"}}
     assert call(served, "POST", "/v1/messages", plain)[2]["content"] == reply["content"]
 

@@ -23,7 +23,7 @@ from ..openai.schemas import ChatMessage, ErrorResponse, engine_values
 from ..openai.tools import CalledFunction, ToolCall
 from ..transcript import Transcript
 from ..turns import answer
-from .schemas import (CustomTool, CustomToolCallItem, CustomToolCallOutputItem, FunctionCallItem,
+from .schemas import (CustomTool, ImagePart, CustomToolCallItem, CustomToolCallOutputItem, FunctionCallItem,
                       FunctionCallOutputItem, FunctionTool, JsonObjectFormat, JsonSchemaFormat, MessageItem,
                       NamedToolChoice, NamespaceTool, ReasoningItem, ResponseRequest, ResponsesEngineOptions)
 from .shapes import ResponseShape
@@ -70,7 +70,7 @@ def _text(content, where: str) -> str:
     if isinstance(content, str):
         return content
     for j, part in enumerate(content):
-        if part.type != "input_text" and not hasattr(part, "text"):
+        if isinstance(part, ImagePart):
             raise ApiError(400, f"{where}.{j}: an {part.type}: the model served here reads text only",
                            param=f"{where}.{j}")
     return "".join(part.value() for part in content)
