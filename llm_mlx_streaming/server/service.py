@@ -27,13 +27,13 @@ class Service:
 
     def __init__(self, *, default_model: Optional[str] = None, api_key: Optional[str] = None,
                  secret: Optional[str] = None, max_queue: int = 8, hosts: tuple[str, ...] = (),
-                 origins: tuple[str, ...] = (), max_batch: int = 1) -> None:
+                 origins: tuple[str, ...] = (), max_batch: int = 1, reply_memory: int) -> None:
         self.default_model = default_model
         self.hosts, self.origins = tuple(hosts), tuple(origins)  # server/guard.py
         self.api_key, self.secret = api_key, secret
         self.gate = Gate(max_queue, capacity=max_batch)
         self.runtime = RuntimeConfig()
-        self.replies = ReplyMemory()
+        self.replies = ReplyMemory(reply_memory)
         self.model_id: Optional[str] = None  # the model last loaded or asked for
         self.served = 0
         self.rebuilds = 0  # rebuilds queued or running
@@ -163,6 +163,7 @@ class Service:
                        "disconnects": self.disconnects},
             "layers": layer_figures(engine.loaded),
         })
+        out["caches"]["reply_memory"] = {"entries": len(self.replies), "max_entries": self.replies.size}
         return out
 
 
