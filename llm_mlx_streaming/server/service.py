@@ -44,7 +44,8 @@ class Service:
         self.unload_due: Optional[float] = None  # when it unloads the model (a time.time())
 
     # -- requests -------------------------------------------------------------
-    def check_api_key(self, request: Request) -> None:
+    async def check_api_key(self, request: Request) -> None:
+        """A dependency of every route but /health; async, so no request borrows a worker thread for it."""
         if self.api_key is None:
             return
         if not key_accepted(request.headers, (self.api_key, self.secret)):
