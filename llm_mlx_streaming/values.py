@@ -17,6 +17,7 @@ from .sizes import parse_size
 
 DEFAULT_MAX_CONTEXT = 4096  # tokens of KV cache planned for when neither a number nor the model says
 KV_SHARE = 0.25  # max_context auto: the KV cache takes at most this share of the memory budget
+DEFAULT_CONVERSATIONS = 256  # conversations the conversation cache keeps: each prompt reads every one's header
 KV_BITS = (4, 8)  # others are refused until measured on real models (docs/benchmarks.md, "Long context")
 KV_GROUP_SIZES = (32, 64, 128)  # the group sizes mx.quantize accepts
 MAX_K = 32  # a pass of more positions than this is a prefill, not a verification
@@ -70,6 +71,13 @@ def budget(value) -> str:
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
     return _size(value, "12GB, 12G, 1.5GiB, 512MB, or auto", allow_zero=False)
+
+
+def buffer_size(value) -> str:
+    """A buffer_cache as stored: "auto" or a size (0: MLX keeps no freed buffer)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    return _size(value, "256MB, 1GB, 0, or auto", allow_zero=True)
 
 
 def disk_size(value) -> str:

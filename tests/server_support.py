@@ -15,15 +15,15 @@ from plugin_support import LlmEnv, serving
 
 
 @contextmanager
-def small_server(user_dir, checkpoint, max_batch=1, **kwargs):
+def small_server(user_dir, checkpoint, max_batch=1, settings=None, **kwargs):
     """An llm user dir serving the tiny checkpoint as 'small' (alias 'sm', the default
     model, 4 slots; max_context 96 keeps fuzzed replies short; one request at a time
-    unless `max_batch` says otherwise), and a server for it (`kwargs` go to the server),
-    stopped at the end."""
+    unless `max_batch` says otherwise; `settings`: more of them), and a server for it
+    (`kwargs` go to the server), stopped at the end."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LLM_USER_PATH", str(user_dir))
         env = LlmEnv(user_dir, checkpoint)
-        env.write_settings(default_model="small", max_context=96, max_batch=max_batch,
+        env.write_settings(default_model="small", max_context=96, max_batch=max_batch, **(settings or {}),
                            models={"small": {"path": str(checkpoint), "aliases": ["sm"], "expert_slots": 4}})
         with serving(env, max_queue=8, **kwargs):
             yield env

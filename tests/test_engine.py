@@ -304,10 +304,27 @@ def test_buffer_cache_stays_bounded_over_a_long_session(qwen):
     engine.load(qwen, expert_slots=5)
     limit = mx.set_cache_limit(2**45)  # returns the limit the engine set
     mx.set_cache_limit(limit)
-    assert limit == 256 * 2**20  # the floor, for a model this small
+    assert limit == engine.buffer_cache == 256 * 2**20  # the plan's reserve floor, when none is given
+    engine.load(qwen, expert_slots=5, buffer_cache=2**20)  # a loaded model takes a new cap at once
+    assert mx.set_cache_limit(2**20) == 2**20
     for seed in range(4):
         list(generate(engine, prompt_tokens(vocab_size(qwen), n=200, seed=seed), max_tokens=4))
-        assert mx.get_cache_memory() <= limit
+        assert mx.get_cache_memory() <= 2**20
+    engine.unload()
+
+
+def test_the_engine_gives_freed_memory_back_once_nothing_is_queued(qwen):
+    """A prefill frees activation-sized buffers; with nothing queued after it the engine
+    thread hands them (and malloc's free pages) back, so an idle engine keeps none."""
+    engine = EngineManager()
+    engine.load(qwen, expert_slots=5, buffer_cache=2**30)
+    out = list(generate(engine, prompt_tokens(vocab_size(qwen), n=200), max_tokens=4))  # held: none freed here
+    assert mx.get_peak_memory() > mx.get_active_memory() + 2**20  # the prefill's buffers were freed
+    deadline = time.monotonic() + 30
+    while mx.get_cache_memory():
+        assert time.monotonic() < deadline, "the engine kept its freed buffers"
+        time.sleep(0.01)
+    assert out
     engine.unload()
 
 

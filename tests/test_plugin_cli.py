@@ -23,11 +23,11 @@ def test_config_show_set_unset(llm_env):
     lines = {line.split()[0]: line for line in out.splitlines()[2:]}
     assert set(lines) == {
         "default_model", "expert_slots", "policy", "max_tokens",
-        "memory_budget", "max_context", "threads", "page_cache", "overlap", "trace", "packed",
+        "memory_budget", "max_context", "buffer_cache", "threads", "page_cache", "overlap", "trace", "packed",
         "k", "draft",  # speculation (issue 9)
         "kv_bits", "kv_group_size", "kv_start", "prefill_step",  # long context (#13)
-        "server", "server_hosts", "server_origins", "max_batch", "max_responses",  # the server
-        "conversation_cache", "conversation_cache_size",  # features (#11)
+        "server", "server_hosts", "server_origins", "reply_memory", "max_batch", "max_responses",  # the server
+        "conversation_cache", "conversation_cache_size", "conversation_cache_entries",  # features (#11)
     }
     assert " set " in lines["default_model"] and " default " in lines["max_tokens"]
 

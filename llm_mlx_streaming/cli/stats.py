@@ -294,6 +294,7 @@ def _live(json_: bool, plot: Path | None = None) -> None:
         ["last decode", "-" if st.get("last_decode_tps") is None else f"{st['last_decode_tps']} tok/s"],
         ["memory", f"peak RSS {format_size(st.get('peak_rss_bytes') or 0)}, "
                    f"MLX {format_size(st.get('mlx_active_memory_bytes') or 0)} active, "
+                   f"{format_size(st.get('mlx_cache_memory_bytes') or 0)} cached, "
                    f"{format_size(st.get('mlx_peak_memory_bytes') or 0)} peak"],
     ]
     if st.get("rebuild_error"):

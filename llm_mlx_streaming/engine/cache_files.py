@@ -62,10 +62,10 @@ def saved_header(path: Path) -> Optional[Header]:
     return found
 
 
-def evict(root: Path, max_bytes: int) -> None:
+def evict(root: Path, max_bytes: int, max_entries: int) -> tuple[int, int]:
     """Remove the least recently used conversations (a first segment with every segment
     that extends it, used as recently as its latest file) until the tree fits
-    `max_bytes`."""
+    `max_bytes` and holds at most `max_entries` of them; returns (bytes, conversations) left."""
     for path in root.glob(f"*/.partial-*{SUFFIX}"):  # left by a process killed mid-write
         try:
             if time.time() - path.stat().st_mtime > STALE_PARTIAL_SECONDS:
@@ -91,13 +91,14 @@ def evict(root: Path, max_bytes: int) -> None:
             group = groups.setdefault((folder, first), [0.0, 0, []])
             group[0], group[1] = max(group[0], mtime), group[1] + size
             group[2].append(path)
-    total = sum(size for _, size, _ in groups.values())
+    total, count = sum(size for _, size, _ in groups.values()), len(groups)
     for _, size, paths in sorted(groups.values(), key=lambda g: g[0]):
-        if total <= max_bytes:
+        if total <= max_bytes and count <= max_entries:
             break
         for path in paths:
             remove(path)
-        total -= size
+        total, count = total - size, count - 1
+    return total, count
 
 
 def remove(path: Path) -> None:

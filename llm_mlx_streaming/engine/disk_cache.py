@@ -27,8 +27,9 @@ the KV layout, hashed. Each file also carries that namespace in its metadata and
 checked against it, so a cache from another checkpoint, version or layout is never
 loaded (a notice). Writes go to a temporary name and are renamed into place; a saved
 chain replaces the shorter ones its tokens extend (all but its own segments and those
-another segment still extends); the whole tree is kept under a size bound by
-evicting the least recently used conversations, each with all its segments.
+another segment still extends); the whole tree is kept under a size and a count of
+conversations by evicting the least recently used ones, each with all its segments
+(a prompt reads every file's header, so the count bounds what each request costs).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from typing import Optional
 from .cache_files import SUFFIX, Header, evict, name_entry, prefix_hash, remove, saved_header
 from .kv_segments import assembled, checksum, cut, layer_kind, segment_from
 from ..errors import one_line
+from ..values import DEFAULT_CONVERSATIONS
 from .kv import after_loading, for_saving, same_layout
 
 FORMAT = "mlx-stream-kv-3"  # 3: segments, each with a checksum of its tensors
@@ -54,10 +56,11 @@ FORMAT = "mlx-stream-kv-3"  # 3: segments, each with a checksum of its tensors
 
 @dataclass(frozen=True)
 class DiskCacheSpec:
-    """Where conversation caches go and how many bytes they may take in all."""
+    """Where conversation caches go, and how many bytes and conversations they may take in all."""
 
     root: Path
     max_bytes: int
+    max_entries: int = DEFAULT_CONVERSATIONS
 
 
 @dataclass
@@ -130,6 +133,8 @@ class DiskCache:
         self.space = space
         self.folder = spec.root / space
         self._mirror: Optional[_Mirror] = None
+        self.bytes: Optional[int] = None  # the whole tree's, after the last save's eviction
+        self.entries: Optional[int] = None  # conversations in the tree, likewise
 
     def _entries(self):
         try:
@@ -303,7 +308,7 @@ class DiskCache:
         self._mirror = _Mirror.of(cache, tokens, links)
         self._prune(tokens, {link.name for link in links})
         size = final.stat().st_size
-        evict(self.spec.root, self.spec.max_bytes)
+        self.bytes, self.entries = evict(self.spec.root, self.spec.max_bytes, self.spec.max_entries)
         return size
 
     def _base(self, tokens: list[int], kept: int) -> list[_Link]:

@@ -12,6 +12,7 @@ import sys
 from dataclasses import fields
 
 from .. import syncs
+from . import worker
 from ..experts.pool import PoolCounters
 from ..activity import ACTIVITY
 from .kv import bits_in_use, cache_bytes, kept_note
@@ -142,10 +143,12 @@ def engine_figures(manager) -> dict:
         "max_tokens": manager.max_tokens,
         "peak_rss_bytes": peak_rss_bytes(),
         "mlx_active_memory_bytes": int(mx.get_active_memory()),
+        "mlx_cache_memory_bytes": int(mx.get_cache_memory()),
         "mlx_peak_memory_bytes": int(mx.get_peak_memory()),
         "last_decode_tps": manager.last_decode_tps,
         "requests_served": manager.served,
         "requests_queued": manager.queued,
+        "engine_idle": worker.idle(),  # nothing running or queued, freed memory given back
         "batch": manager.batch,
         "largest_batch": manager.largest_batch,
         "generated_tokens": manager.generated,
@@ -153,6 +156,26 @@ def engine_figures(manager) -> dict:
         **manager.counters().as_dict(),
         "totals": ACTIVITY.totals_shown(),  # every finished generation's tokens and seconds
         "in_flight": ACTIVITY.in_flight(),
+        "caches": cache_figures(manager),
+    }
+
+
+def cache_figures(manager) -> dict:
+    """What the engine keeps between requests, each with its bound (docs/server.md,
+    "What a long-running server keeps")."""
+    import mlx.core as mx
+
+    session, carried = manager.session, manager.carried
+    disk = carried.disk
+    return {
+        "kv_session": {"tokens": len(session.tokens) if session else 0,
+                       "bytes": cache_bytes(session.cache) if session else 0, "max_tokens": manager.context_length},
+        "buffer_cache": {"bytes": int(mx.get_cache_memory()), "max_bytes": manager.buffer_cache},
+        "conversation_cache": {"bytes": disk.bytes if disk else None,
+                               "max_bytes": disk.spec.max_bytes if disk else None,
+                               "entries": disk.entries if disk else None,
+                               "max_entries": disk.spec.max_entries if disk else None},
+        "drafters": {"entries": len(carried.drafters), "max_entries": 1},  # the last built (speculation/start.py)
     }
 
 

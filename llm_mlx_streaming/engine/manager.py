@@ -45,6 +45,13 @@ class EngineManager(ModelProvider):
     def drafters(self) -> dict:
         return self.carried.drafters
 
+    def unload(self) -> None:
+        """Unload, and drop what was kept for that model: its drafter holds it (a draft
+        model's or MTP head's weights), its conversation cache is opened for its checkpoint."""
+        with self._lock:
+            super().unload()
+            self.carried = Carried(warned=self.carried.warned)
+
     def run(self, load: LoadSpec | None, request: Request) -> Generation:
         """Queue "load `load` if needed (None: whatever is loaded), then generate `request`".
 

@@ -16,7 +16,7 @@ from .. import values
 from ..errors import CheckpointError, one_line
 from ..experts.policies import DEFAULT_POLICY, POLICIES
 from ..experts.pool import PoolCounters
-from . import figures
+from . import figures, memory
 from .request import LoadSpec
 
 
@@ -42,6 +42,7 @@ class ModelProvider:
         self.page_cache: str | None = None  # "keep" | "bypass"
         self.packed: bool | None = None  # use the checkpoint's packed store when valid
         self.overlap = "auto"  # reads overlapping compute, read-ahead (experts/prefetch.py)
+        self.buffer_cache: int | None = None  # bytes of freed buffers MLX may keep (engine/memory.py)
         self._retired = PoolCounters()  # counters of pools replaced by a rebuild
         self._lock = threading.RLock()
         self.prepare = None  # load_streaming's `prepare` (a pipeline rank's layer range)
@@ -66,18 +67,20 @@ class ModelProvider:
 
     def load(self, path, *, expert_slots: int | list[int] | None = None, policy: str = DEFAULT_POLICY,
              threads: int | None = None, page_cache: str | None = None, packed: bool | None = None,
-             overlap: str | None = None) -> None:
+             overlap: str | None = None, buffer_cache: int | None = None) -> None:
         """Load `path` (a no-op if loaded); new pool settings rebuild only the pools.
 
-        `threads` (reader threads), `page_cache` ("keep" or "bypass") and `overlap`
-        ("auto", "on", "off") apply to a loaded model without reloading; `packed` (use the checkpoint's packed store when present
-        and valid) reloads it when it changes. None means the loader's default.
+        `threads` (reader threads), `page_cache` ("keep" or "bypass"), `overlap`
+        ("auto", "on", "off") and `buffer_cache` (bytes) apply to a loaded model without
+        reloading; `packed` (use the checkpoint's packed store when present and valid)
+        reloads it when it changes. None means the loader's default.
         """
         _check_params(expert_slots, policy)
         io = _io_params(threads, page_cache, packed)
         overlap = _overlap_mode(overlap)
         path = Path(path).expanduser().resolve()
         with self._lock:
+            self._cap_buffers(memory.DEFAULT_BUFFER_CACHE if buffer_cache is None else buffer_cache)
             if self.state == "loaded" and self.checkpoint == path:
                 if io["packed"] == self.packed:
                     self.configure(expert_slots=expert_slots, policy=policy, overlap=overlap,
@@ -99,7 +102,6 @@ class ModelProvider:
             from .session import Session
 
             self.session = Session(self.loaded.model)
-            _limit_buffer_cache(self.loaded)
             self.expert_slots, self.policy = expert_slots, policy
             self.threads, self.page_cache = io["threads"], io["page_cache"]
             self.packed, self.overlap = io["packed"], overlap
@@ -110,7 +112,7 @@ class ModelProvider:
         try:
             self.load(spec.path, expert_slots=spec.expert_slots, policy=spec.policy,
                       threads=spec.threads, page_cache=spec.page_cache, packed=spec.packed,
-                      overlap=spec.overlap)
+                      overlap=spec.overlap, buffer_cache=spec.buffer_cache)
         except EngineError as e:
             raise LoadError(str(e)) from None
 
@@ -140,6 +142,11 @@ class ModelProvider:
                 self._retired.add(pool.counters)
             self.loaded.build_pools(expert_slots, policy)
             self.expert_slots, self.policy = expert_slots, policy
+
+    def _cap_buffers(self, limit: int) -> None:
+        if limit != self.buffer_cache:
+            memory.cap_buffer_cache(limit)
+            self.buffer_cache = limit
 
     def _replace_store(self, threads: int, page_cache: str) -> None:
         """A new reader (threads, page-cache mode) for every pool; the slots stay as they are."""
@@ -194,22 +201,6 @@ class ModelProvider:
         with self._lock:
             self.require_loaded()
             return sum(pool.bad_slots() for pool in self.loaded.all_pools)
-
-
-def _limit_buffer_cache(loaded) -> None:
-    """Cap MLX's cache of freed buffers so long sessions do not grow.
-
-    Prefill and expert-major calls free many activation-sized buffers; MLX keeps them
-    for reuse, by default without bound. A quarter of the resident weights (at least
-    256 MiB) is plenty for reuse. The Metal wired limit needs nothing here: mlx-lm's
-    `stream_generate` raises it to cover the model's arrays, pools included, and does
-    nothing where there is no Metal.
-    """
-    import mlx.core as mx
-    from mlx.utils import tree_reduce
-
-    resident = tree_reduce(lambda acc, x: acc + x.nbytes, loaded.model.parameters(), 0)
-    mx.set_cache_limit(max(256 * 2**20, resident // 4))
 
 
 def _check_params(expert_slots, policy) -> None:

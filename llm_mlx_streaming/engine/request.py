@@ -28,6 +28,7 @@ class LoadSpec:
     page_cache: Optional[str] = None
     overlap: Optional[str] = None  # "auto" | "on" | "off" (experts/prefetch.py)
     packed: Optional[bool] = None
+    buffer_cache: Optional[int] = None  # bytes of freed buffers MLX keeps for reuse (engine/memory.py)
 
 
 @dataclass(frozen=True)

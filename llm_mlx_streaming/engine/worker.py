@@ -12,6 +12,7 @@ import threading
 from collections import deque
 from typing import Callable
 
+from . import memory
 from .generation import Cancelled, Channel, Generation
 
 
@@ -32,6 +33,11 @@ def take_queued(accept: Callable) -> tuple | None:
     return _engine_thread().take(accept)
 
 
+def idle() -> bool:
+    """Whether the engine thread waits with nothing to run, its freed memory given back."""
+    return _engine_thread().idle
+
+
 class _EngineThread:
     """The one thread that runs every job, in submission order; a job never waits on
     another job."""
@@ -39,6 +45,7 @@ class _EngineThread:
     def __init__(self) -> None:
         self._jobs: deque = deque()
         self._ready = threading.Condition()
+        self.idle = False
         threading.Thread(target=self._loop, name="mlx-stream-engine", daemon=True).start()
 
     def submit(self, job, channel: Channel, tag) -> None:
@@ -57,8 +64,14 @@ class _EngineThread:
     def _loop(self) -> None:
         while True:
             with self._ready:
+                idle = not self._jobs
+            if idle:  # freed memory goes back before the wait (engine/memory.py)
+                memory.release()
+            with self._ready:
+                self.idle = not self._jobs
                 self._ready.wait_for(lambda: self._jobs)
                 job, channel, _ = self._jobs.popleft()
+                self.idle = False
             channel.running.set()
             try:
                 job()

@@ -123,6 +123,12 @@ KNOBS: tuple[Knob, ...] = (
         "As an option: a lower limit for one prompt (the setting is what the KV cache and the memory plan "
         "are made for).",
     ),
+    _setting_only(
+        name="buffer_cache", type=str, default="auto", check=values.buffer_size,
+        description="Most memory MLX keeps in freed buffers for reuse while requests run (mx.set_cache_limit); "
+        "all of it is given back whenever the engine has nothing queued. A size like 512MB, 0 (keep none), "
+        "or auto: the memory plan's working reserve, max(256 MiB, 5% of memory_budget).",
+    ),
     _setting_only(name="threads", type=int, default=DEFAULT_THREADS, bounds={"ge": 1, "le": 256},
                   description="Threads reading experts from disk."),
     _setting_only(
@@ -194,6 +200,12 @@ KNOBS: tuple[Knob, ...] = (
         description="Web origins (e.g. http://mytool.lan:3000) whose browser pages may call `llm mlxs "
         "serve`, with CORS; others are answered 403, loopback pages are always allowed; * allows any.",
     ),
+    _setting_only(
+        name="reply_memory", type=int, default=64, bounds={"ge": 0, "le": 100_000},
+        description="Replies `llm mlxs serve` remembers by their text, with the token ids they were "
+        "generated as, so a client that sends a reply back as text reuses the KV cache (the least recently "
+        "given goes first); 0: none. Read when the server starts.",
+    ),
     Knob(
         name="max_batch", type=int, default=4, bounds={"ge": 1, "le": 64},
         description="Most requests decoded together in one pass (continuous batching: they share each MoE "
@@ -214,6 +226,12 @@ KNOBS: tuple[Knob, ...] = (
     _setting_only(
         name="conversation_cache_size", type=str, default="2GB", check=values.disk_size,
         description="Most disk space the conversation cache takes (least recently used files go first).",
+    ),
+    _setting_only(
+        name="conversation_cache_entries", type=int, default=values.DEFAULT_CONVERSATIONS,
+        bounds={"ge": 1, "le": 100_000},
+        description="Most conversations the conversation cache keeps, each a chain of files (least recently "
+        "used go first): every prompt reads each one's header, so more cost time on every request.",
     ),
 )
 

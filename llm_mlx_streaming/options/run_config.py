@@ -25,7 +25,8 @@ from .settings import Settings, budget_bytes, trace_file
 from ..sizes import parse_size
 from ..values import DEFAULT_MAX_CONTEXT
 from ..engine.disk_cache import DiskCacheSpec
-from ..engine.planner import PlanError, auto_context, checkpoint_layout, model_context, plan_memory, prefill_step_for
+from ..engine.planner import (PlanError, auto_context, checkpoint_layout, default_reserve, model_context, plan_memory,
+                              prefill_step_for)
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ def configure(name: Optional[str], options, settings: Settings) -> RunConfig:
         load=LoadSpec(
             path=path, expert_slots=slots, policy=options.policy or settings.policy or DEFAULT_POLICY,
             threads=settings.threads, page_cache=settings.page_cache, packed=settings.packed != "off",
-            overlap=settings.overlap,
+            overlap=settings.overlap, buffer_cache=buffer_cache(options, settings, budget),
         ),
         slots_source=source,
         budget=budget,
@@ -234,8 +235,23 @@ def prefill_step(options, settings: Settings, path, budget: Optional[int], kv, l
         return None
 
 
+def buffer_cache(options, settings: Settings, budget: Optional[int]) -> int:
+    """Bytes of freed buffers MLX may keep: the setting, or auto: the memory plan's
+    working reserve, where activations and temporary buffers are budgeted (its floor
+    when the machine's memory cannot be told)."""
+    if settings.buffer_cache != "auto":
+        return parse_size(settings.buffer_cache)
+    try:
+        if budget is None:
+            budget = budget_bytes(budget_value(options, settings))
+    except (MlxStreamError, ValueError):
+        budget = 0
+    return default_reserve(budget)
+
+
 def conversation_cache_spec(settings: Settings):
     """Where and how large the conversation cache on disk is (None: it is off)."""
     if not settings.conversation_cache:
         return None
-    return DiskCacheSpec(llm.user_dir() / "mlx-streaming" / "kv-cache", parse_size(settings.conversation_cache_size))
+    return DiskCacheSpec(llm.user_dir() / "mlx-streaming" / "kv-cache", parse_size(settings.conversation_cache_size),
+                         settings.conversation_cache_entries)

@@ -10,16 +10,20 @@ from collections import OrderedDict
 class ReplyMemory:
     """Replies this server generated, by text, with the token ids they were generated
     as: an OpenAI client sends a reply back as text, and re-encoding text does not
-    always give the same ids, so without this a follow-up would not reuse the KV cache."""
+    always give the same ids, so without this a follow-up would not reuse the KV cache.
+    At most `size` replies (the `reply_memory` setting), the least recently given first out."""
 
-    def __init__(self, size: int = 64) -> None:
+    def __init__(self, size: int) -> None:
         self.size = size
         self._by_reply: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._by_reply)
 
     def remember(self, transcript) -> None:
         """Keep a finished reply's (turns.Transcript) token ids, by its text and calls."""
         tokens = transcript.outcome.tokens
-        if tokens:
+        if tokens and self.size:
             calls = [{"name": c.name, "arguments": c.arguments} for c in transcript.outcome.tool_calls]
             key = _key(transcript.text, calls)
             self._by_reply[key] = (transcript.reasoning, tokens)

@@ -35,7 +35,7 @@ class Service:
 
     def __init__(self, *, default_model: Optional[str] = None, api_key: Optional[str] = None,
                  secret: Optional[str] = None, max_queue: int = 8, hosts: tuple[str, ...] = (),
-                 origins: tuple[str, ...] = (), max_batch: int = 1, strict: bool = False,
+                 origins: tuple[str, ...] = (), max_batch: int = 1, reply_memory: int, strict: bool = False,
                  aliases: Optional[dict[str, str]] = None, any_model: bool = False) -> None:
         self.default_model = default_model
         self.aliases = dict(aliases or {})  # a client's model name -> a model served here
@@ -47,7 +47,7 @@ class Service:
         self.api_key, self.secret = api_key, secret
         self.gate = Gate(max_queue, capacity=max_batch)
         self.runtime = RuntimeConfig()
-        self.replies = ReplyMemory()
+        self.replies = ReplyMemory(reply_memory)
         self.responses = ResponseStore(load_settings().max_responses)  # the Responses API's, by id
         self.model_id: Optional[str] = None  # the model last loaded or asked for
         self.served = 0
@@ -59,7 +59,8 @@ class Service:
         self.unload_due: Optional[float] = None  # when it unloads the model (a time.time())
 
     # -- requests -------------------------------------------------------------
-    def check_api_key(self, request: Request) -> None:
+    async def check_api_key(self, request: Request) -> None:
+        """A dependency of every route but /health; async, so no request borrows a worker thread for it."""
         if self.api_key is None:
             return
         if not key_accepted(request.headers, (self.api_key, self.secret)):
@@ -217,6 +218,7 @@ class Service:
                        "disconnects": self.disconnects},
             "layers": layer_figures(engine.loaded),
         })
+        out["caches"]["reply_memory"] = {"entries": len(self.replies), "max_entries": self.replies.size}
         return out
 
 

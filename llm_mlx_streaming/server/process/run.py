@@ -58,7 +58,8 @@ class Server:
         origins = settings.server_origins if origins is None else origins
         self.service = Service(default_model=model, api_key=api_key, secret=discovery.new_secret(),
                                max_queue=max_queue, hosts=tuple(hosts), origins=tuple(origins),
-                               max_batch=settings.max_batch, strict=strict, aliases=aliases, any_model=any_model)
+                               max_batch=settings.max_batch, reply_memory=settings.reply_memory, strict=strict,
+                               aliases=aliases, any_model=any_model)
         if model:
             try:
                 self.service.model_for(model)
