@@ -69,6 +69,7 @@ def test_an_evicted_previous_response_is_a_404_in_openais_shape_never_a_500(serv
     assert status == 404 and reply["error"]["param"] == "previous_response_id", reply
     unkept = client(served).responses.create(model="mlx-stream", input="x", max_output_tokens=1, store=False)
     assert call(served, "GET", f"/v1/responses/{unkept.id}")[0] == 404
+    assert call(served, "GET", "/api/stats")[2]["caches"]["responses"] == {"entries": 100, "max_entries": 100}
 
 
 def test_a_function_call_round_trip_with_namespaced_and_hosted_tools(tooled):

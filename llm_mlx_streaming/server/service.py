@@ -219,6 +219,7 @@ class Service:
             "layers": layer_figures(engine.loaded),
         })
         out["caches"]["reply_memory"] = {"entries": len(self.replies), "max_entries": self.replies.size}
+        out["caches"]["responses"] = {"entries": len(self.responses), "max_entries": self.responses.size}
         return out
 
 
