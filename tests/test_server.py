@@ -483,9 +483,22 @@ def test_malformed_and_oversized_bodies(served):
     assert status == 400 and "longer than" in body["error"]["message"]
 
 
+def _no_server_error(url: str, operations: list, examples: int) -> None:
+    """Schemathesis's cases of `operations`, `examples` of them: none answered 5xx."""
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(case=st.one_of([op.as_strategy() for op in operations]))
+    def no_server_error(case):
+        response = case.call(base_url=url, timeout=60)
+        assert response.status_code < 500, (case.method, case.path, case.body, response.text[:300])
+
+    no_server_error()
+
+
 def test_schemathesis_finds_no_server_error(served):
     import schemathesis
-    from hypothesis import HealthCheck, given, settings, strategies as st
 
     url = served.server.url
     schema = schemathesis.openapi.from_url(url + "/openapi.json")
@@ -494,14 +507,7 @@ def test_schemathesis_finds_no_server_error(served):
                                               "/v1/messages", "/v1/messages/count_tokens", "/api/chat",
                                               "/api/generate", "/api/tags", "/api/show", "/api/ps", "/v1/responses"}
 
-    @settings(max_examples=120, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
-    @given(case=st.one_of([op.as_strategy() for op in operations]))
-    def no_server_error(case):
-        response = case.call(base_url=url, timeout=60)
-        assert response.status_code < 500, (case.method, case.path, case.body, response.text[:300])
-
-    no_server_error()
+    _no_server_error(url, operations, examples=120)
     served.server.service.runtime.values.clear()  # what the fuzzer configured
     from llm_mlx_streaming.engine.manager import get_manager
 
@@ -709,7 +715,6 @@ def test_a_stream_keeps_alive_while_its_prompt_prefills(served, blocked, monkeyp
 
 def test_schemathesis_finds_no_server_error_in_the_responses_api(served):
     import schemathesis
-    from hypothesis import HealthCheck, given, settings, strategies as st
 
     url = served.server.url
     schema = schemathesis.openapi.from_url(url + "/openapi.json")
@@ -717,14 +722,7 @@ def test_schemathesis_finds_no_server_error_in_the_responses_api(served):
     operations = [op for op in operations if op.path.startswith("/v1/responses")]
     assert {op.method.upper() for op in operations} == {"POST", "GET", "DELETE"}
 
-    @settings(max_examples=40, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
-    @given(case=st.one_of([op.as_strategy() for op in operations]))
-    def no_server_error(case):
-        response = case.call(base_url=url, timeout=60)
-        assert response.status_code < 500, (case.method, case.path, case.body, response.text[:300])
-
-    no_server_error()
+    _no_server_error(url, operations, examples=40)
     images = {"model": "mlx-stream", "input": [{"role": "user", "content": [
         {"type": "input_image", "text": "a picture", "image_url": "data:image/png;base64,AA"}]}]}
     status, _, reply = call(served, "POST", "/v1/responses", images)  # what the fuzzer found once
