@@ -296,6 +296,29 @@ def test_full_queue_is_503_with_retry_after(tmp_path, monkeypatch, plugin_checkp
         assert waiting_out["value"][0] == 200
 
 
+def test_a_client_that_leaves_while_queued_leaves_the_queue_at_once(served, blocked):
+    blocked.go.set()
+    call(served, "POST", "/v1/chat/completions", chat_body("warm"))
+    blocked.go.clear()
+    running, running_out = in_thread(call, served, "POST", "/v1/chat/completions", chat_body("first"))
+    assert blocked.entered.wait(30)
+    gone_before = call(served, "GET", "/api/stats")[2]["server"]["disconnects"]
+    sock = socket.create_connection(("127.0.0.1", served.server.port), timeout=30)
+    body = json.dumps(chat_body("never mind")).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    wait_for(lambda: call(served, "GET", "/api/stats")[2]["server"]["queued"] == 1)
+    sock.close()
+    # still blocked: the place is given up while the running request holds the engine
+    wait_for(lambda: call(served, "GET", "/api/stats")[2]["server"]["queued"] == 0)
+    assert call(served, "GET", "/api/stats")[2]["server"]["disconnects"] == gone_before + 1
+    assert running.is_alive()
+    blocked.go.set()
+    running.join(60)
+    assert running_out["value"][0] == 200
+    assert call(served, "POST", "/v1/chat/completions", chat_body("after"))[0] == 200
+
+
 def test_client_disconnect_cancels_and_frees_the_engine(served):
     from llm_mlx_streaming.engine.manager import get_manager
 

@@ -64,14 +64,35 @@ class GatedStream(StreamingResponse):
             self.turn.finish()
 
 
-async def take_turn(service, first: bool = False) -> None:
-    """Wait for the gate (`first`: ahead of those waiting); a full queue is a 503 with Retry-After."""
+async def take_turn(service, first: bool = False, request: Optional[Request] = None) -> None:
+    """Wait for the gate (`first`: ahead of those waiting); a full queue is a 503 with
+    Retry-After. A client that goes away while it waits (`request` given) leaves the
+    queue at once, rather than holding a place until its turn comes."""
+    waiting = asyncio.ensure_future(service.gate.acquire(first=first))
+    gone = asyncio.ensure_future(_disconnected(request)) if request is not None else None
     try:
-        await service.gate.acquire(first=first)
+        await asyncio.wait({waiting} | ({gone} if gone else set()), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not waiting.done():
+            waiting.cancel()  # the gate passes on a turn that came as it went
+            await asyncio.gather(waiting, return_exceptions=True)
+        if gone is not None:
+            gone.cancel()
+    if waiting.cancelled():
+        service.disconnects += 1
+        raise ApiError(499, "the client went away while its request waited for its turn",
+                       kind="invalid_request_error", code="client_closed")
+    try:
+        waiting.result()
     except QueueFull:
         raise ApiError(503, f"the server is busy: {service.gate.waiting} requests already wait; retry later",
                        kind="server_error", code="queue_full",
                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def answer(service, request: Request, shape, model_id: str, messages: list, fields: dict,
@@ -84,7 +105,7 @@ async def answer(service, request: Request, shape, model_id: str, messages: list
         if fields.pop("thinking"):  # the template cannot think: accepted as off
             service.ignore(request, ["thinking"])
         fields.pop("thinking_budget", None)
-    await take_turn(service)
+    await take_turn(service, request=request)
     service.keep_loaded()
     try:
         options = service.runtime.for_request(fields)  # now: a config change made while it waited applies
@@ -158,8 +179,7 @@ async def _stream(service, turn: Turn, events, first: asyncio.Future, shape):
 
 
 async def _cancel_on_disconnect(service, request: Request, reply: AsyncReply) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    await _disconnected(request)
     service.disconnects += 1
     reply.cancel()
 
