@@ -134,7 +134,8 @@ def sample(server: ServerProcess, done: int, errors: int, started: float, note: 
             "mlx_active_mb": mb("mlx_active_memory_bytes"), "mlx_cache_mb": mb("mlx_cache_memory_bytes"),
             "replies": caches.get("reply_memory", {}).get("entries"),
             "disk_mb": None if disk.get("bytes") is None else disk["bytes"] / 2**20,
-            "conversations": disk.get("entries"), "errors": errors, "note": note}
+            "conversations": disk.get("entries"), "errors": errors, "note": note,
+            "pools": stats.get("server", {}).get("threads", {})}
 
 
 def plan(rng: random.Random, n: int, faults: set, long_words: int) -> list[Case]:
@@ -346,6 +347,9 @@ def report(rows: list[dict], outcomes: Counter, checks: list[str], quota_kept) -
           "(the difference: the last conversation's KV cache, kept for its next turn)")
     print(f"open files {warm['fds']} -> {end['fds']}, threads {warm['threads']} -> {end['threads']} "
           f"(after the warm-up -> at the end)")
+    pools = sorted(set(warm["pools"]) | set(end["pools"]))
+    print("Python threads by pool (/api/stats), after the warm-up -> at the end:",
+          ", ".join(f"{p} {warm['pools'].get(p, 0)} -> {end['pools'].get(p, 0)}" for p in pools))
     return bool(errors or wrong)
 
 

@@ -14,6 +14,7 @@ import argparse
 import gc
 import os
 import random
+import re
 import sys
 import tempfile
 import threading
@@ -106,13 +107,13 @@ def main() -> None:
     print("warm-up:", dict(drive(server, cases[:args.warmup], args.clients)), flush=True)
     quiet()
     tracemalloc.start(8)
-    before, counted = tracemalloc.take_snapshot(), census()
+    before, counted, threads = tracemalloc.take_snapshot(), census(), thread_kinds()
     mlx_before, rss_before = (mx.get_active_memory(), mx.get_cache_memory()), proc_figures(os.getpid())["rss_mb"]
     started = time.monotonic()
     print("measured:", dict(drive(server, cases[args.warmup:], args.clients)),
           f"in {time.monotonic() - started:.0f} s", flush=True)
     quiet()
-    after, counted_after = tracemalloc.take_snapshot(), census()
+    after, counted_after, threads_after = tracemalloc.take_snapshot(), census(), thread_kinds()
     mlx_after, rss_after = (mx.get_active_memory(), mx.get_cache_memory()), proc_figures(os.getpid())["rss_mb"]
     server.server.stop()
 
@@ -129,9 +130,17 @@ def main() -> None:
     for name, grown in grew[:args.top]:
         if grown > 0:
             print(f"  {grown:+7d} {name} ({counted_after[name]})")
+    print("\nthreads by kind, after the warm-up -> at the end:",
+          ", ".join(f"{k} {threads[k]} -> {threads_after[k]}" for k in sorted(threads | threads_after)))
     print(f"\nMLX active {mlx_before[0] / 2**20:.1f} -> {mlx_after[0] / 2**20:.1f} MiB, "
           f"cache {mlx_before[1] / 2**20:.1f} -> {mlx_after[1] / 2**20:.1f} MiB; "
           f"RSS {rss_before:.1f} -> {rss_after:.1f} MiB (this process: the clients too, and tracemalloc's own)")
+
+
+def thread_kinds() -> Counter:
+    """This process's threads by name, numbers dropped (`asyncio_3` -> `asyncio_`): the
+    pools they belong to."""
+    return Counter(re.sub(r"\d+", "", t.name) for t in threading.enumerate())
 
 
 if __name__ == "__main__":

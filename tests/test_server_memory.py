@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import http.client
 import json
+import os
 import threading
 from collections import Counter
 
@@ -80,6 +81,7 @@ def test_caches_stay_within_their_settings_and_mlx_memory_returns_to_idle(tmp_pa
     with small_server(tmp_path / "llm", plugin_checkpoint, max_batch=4, settings=SETTINGS) as env:
         first = fixed_then_idle(env)
         idle_active = active(env)
+        pools_before = stats(env)["server"]["threads"]
         saved = first["mlx_stream"]["stats"]["disk_cache_saved_bytes"]
         assert saved * REQUESTS > 4 * 64_000  # the quota is hit many times over
 
@@ -117,6 +119,9 @@ def test_caches_stay_within_their_settings_and_mlx_memory_returns_to_idle(tmp_pa
             assert disk["bytes"] <= disk["max_bytes"] == 64_000 and disk["entries"] <= disk["max_entries"] == 3
             assert kept["kv_session"]["tokens"] <= 96 and kept["drafters"]["entries"] <= 1
         assert caches["reply_memory"]["entries"] == 8
+        pools = stats(env)["server"]["threads"]
+        assert pools.get("asyncio_", 0) <= min(32, (os.cpu_count() or 1) + 4)  # the loop's executor, bounded
+        assert pools.get("Thread-", 0) <= pools_before.get("Thread-", 0)  # no thread per request outlives it
         on_disk = sum(p.stat().st_size for p in (env.user_dir / "mlx-streaming" / "kv-cache").rglob("*.safetensors"))
         assert on_disk == caches["conversation_cache"]["bytes"] <= 64_000
 

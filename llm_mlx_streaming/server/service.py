@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import threading
 import time
 from typing import Any, Optional
 
@@ -215,12 +217,20 @@ class Service:
             "rebuild_error": self.rebuild_error,
             "server": {"running": self.gate.busy, "queued": self.gate.waiting,
                        "max_queue": self.gate.max_waiting, "served": self.served,
-                       "disconnects": self.disconnects},
+                       "disconnects": self.disconnects, "threads": _thread_pools()},
             "layers": layer_figures(engine.loaded),
         })
         out["caches"]["reply_memory"] = {"entries": len(self.replies), "max_entries": self.replies.size}
         out["caches"]["responses"] = {"entries": len(self.responses), "max_entries": self.responses.size}
         return out
+
+
+def _thread_pools() -> dict[str, int]:
+    """The process's threads by pool (their names without numbers: `asyncio_`, `AnyIO
+    worker thread`, `mlxs-read_`): a pool that keeps growing is a leak."""
+    from collections import Counter
+
+    return dict(Counter(re.sub(r"\d+", "", t.name) for t in threading.enumerate()))
 
 
 def _engine():
