@@ -26,7 +26,7 @@ def render_with_images(tokenizer, messages, *, thinking: Optional[bool] = None
     conversation with images, rendered with the processor and model config that
     `tokenizer.vision` carries (engine/vision.py); an image that cannot be read is one
     PromptError line."""
-    from mlx_vlm.prompt_utils import apply_chat_template
+    from mlx_vlm.prompt_utils import apply_chat_template, get_message_json
     from mlx_vlm.utils import prepare_inputs, should_add_special_tokens
 
     processor, config = tokenizer.vision.processor, tokenizer.vision.config
@@ -35,13 +35,16 @@ def render_with_images(tokenizer, messages, *, thinking: Optional[bool] = None
                                  getattr(tokenizer, "think_end", None), images=attached)
     pictures, digests = zip(*(_picture(i + 1, a) for i, a in enumerate(attached)))
     switches = template_switches(tokenizer, thinking)
+    model_type = config["model_type"]
+    # each message with images in the model's own format: where its images go, how many
+    dicts = [get_message_json(model_type, d["content"], d["role"], num_images=d.pop("images"))
+             if "images" in d else d for d in dicts]
 
     def render(generation: bool) -> str:
         return apply_chat_template(processor, config, dicts, add_generation_prompt=generation,
                                    num_images=len(pictures), **switches)
 
     text, head = render(True), render(False)
-    model_type = config["model_type"]
     try:
         inputs = prepare_inputs(processor, images=list(pictures), prompts=text,
                                 image_token_index=config.get("image_token_index"),

@@ -40,8 +40,8 @@ def template_messages(messages, think_start=None, think_end=None,
 
     Earlier replies keep their reasoning inside the think tags, so the
     rendered conversation is what the model generated. With `images` (a list), each
-    image attachment is appended to it and its message's content becomes the parts
-    list chat templates of vision models take (images first, then the text);
+    image attachment is appended to it and its message says how many it has
+    (`"images"`; the vision model's own format places them, prompt/images.py);
     without, an image is a NoImages error.
     """
     out, stored = [], {}
@@ -54,10 +54,10 @@ def template_messages(messages, think_start=None, think_end=None,
         content = "".join(f"{think_start}{text}{think_end}" if kind == "reasoning" else text
                           for kind, text in pieces if kind == "text" or (kind == "reasoning" and text and tagged))
         attached = [part for kind, part in pieces if kind == "image"]
+        item = {"role": message.role, "content": content}
         if attached:
             images.extend(attached)
-            content = [*({"type": "image"} for _ in attached), {"type": "text", "text": content}]
-        item = {"role": message.role, "content": content}
+            item["images"] = len(attached)
         if message.role == "assistant":
             tokens = stored_tokens(message)
             if tokens is not None:
