@@ -16,6 +16,10 @@ class PromptError(ValueError):
     pass
 
 
+class NoImages(PromptError):
+    """A prompt with images for a model that takes none (its name goes in front)."""
+
+
 def reply_metadata(tokens: list[int]) -> dict:
     return {METADATA_KEY: {"tokens": [int(t) for t in tokens]}}
 
@@ -30,22 +34,30 @@ def stored_tokens(message) -> Optional[list[int]]:
     return found
 
 
-def template_messages(messages, think_start=None, think_end=None) -> tuple[list[dict], dict[int, list[int]]]:
+def template_messages(messages, think_start=None, think_end=None,
+                      images: Optional[list] = None) -> tuple[list[dict], dict[int, list[int]]]:
     """Template dicts for the chain, and {message index: stored token ids}.
 
     Earlier replies keep their reasoning inside the think tags, so the
-    rendered conversation is what the model generated.
+    rendered conversation is what the model generated. With `images` (a list), each
+    image attachment is appended to it and its message says how many it has
+    (`"images"`; the vision model's own format places them, prompt/images.py);
+    without, an image is a NoImages error.
     """
     out, stored = [], {}
     for message in messages:
         if message.role == "tool":  # results of the tools the model called
             out.extend(tool_result_messages(message))
             continue
-        pieces = _pieces(message)
+        pieces = _pieces(message, images is not None)
         tagged = bool(think_start and think_end)
         content = "".join(f"{think_start}{text}{think_end}" if kind == "reasoning" else text
-                          for kind, text in pieces if kind == "text" or (text and tagged))
+                          for kind, text in pieces if kind == "text" or (kind == "reasoning" and text and tagged))
+        attached = [part for kind, part in pieces if kind == "image"]
         item = {"role": message.role, "content": content}
+        if attached:
+            images.extend(attached)
+            item["images"] = len(attached)
         if message.role == "assistant":
             tokens = stored_tokens(message)
             if tokens is not None:
@@ -82,10 +94,11 @@ def openai_messages(messages) -> list[dict]:
     return out
 
 
-def _pieces(message) -> list[tuple[str, str]]:
-    """A message's ("text" | "reasoning", text) parts in order (its tool calls are read
-    apart); a role or part this plugin cannot send is a PromptError."""
-    from llm.parts import ReasoningPart, TextPart, ToolCallPart
+def _pieces(message, images: bool = False) -> list[tuple[str, object]]:
+    """A message's ("text" | "reasoning", text) and, with `images`, ("image", llm's
+    Attachment) parts in order (its tool calls are read apart); a role or part this
+    plugin cannot send is a PromptError, an image without `images` a NoImages."""
+    from llm.parts import AttachmentPart, ReasoningPart, TextPart, ToolCallPart
 
     if message.role not in ("system", "user", "assistant"):
         raise PromptError(f"mlx-stream cannot send '{message.role}' messages")
@@ -95,6 +108,10 @@ def _pieces(message) -> list[tuple[str, str]]:
             out.append(("reasoning", part.text or ""))
         elif isinstance(part, TextPart):
             out.append(("text", part.text))
+        elif isinstance(part, AttachmentPart) and part.attachment is not None:
+            if not images:
+                raise NoImages("takes no images: it is a text-only model")
+            out.append(("image", part.attachment))
         elif not isinstance(part, ToolCallPart):
             raise PromptError(f"mlx-stream supports text only, not {type(part).__name__}")
     return out
