@@ -88,7 +88,7 @@ def test_engine_options_and_json_output_are_honoured(served):
     ({"messages": HELLO, "max_tokens": 4, "stop": ["x"]}, "stop"),
     ({"messages": HELLO, "max_tokens": 4, "expert_slots": 0}, "expert_slots"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 4},
-     "messages.0.content.0: an image"),
+     "messages.0.content.0"),
     ({"messages": [*HELLO, {"role": "assistant", "content": "The answer is"}], "max_tokens": 4}, "messages"),
     ({"messages": HELLO, "max_tokens": 4, "thinking": {"type": "enabled", "budget_tokens": 0}}, "budget_tokens"),
     ({"messages": HELLO, "max_tokens": 4, "thinking_budget": 3}, "thinking_budget"),
