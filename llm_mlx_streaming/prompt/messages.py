@@ -142,11 +142,11 @@ def llm_messages(messages, known=lambda text, calls=(): None) -> list:
                 reasoning, tokens = reasoning or found[0], found[1]
             out.append(assistant_message(text, reasoning, tokens, calls))
         else:
-            out.append(Message(role=role, parts=user_parts(m)))
+            out.append(Message(role=role, parts=_user_parts(m)))
     return out
 
 
-def user_parts(message) -> list:
+def _user_parts(message) -> list:
     """A (system or user) message's text, with its images in order among it: a message
     without images is one text part."""
     from llm.parts import TextPart

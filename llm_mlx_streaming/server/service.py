@@ -44,7 +44,7 @@ class Service:
         self.strict = strict  # an undeclared field is a 400 (fields.py)
         self._logged: set[str] = set()  # fields named in the log already
         self._thinks: dict[str, bool] = {}  # model id -> whether its template has a thinking switch
-        self._sees: dict[str, bool] = {}  # model id -> whether its checkpoint takes images
+        self._takes_images: dict[str, bool] = {}  # model id -> whether its checkpoint takes images
         self.hosts, self.origins = tuple(hosts), tuple(origins)  # server/guard.py
         self.api_key, self.secret = api_key, secret
         self.gate = Gate(max_queue, capacity=max_batch)
@@ -123,10 +123,10 @@ class Service:
 
     def takes_images(self, model_id: str) -> bool:
         """Whether the model's checkpoint is a vision-language model's."""
-        if model_id not in self._sees:
+        if model_id not in self._takes_images:
             found = checkpoint(model_id)
-            self._sees[model_id] = found is not None and takes_images(found.config)
-        return self._sees[model_id]
+            self._takes_images[model_id] = found is not None and takes_images(found.config)
+        return self._takes_images[model_id]
 
     async def load(self, model_id: str) -> None:
         """Load `model_id` in its turn, and return once it is loaded."""

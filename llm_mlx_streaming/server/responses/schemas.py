@@ -42,8 +42,10 @@ class ImagePart(RequestModel):
     detail: Optional[str] = hint("the image is given to the model at the size its processor takes")
 
     def url(self) -> str:
-        if self.file_id is not None or self.image_url is None:
+        if self.file_id is not None:
             raise ValueError("file_id: no file is kept on this server (send image_url, e.g. a data URL)")
+        if self.image_url is None:
+            raise ValueError("image_url: required (a data URL, or an http(s) URL)")
         return self.image_url
 
 
