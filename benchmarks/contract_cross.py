@@ -330,7 +330,7 @@ def vision_row(arch, root) -> str:
     from PIL import Image
 
     from fixtures.vision import TOP_K as VISION_TOP_K, build_vision_checkpoint
-    from llm_mlx_streaming.prompt.images import render_with_images
+    from llm_mlx_streaming.prompt.vision import render_with_images
 
     if arch in UNSUPPORTED_VISION:
         return "unsupported"

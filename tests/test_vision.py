@@ -21,7 +21,7 @@ from fixtures.vision import TOP_K, VISION_ARCHITECTURES, build_vision_checkpoint
 from llm_mlx_streaming.checkpoints.vision import UNSUPPORTED_VISION, vision_moe_modules
 from llm_mlx_streaming.engine.manager import EngineManager
 from llm_mlx_streaming.engine.request import LoadSpec, Request
-from llm_mlx_streaming.prompt.images import render_with_images
+from llm_mlx_streaming.prompt.vision import render_with_images
 from llm_mlx_streaming.prompt.messages import PromptError, assistant_message
 
 TOKENS = 8

@@ -1,78 +1,94 @@
-"""A prompt with images, for a vision-language model: llm's image attachments -> the
-model's chat template with the images in their messages, and its processor's token
-ids and pixel inputs (mlx-vlm's `apply_chat_template` and `prepare_inputs`, as mlx-vlm's
-own generation renders a prompt)."""
+"""Images in a conversation: llm's attachment parts, data URLs, and the media type of an
+image's bytes. Every door ends in the same `AttachmentPart(Attachment(type, content))`,
+so the engine reads one shape; the type is read off the bytes, since a client's label
+(or Ollama's none) may be wrong.
+"""
 
 from __future__ import annotations
 
-import hashlib
+import base64
+import binascii
+import re
+from dataclasses import dataclass
 from typing import Optional
 
-from ..engine.request import VisionInput
-from ..errors import one_line
-from .messages import PromptError, template_messages
-from .render import template_switches
+IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp", "image/gif")  # what the processors decode
+_DATA_URL = re.compile(r"^data:([^;,]*)((?:;[^;,]*)*),(.*)$", re.DOTALL)
 
 
-def has_images(messages) -> bool:
+class ImageError(ValueError):
+    """An image that cannot be taken: one line saying why (a 400 on the server)."""
+
+
+@dataclass(frozen=True)
+class Image:
+    data: bytes
+    media_type: str  # one of IMAGE_TYPES
+
+
+def sniffed_type(data: bytes) -> Optional[str]:
+    """The IMAGE_TYPES entry `data` is, by its first bytes; None for anything else."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "image/png"
+    if data.startswith(b"\xff\xd8\xff"):
+        return "image/jpeg"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    if data[:6] in (b"GIF87a", b"GIF89a"):
+        return "image/gif"
+    return None
+
+
+def checked_image(data: bytes, declared: str, limit: int) -> Image:
+    """`data` as an image: at most `limit` bytes, of a supported type, whatever
+    `declared` (its label, "" for none) claims."""
+    declared = declared.strip().lower()
+    if declared and not declared.startswith("image/"):
+        raise ImageError(f"an image's media type is {declared!r}, not an image type")
+    if declared and declared not in IMAGE_TYPES:
+        raise ImageError(f"{declared} images are not supported (supported: {', '.join(IMAGE_TYPES)})")
+    if len(data) > limit:
+        raise ImageError(f"an image of {len(data)} bytes is larger than max_image_bytes ({limit})")
+    found = sniffed_type(data)
+    if found is None:
+        raise ImageError(f"an image's bytes are not a PNG, JPEG, WebP or GIF image (supported: {', '.join(IMAGE_TYPES)})")
+    return Image(data, found)
+
+
+def base64_bytes(text: str) -> bytes:
+    """Base64 text as bytes; an ImageError when it is not base64."""
+    try:
+        return base64.b64decode(re.sub(r"\s+", "", text), validate=True)
+    except (binascii.Error, ValueError):
+        raise ImageError("an image's data is not base64") from None
+
+
+def read_data_url(url: str) -> tuple[str, bytes]:
+    """(its declared media type, "" for none; its bytes) of a base64 data URL."""
+    match = _DATA_URL.match(url)
+    if match is None:
+        raise ImageError("an image URL is neither a data URL nor an http(s) URL")
+    if "base64" not in (p.strip().lower() for p in match.group(2).split(";")):
+        raise ImageError("an image's data URL is not base64 (data:image/png;base64,...)")
+    return match.group(1), base64_bytes(match.group(3))
+
+
+def data_url(data: bytes, media_type: str) -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+def is_data_url(url: str) -> bool:
+    return url[:5].lower() == "data:"
+
+
+def attachment_part(image: Image):
+    """The image as llm's part of a user message."""
+    from llm import Attachment
     from llm.parts import AttachmentPart
 
-    return any(isinstance(part, AttachmentPart) for m in messages for part in m.parts)
+    return AttachmentPart(attachment=Attachment(type=image.media_type, content=image.data))
 
 
-def render_with_images(tokenizer, messages, *, thinking: Optional[bool] = None
-                       ) -> tuple[list[int], str, VisionInput]:
-    """(token ids, the generation prompt's text, the images' pixel inputs) for a
-    conversation with images, rendered with the processor and model config that
-    `tokenizer.vision` carries (engine/vision.py); an image that cannot be read is one
-    PromptError line."""
-    from mlx_vlm.prompt_utils import apply_chat_template, get_message_json
-    from mlx_vlm.utils import prepare_inputs, should_add_special_tokens
-
-    processor, config = tokenizer.vision.processor, tokenizer.vision.config
-    attached: list = []
-    dicts, _ = template_messages(messages, getattr(tokenizer, "think_start", None),
-                                 getattr(tokenizer, "think_end", None), images=attached)
-    pictures, digests = zip(*(_picture(i + 1, a) for i, a in enumerate(attached)))
-    switches = template_switches(tokenizer, thinking)
-    model_type = config["model_type"]
-    # each message with images in the model's own format: where its images go, how many
-    dicts = [get_message_json(model_type, d["content"], d["role"], num_images=d.pop("images"))
-             if "images" in d else d for d in dicts]
-
-    def render(generation: bool) -> str:
-        return apply_chat_template(processor, config, dicts, add_generation_prompt=generation,
-                                   num_images=len(pictures), **switches)
-
-    text, head = render(True), render(False)
-    try:
-        inputs = prepare_inputs(processor, images=list(pictures), prompts=text,
-                                image_token_index=config.get("image_token_index"),
-                                add_special_tokens=should_add_special_tokens(model_type, processor))
-    except Exception as e:  # the processor's own error, whatever its type
-        raise PromptError(f"the {model_type} processor cannot take these images: {one_line(e)}") from None
-    arrays = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
-    tokens = [int(t) for t in inputs["input_ids"][0].tolist()]
-    generation_prompt = text[len(head):] if text.startswith(head) else ""
-    return tokens, generation_prompt, VisionInput(inputs.get("pixel_values"), arrays, tuple(digests))
-
-
-def _picture(number: int, attachment):
-    """(PIL image, sha256 of its bytes) of an attachment; one PromptError line when it is
-    not an image or cannot be decoded."""
-    from PIL import Image, UnidentifiedImageError
-    import io
-
-    try:
-        kind = attachment.resolve_type() or ""
-        data = attachment.content_bytes()
-    except Exception as e:  # a missing file, a URL that cannot be fetched
-        raise PromptError(f"image {number} cannot be read: {one_line(e)}") from None
-    if not kind.startswith("image/"):
-        raise PromptError(f"attachment {number} is {kind or 'of unknown type'}, not an image")
-    try:
-        image = Image.open(io.BytesIO(data))
-        image.load()
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
-        raise PromptError(f"image {number} ({kind}) cannot be decoded: {one_line(e)}") from None
-    return image.convert("RGB"), hashlib.sha256(data).hexdigest()
+def attachment_data_url(attachment) -> str:
+    """llm's attachment as a data URL (a prompt sent to `llm mlxs serve`)."""
+    return data_url(attachment.content_bytes(), attachment.resolve_type())

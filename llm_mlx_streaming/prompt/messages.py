@@ -6,7 +6,9 @@ llm's (a server request). Each reply carries the token ids it was generated as, 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
+
+from .images import attachment_data_url, attachment_part
 from .tools import assistant_tool_calls, tool_result_messages
 
 METADATA_KEY = "mlx-stream"
@@ -49,7 +51,9 @@ def template_messages(messages, think_start=None, think_end=None,
         if message.role == "tool":  # results of the tools the model called
             out.extend(tool_result_messages(message))
             continue
-        pieces = _pieces(message, images is not None)
+        pieces = _pieces(message)
+        if images is None and any(kind == "image" for kind, _ in pieces):
+            raise NoImages("takes no images: it is a text-only model")
         tagged = bool(think_start and think_end)
         content = "".join(f"{think_start}{text}{think_end}" if kind == "reasoning" else text
                           for kind, text in pieces if kind == "text" or (kind == "reasoning" and text and tagged))
@@ -81,7 +85,7 @@ def openai_messages(messages) -> list[dict]:
                        for m in tool_result_messages(message))
             continue
         pieces = _pieces(message)
-        item = {"role": message.role, "content": "".join(text for kind, text in pieces if kind == "text")}
+        item = {"role": message.role, "content": _openai_content(pieces)}
         if reasoning := "".join(text for kind, text in pieces if kind == "reasoning"):
             item["reasoning_content"] = reasoning
         if calls := assistant_tool_calls(message.parts):
@@ -94,10 +98,21 @@ def openai_messages(messages) -> list[dict]:
     return out
 
 
-def _pieces(message, images: bool = False) -> list[tuple[str, object]]:
-    """A message's ("text" | "reasoning", text) and, with `images`, ("image", llm's
-    Attachment) parts in order (its tool calls are read apart); a role or part this
-    plugin cannot send is a PromptError, an image without `images` a NoImages."""
+def _openai_content(pieces: list[tuple[str, Any]]):
+    """A message's text, or with images its OpenAI content parts in order (each image a
+    data URL, so the server needs nothing else to read it)."""
+    text = "".join(value for kind, value in pieces if kind == "text")
+    if not any(kind == "image" for kind, _ in pieces):
+        return text
+    return [{"type": "text", "text": value} if kind == "text" else
+            {"type": "image_url", "image_url": {"url": attachment_data_url(value)}}
+            for kind, value in pieces if kind in ("text", "image")]
+
+
+def _pieces(message) -> list[tuple[str, Any]]:
+    """A message's ("text" | "reasoning", text) and ("image", llm's Attachment) parts in
+    order (its tool calls are read apart); a role or part this plugin cannot send is a
+    PromptError."""
     from llm.parts import AttachmentPart, ReasoningPart, TextPart, ToolCallPart
 
     if message.role not in ("system", "user", "assistant"):
@@ -108,9 +123,7 @@ def _pieces(message, images: bool = False) -> list[tuple[str, object]]:
             out.append(("reasoning", part.text or ""))
         elif isinstance(part, TextPart):
             out.append(("text", part.text))
-        elif isinstance(part, AttachmentPart) and part.attachment is not None:
-            if not images:
-                raise NoImages("takes no images: it is a text-only model")
+        elif isinstance(part, AttachmentPart) and part.attachment is not None and message.role == "user":
             out.append(("image", part.attachment))
         elif not isinstance(part, ToolCallPart):
             raise PromptError(f"mlx-stream supports text only, not {type(part).__name__}")
@@ -120,8 +133,9 @@ def _pieces(message, images: bool = False) -> list[tuple[str, object]]:
 def llm_messages(messages, known=lambda text, calls=(): None) -> list:
     """OpenAI chat messages (the server's bodies) as llm's; an assistant reply without
     its `tokens` gets them from `known(text, calls)` -> (reasoning, tokens) or None.
-    A message's tool calls come from its `calls()`: [{"id", "name", "arguments"}]."""
-    from llm.parts import Message, TextPart
+    A message's tool calls come from its `calls()`: [{"id", "name", "arguments"}]; its
+    content from `parts()`: text (str) and images (images.Image, read by the server)."""
+    from llm.parts import Message
 
     out, called = [], {}
     for i, m in enumerate(messages):
@@ -140,8 +154,19 @@ def llm_messages(messages, known=lambda text, calls=(): None) -> list:
                 reasoning, tokens = reasoning or found[0], found[1]
             out.append(assistant_message(text, reasoning, tokens, calls))
         else:
-            out.append(Message(role=role, parts=[TextPart(text=text)]))
+            out.append(Message(role=role, parts=_user_parts(m)))
     return out
+
+
+def _user_parts(message) -> list:
+    """A (system or user) message's text, with its images in order among it: a message
+    without images is one text part."""
+    from llm.parts import TextPart
+
+    pieces = message.parts()
+    if all(isinstance(p, str) for p in pieces):
+        return [TextPart(text="".join(pieces))]
+    return [TextPart(text=p) if isinstance(p, str) else attachment_part(p) for p in pieces]
 
 
 def assistant_message(text: str, reasoning: str = "", tokens: Optional[list[int]] = None, calls=()):

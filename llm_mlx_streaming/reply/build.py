@@ -12,7 +12,7 @@ from ..errors import MlxStreamError
 from ..options.knobs import REPETITION_CONTEXT
 from ..options.run_config import RunConfig
 from ..prompt.constrained import SchemaError, SchemaProcessor, schema_grammar, text_grammar
-from ..prompt.images import has_images, render_with_images
+from ..prompt.vision import has_images, render_with_images
 from ..prompt.messages import NoImages, PromptError
 from ..prompt.render import fill_in_the_middle, raw_text, render_prompt
 from ..prompt.split import opens_thinking
