@@ -143,6 +143,20 @@ def test_every_moe_vlm_module_is_in_the_matrix_or_refused_with_a_reason():
     assert not unclassified, f"classify these MoE VLM modules of mlx-vlm: {sorted(unclassified)}"
     assert set(UNSUPPORTED_VISION) <= found
     assert all(reason for reason in UNSUPPORTED_VISION.values())
+    assert len(set(UNSUPPORTED_VISION.values())) == len(UNSUPPORTED_VISION), "each module its own reason"
+    assert not {"hunyuan_vl", "qwen3_5"} & found  # dense: experts only named in their configs
+
+
+def test_the_architecture_doc_lists_the_matrix_and_every_refusal():
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
+    section = doc[doc.index("## Vision-language models"):]
+    section = section[:section.index("\n## ", 1)]
+    for arch in VISION_ARCHITECTURES:
+        assert f"`{arch}`" in section, arch
+    for name, reason in UNSUPPORTED_VISION.items():
+        assert f"| `{name}` | {reason} |" in section, name
 
 
 def test_without_mlx_vlm_a_vision_checkpoint_is_one_line(checkpoints, monkeypatch):

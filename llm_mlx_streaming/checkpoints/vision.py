@@ -18,37 +18,61 @@ from ..errors import CheckpointError
 
 INSTALL = "pip install 'llm-mlx-streaming[vision]'"
 
-_UNCHECKED = ("no tiny fixture checks its streamed tokens against stock mlx-vlm yet "
-              "(fixtures/vision.py), so it is refused rather than run unchecked")
+_NO_FIXTURE = "no tiny fixture checks its streamed tokens against stock mlx-vlm yet: "
 
-# mlx-vlm modules with a vision config and experts that the engine does not stream, and why;
-# the others are the matrix of tests/test_vision.py (fixtures/vision.py VISION_ARCHITECTURES).
+# mlx-vlm modules with a vision config and stacked experts that the engine does not
+# stream, and why; the others are the matrix of tests/test_vision.py (fixtures/vision.py
+# VISION_ARCHITECTURES).
 UNSUPPORTED_VISION: dict[str, str] = {
-    "deepseek_vl_v2": _UNCHECKED,
-    "deepseekocr": _UNCHECKED,
-    "deepseekocr_2": _UNCHECKED,
-    "ernie4_5_moe_vl": _UNCHECKED,
-    "gemma4": _UNCHECKED,
-    "gemma4_unified": _UNCHECKED,
-    "glm5_next": _UNCHECKED,
-    "hunyuan_vl": _UNCHECKED,
-    "inkling": _UNCHECKED,
-    "kimi_k25": _UNCHECKED,
-    "kimi_k3": _UNCHECKED,
-    "mimo_v2": _UNCHECKED,
-    "minimax_m3_vl": _UNCHECKED,
-    "moondream3": _UNCHECKED,
-    "muse_spark": _UNCHECKED,
-    "qwen3_5": _UNCHECKED,
-    "qwen3_omni_moe": _UNCHECKED,
-    "qwen4_exp": _UNCHECKED,
-    "step3p7": _UNCHECKED,
-    "unlimited_ocr": _UNCHECKED,
-    "youtu_vl": _UNCHECKED,
-    "zaya1_vl": _UNCHECKED,
+    "deepseek_vl_v2": _NO_FIXTURE + "it needs DeepSeek-VL2's tiling processor (candidate resolutions, "
+                      "global and local views) at a tiny size",
+    "deepseekocr": _NO_FIXTURE + "it needs two vision towers (SAM and CLIP) and DeepseekOCR's crop "
+                   "processor at a tiny size",
+    "deepseekocr_2": _NO_FIXTURE + "it needs a SAM encoder and a Qwen2 decoder used as an image "
+                     "encoder, with DeepseekOCR2's crop processor, at a tiny size",
+    "ernie4_5_moe_vl": "two expert sets per layer (switch_mlp for text, switch_mlp_1 for image "
+                       "tokens) chosen by token type, which the engine's one pool per layer does not follow",
+    "gemma4": _NO_FIXTURE + "its processor (image soft tokens, an audio feature extractor) and "
+              "its per-layer-input language model need a tiny config of their own",
+    "gemma4_unified": _NO_FIXTURE + "gemma4's language model behind a unified vision embedder; "
+                      "gemma4's fixture comes first",
+    "glm5_next": _NO_FIXTURE + "its experts carry expanded per-expert scales (expand_expert_scales) "
+                 "that the expert index would have to read",
+    "inkling": "its experts are InklingSwitchGLU, routed and combined by Metal kernels "
+               "(mx.fast.metal_kernel), so they cannot be checked on a CPU",
+    "kimi_k25": "deepseek_v3's language model, but a tiny fixture (kimi_vl's, as kimi_k25) runs in stock "
+                "mlx-vlm, while in the engine an array it builds lazily is evaluated off the engine thread",
+    "kimi_k3": "its language model runs Metal kernels (mx.fast.metal_kernel), so it cannot be "
+               "checked on a CPU",
+    "lfm2_vl": _NO_FIXTURE + "lfm2's language model, which has experts only with an LFM2-MoE "
+               "text config, and its Lfm2Vl processor need a tiny config",
+    "mimo_v2": _NO_FIXTURE + "mimo_v2_flash's language model, its MXFP4 experts converted on load, "
+               "with an audio tower",
+    "minimax_m3_vl": "its experts may be MiniMaxPackedSwitchGLU (the shared expert packed with the "
+                     "routed ones), not a container the engine swaps, and it runs Metal kernels",
+    "moondream3": "its experts are two SwitchLinear (fc1, fc2) in its own MoEMLP, not a "
+                  "SwitchGLU/SwitchMLP container the engine swaps",
+    "muse_spark": _NO_FIXTURE + "its experts run at a compressed width between two projections, "
+                  "and its image and video processors need a tiny config",
+    "nemotron_h_nano_omni": _NO_FIXTURE + "nemotron_h's hybrid Mamba language model with an audio "
+                            "tower and its own image processor",
+    "qwen3_omni_moe": _NO_FIXTURE + "a thinker and a talker (each with experts) and an audio tower; "
+                      "its processor needs an audio feature extractor",
+    "qwen4_exp": "it runs Metal kernels (qsa_kernel.py) and reads FP8 weights (fp8.py)",
+    "step3p7": _NO_FIXTURE + "its Step3VLProcessor needs a tiny config",
+    "unlimited_ocr": "deepseekocr's language model with a ring sliding-window KV cache "
+                     "(RingSlidingKVCache) that the engine's cache reuse does not know",
+    "youtu_vl": "mlx-vlm ships no processor for it (the checkpoint's remote code does), so its "
+                "images cannot be rendered offline",
+    "zaya1_vl": "its experts are SwitchLinear in its own ZayaSwitchMLP, not a SwitchGLU/SwitchMLP "
+                "container the engine swaps",
 }
 
-_MOE_SOURCE = re.compile(r"switch_layers|SwitchGLU|experts", re.IGNORECASE)
+# Code that builds stacked experts: mlx-vlm's switch layers (SwitchGLU, SwitchLinear, ...).
+_MOE_SOURCE = re.compile(r"switch_layers|Switch(GLU|MLP|Linear)\b")
+# A relative import of another module of mlx-vlm's models: `from .language import` or
+# `from ..deepseek_v3.language import`.
+_IMPORT = re.compile(r"^from (\.{1,2})([\w.]*) import", re.MULTILINE)
 
 
 def takes_images(config: dict) -> bool:
@@ -93,21 +117,39 @@ def unsupported_vision_reason(config: dict) -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def vision_moe_modules() -> tuple[str, ...]:
-    """The installed mlx-vlm's model packages that have a vision config and experts."""
+    """The installed mlx-vlm's model packages that have a vision config and whose code
+    builds stacked experts, its own or a module it imports (kimi_k25's language model is
+    deepseek_v3's); a field named like experts in a dense model's config does not count."""
     import importlib.util
     import pkgutil
     from pathlib import Path
 
     import mlx_vlm.models as models
 
+    root = Path(importlib.util.find_spec("mlx_vlm.models").submodule_search_locations[0])
     found = []
     for info in pkgutil.iter_modules(models.__path__):
-        if not info.ispkg:
-            continue
-        folder = Path(importlib.util.find_spec(f"mlx_vlm.models.{info.name}").submodule_search_locations[0])
+        folder = root / info.name
         config = folder / "config.py"
-        if not config.is_file() or "class VisionConfig" not in config.read_text(encoding="utf-8"):
+        if not info.ispkg or not config.is_file() or "class VisionConfig" not in config.read_text(encoding="utf-8"):
             continue
-        if any(_MOE_SOURCE.search(f.read_text(encoding="utf-8")) for f in folder.glob("*.py")):
+        if any(_builds_experts(f, root, set()) for f in folder.glob("*.py") if f.name != "config.py"):
             found.append(info.name)
     return tuple(sorted(found))
+
+
+def _builds_experts(file, root, seen: set) -> bool:
+    """Whether `file`, or a module of another model package it imports, builds stacked experts."""
+    if file in seen or not file.is_file():
+        return False
+    seen.add(file)
+    source = file.read_text(encoding="utf-8")
+    if _MOE_SOURCE.search(source):
+        return True
+    for dots, name in _IMPORT.findall(source):
+        if dots == ".." and not (root / name.partition(".")[0]).is_dir():
+            continue  # a helper beside the packages (switch_layers, fast_ops), not a model
+        target = (file.parent if dots == "." else root).joinpath(*name.split("."))
+        if _builds_experts(target.with_suffix(".py"), root, seen) or _builds_experts(target / "__init__.py", root, seen):
+            return True
+    return False
