@@ -11,7 +11,7 @@ from typing import Optional
 from ..engine.request import VisionInput
 from ..errors import one_line
 from .messages import PromptError, template_messages
-from .render import template_switches
+from .render import encode_text, template_switches, with_stored_replies
 
 
 def has_images(messages) -> bool:
@@ -31,7 +31,7 @@ def render_with_images(tokenizer, messages, *, thinking: Optional[bool] = None
 
     processor, config = tokenizer.vision.processor, tokenizer.vision.config
     attached: list = []
-    dicts, _ = template_messages(messages, getattr(tokenizer, "think_start", None),
+    dicts, stored = template_messages(messages, getattr(tokenizer, "think_start", None),
                                  getattr(tokenizer, "think_end", None), images=attached)
     pictures, digests = zip(*(_picture(i + 1, a) for i, a in enumerate(attached)))
     switches = template_switches(tokenizer, thinking)
@@ -40,9 +40,9 @@ def render_with_images(tokenizer, messages, *, thinking: Optional[bool] = None
     dicts = [get_message_json(model_type, d["content"], d["role"], num_images=d.pop("images"))
              if "images" in d else d for d in dicts]
 
-    def render(generation: bool) -> str:
-        return apply_chat_template(processor, config, dicts, add_generation_prompt=generation,
-                                   num_images=len(pictures), **switches)
+    def render(generation: bool, shown: Optional[list] = None) -> str:
+        return apply_chat_template(processor, config, dicts if shown is None else shown,
+                                   add_generation_prompt=generation, num_images=len(pictures), **switches)
 
     text, head = render(True), render(False)
     try:
@@ -53,8 +53,42 @@ def render_with_images(tokenizer, messages, *, thinking: Optional[bool] = None
         raise PromptError(f"the {model_type} processor cannot take these images: {one_line(e)}") from None
     arrays = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
     tokens = [int(t) for t in inputs["input_ids"][0].tolist()]
+    if stored and not any(len(tokens) in getattr(v, "shape", ()) for v in arrays.values()):
+        replies = with_stored_replies(tokenizer, lambda shown: render(True, shown), dicts, stored, text)
+        if replies is not None:
+            tokens = _both_edits(encode_text(tokenizer, text), tokens, replies) or tokens
     generation_prompt = text[len(head):] if text.startswith(head) else ""
     return tokens, generation_prompt, VisionInput(inputs.get("pixel_values"), arrays, tuple(digests))
+
+
+def _both_edits(plain: list[int], expanded: list[int], spliced: list[int]) -> Optional[list[int]]:
+    """`plain` (the text's ids) with both the processor's edits (`expanded`: each image's
+    placeholder grown into its image tokens) and the stored replies' (`spliced`: each
+    earlier reply's own ids): the next turn then reuses the whole conversation's KV, as
+    text prompts do. None when the two edit the same place."""
+    from difflib import SequenceMatcher
+
+    def edits(other: list[int]) -> dict[int, tuple[int, list[int]]]:
+        found = SequenceMatcher(None, plain, other, autojunk=False).get_opcodes()
+        return {i1: (i2, other[j1:j2]) for op, i1, i2, j1, j2 in found if op != "equal"}
+
+    images, replies = edits(expanded), edits(spliced)
+    spans = sorted([(i, end) for i, (end, _) in images.items()] + [(i, end) for i, (end, _) in replies.items()])
+    if any(a_end > b or (a == b) for (a, a_end), (b, _) in zip(spans, spans[1:])):
+        return None
+    out, i = [], 0
+    while i <= len(plain):
+        edit = images.get(i) or replies.get(i)
+        if edit is not None:
+            end, ids = edit
+            out.extend(ids)
+            if end > i:
+                i = end
+                continue
+        if i < len(plain):
+            out.append(plain[i])
+        i += 1
+    return out
 
 
 def _picture(number: int, attachment):
