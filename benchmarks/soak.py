@@ -49,6 +49,7 @@ CHECK_EVERY = 500  # requests between two asks of the fixed greedy request
 CHECK = Case("openai_chat", "Explain what a list is", 12)
 QUOTA = "256KB"  # the conversation cache's size while `--faults disk` shrinks it
 FAULTS = {"disconnects", "disk"}
+IDLE_THREADS_SECONDS = 12  # anyio ends a worker thread idle for 10 s
 LONG, MEDIUM = 0.005, 0.1  # shares of prompts near the context and of 30-100 words (the rest: 3-15)
 
 
@@ -178,8 +179,8 @@ def long_prompt_words(server: ServerProcess, context: int, margin: float = 0.9) 
 def context_of(server: ServerProcess) -> int:
     info = server.get("/api/show", {"model": "mlx-stream"})
     model = next((v for k, v in info["model_info"].items() if k.endswith(".context_length")), None)
-    setting = server.get("/api/engine/config").get("max_context") or model
-    return min(v for v in (model, setting) if v)
+    setting = server.get("/api/engine/config").get("max_context")  # a number, or "auto": the model's, planned
+    return min(v for v in (model, setting) if isinstance(v, int))
 
 
 class Disk:
@@ -313,8 +314,9 @@ def main() -> None:
             note = ", ".join(x for x in (f"{clients} clients", step, "" if idle else "NOT IDLE") if x)
             rows.append(sample(server, first + len(window), errors(), started, note))
             print(table(rows).splitlines()[-1], flush=True)
-        time.sleep(2)
-        rows.append(sample(server, rows[-1]["requests"], errors(), started, "idle, 2 s later"))
+        time.sleep(IDLE_THREADS_SECONDS)
+        rows.append(sample(server, rows[-1]["requests"], errors(), started,
+                           f"idle, {IDLE_THREADS_SECONDS:g} s later"))
     finally:
         server.stop()
         shutil.rmtree(user_dir, ignore_errors=True)
