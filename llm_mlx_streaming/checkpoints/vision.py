@@ -40,8 +40,6 @@ UNSUPPORTED_VISION: dict[str, str] = {
                  "that the expert index would have to read",
     "inkling": "its experts are InklingSwitchGLU, routed and combined by Metal kernels "
                "(mx.fast.metal_kernel), so they cannot be checked on a CPU",
-    "kimi_k25": "deepseek_v3's language model, but a tiny fixture (kimi_vl's, as kimi_k25) runs in stock "
-                "mlx-vlm, while in the engine an array it builds lazily is evaluated off the engine thread",
     "kimi_k3": "its language model runs Metal kernels (mx.fast.metal_kernel), so it cannot be "
                "checked on a CPU",
     "lfm2_vl": _NO_FIXTURE + "lfm2's language model, which has experts only with an LFM2-MoE "
