@@ -94,7 +94,8 @@ def test_a_second_turn_reuses_the_image_and_another_image_is_not_reused(checkpoi
     reply = assistant_message(tokenizer.decode(first.tokens), tokens=first.tokens)
     turn = [_user("Describe the picture", png), reply, _user("And its colours?")]
     cached, ids2, _ = _run(engine, path, 2, turn)
-    image_token = engine.loaded.model.vlm.config.image_token_index
+    config = engine.loaded.model.vlm.config
+    image_token = getattr(config, "image_token_index", None) or config.image_token_id  # gemma4: only the id
     last_image = max(i for i, t in enumerate(ids) if t == image_token)
     if arch != "qwen3_5_moe":  # linear attention is reused only under a strict prefix, and the
         # template renders the earlier reply without its empty think block

@@ -32,8 +32,6 @@ UNSUPPORTED_VISION: dict[str, str] = {
                      "encoder, with DeepseekOCR2's crop processor, at a tiny size",
     "ernie4_5_moe_vl": "two expert sets per layer (switch_mlp for text, switch_mlp_1 for image "
                        "tokens) chosen by token type, which the engine's one pool per layer does not follow",
-    "gemma4": _NO_FIXTURE + "its processor (image soft tokens, an audio feature extractor) and "
-              "its per-layer-input language model need a tiny config of their own",
     "gemma4_unified": _NO_FIXTURE + "gemma4's language model behind a unified vision embedder; "
                       "gemma4's fixture comes first",
     "glm5_next": _NO_FIXTURE + "its experts carry expanded per-expert scales (expand_expert_scales) "
