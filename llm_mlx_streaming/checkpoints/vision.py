@@ -32,8 +32,9 @@ UNSUPPORTED_VISION: dict[str, str] = {
                      "encoder, with DeepseekOCR2's crop processor, at a tiny size",
     "ernie4_5_moe_vl": "two expert sets per layer (switch_mlp for text, switch_mlp_1 for image "
                        "tokens) chosen by token type, which the engine's one pool per layer does not follow",
-    "gemma4_unified": _NO_FIXTURE + "gemma4's language model behind a unified vision embedder; "
-                      "gemma4's fixture comes first",
+    "gemma4_unified": "its image tokens attend to each other both ways (use_bidirectional_attention "
+                      "\"vision\"), a mask mlx-vlm builds only over a prompt fed whole; a tiny fixture "
+                      "equals stock mlx-vlm only with it off",
     "glm5_next": _NO_FIXTURE + "its experts carry expanded per-expert scales (expand_expert_scales) "
                  "that the expert index would have to read",
     "inkling": "its experts are InklingSwitchGLU, routed and combined by Metal kernels "
