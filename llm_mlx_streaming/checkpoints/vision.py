@@ -53,8 +53,9 @@ UNSUPPORTED_VISION: dict[str, str] = {
                   "and its image and video processors need a tiny config",
     "nemotron_h_nano_omni": _NO_FIXTURE + "nemotron_h's hybrid Mamba language model with an audio "
                             "tower and its own image processor",
-    "qwen3_omni_moe": _NO_FIXTURE + "a thinker and a talker (each with experts) and an audio tower; "
-                      "its processor needs an audio feature extractor",
+    "qwen3_omni_moe": _NO_FIXTURE + "its vision config sits in thinker_config, where takes_images "
+                      "does not look; a tiny thinker with an audio tower (the talker off: "
+                      "enable_audio_output) and its processor's audio feature extractor are needed",
     "qwen4_exp": "it runs Metal kernels (qsa_kernel.py) and reads FP8 weights (fp8.py)",
     "step3p7": _NO_FIXTURE + "its Step3VLProcessor needs a tiny config",
     "unlimited_ocr": "deepseekocr's language model with a ring sliding-window KV cache "
