@@ -96,7 +96,8 @@ def test_a_second_turn_reuses_the_image_and_another_image_is_not_reused(checkpoi
     reply = assistant_message(tokenizer.decode(first.tokens), tokens=first.tokens)
     turn = [_user("Describe the picture", png), reply, _user("And its colours?")]
     cached, ids2, _ = _run(engine, path, 2, turn, thinking=True)
-    image_token = engine.loaded.model.vlm.config.image_token_index
+    config = engine.loaded.model.vlm.config
+    image_token = getattr(config, "image_token_index", None) or config.image_token_id  # gemma4: only the id
     # the image's KV and the reply's own ids reused: only the new question is prefilled
     assert cached.stats["reused_tokens"] == len(ids) + len(first.tokens)
     assert ids2[:len(ids) + len(first.tokens)] == ids + first.tokens

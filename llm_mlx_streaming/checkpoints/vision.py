@@ -32,16 +32,13 @@ UNSUPPORTED_VISION: dict[str, str] = {
                      "encoder, with DeepseekOCR2's crop processor, at a tiny size",
     "ernie4_5_moe_vl": "two expert sets per layer (switch_mlp for text, switch_mlp_1 for image "
                        "tokens) chosen by token type, which the engine's one pool per layer does not follow",
-    "gemma4": _NO_FIXTURE + "its processor (image soft tokens, an audio feature extractor) and "
-              "its per-layer-input language model need a tiny config of their own",
-    "gemma4_unified": _NO_FIXTURE + "gemma4's language model behind a unified vision embedder; "
-                      "gemma4's fixture comes first",
+    "gemma4_unified": "its image tokens attend to each other both ways (use_bidirectional_attention "
+                      "\"vision\"), a mask mlx-vlm builds only over a prompt fed whole; a tiny fixture "
+                      "equals stock mlx-vlm only with it off",
     "glm5_next": _NO_FIXTURE + "its experts carry expanded per-expert scales (expand_expert_scales) "
                  "that the expert index would have to read",
     "inkling": "its experts are InklingSwitchGLU, routed and combined by Metal kernels "
                "(mx.fast.metal_kernel), so they cannot be checked on a CPU",
-    "kimi_k25": "deepseek_v3's language model, but a tiny fixture (kimi_vl's, as kimi_k25) runs in stock "
-                "mlx-vlm, while in the engine an array it builds lazily is evaluated off the engine thread",
     "kimi_k3": "its language model runs Metal kernels (mx.fast.metal_kernel), so it cannot be "
                "checked on a CPU",
     "lfm2_vl": _NO_FIXTURE + "lfm2's language model, which has experts only with an LFM2-MoE "
@@ -56,8 +53,9 @@ UNSUPPORTED_VISION: dict[str, str] = {
                   "and its image and video processors need a tiny config",
     "nemotron_h_nano_omni": _NO_FIXTURE + "nemotron_h's hybrid Mamba language model with an audio "
                             "tower and its own image processor",
-    "qwen3_omni_moe": _NO_FIXTURE + "a thinker and a talker (each with experts) and an audio tower; "
-                      "its processor needs an audio feature extractor",
+    "qwen3_omni_moe": _NO_FIXTURE + "its vision config sits in thinker_config, where takes_images "
+                      "does not look; a tiny thinker with an audio tower (the talker off: "
+                      "enable_audio_output) and its processor's audio feature extractor are needed",
     "qwen4_exp": "it runs Metal kernels (qsa_kernel.py) and reads FP8 weights (fp8.py)",
     "step3p7": _NO_FIXTURE + "its Step3VLProcessor needs a tiny config",
     "unlimited_ocr": "deepseekocr's language model with a ring sliding-window KV cache "

@@ -26,6 +26,7 @@ def render_with_images(tokenizer, messages, *, thinking: Optional[bool] = None
     conversation with images, rendered with the processor and model config that
     `tokenizer.vision` carries (engine/vision.py); an image that cannot be read is one
     PromptError line."""
+    import mlx.core as mx
     from mlx_vlm.prompt_utils import apply_chat_template, get_message_json
     from mlx_vlm.utils import prepare_inputs, should_add_special_tokens
 
@@ -52,6 +53,9 @@ def render_with_images(tokenizer, messages, *, thinking: Optional[bool] = None
     except Exception as e:  # the processor's own error, whatever its type
         raise PromptError(f"the {model_type} processor cannot take these images: {one_line(e)}") from None
     arrays = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
+    # A processor may hand back its arrays unevaluated (kimi_k25's patches): evaluated here,
+    # on the thread whose streams built them, as the engine thread lacks those streams.
+    mx.eval([v for v in (inputs.get("pixel_values"), *arrays.values()) if isinstance(v, mx.array)])
     tokens = [int(t) for t in inputs["input_ids"][0].tolist()]
     if stored and not any(len(tokens) in getattr(v, "shape", ()) for v in arrays.values()):
         replies = with_stored_replies(tokenizer, lambda shown: render(True, shown), dicts, stored, text)
