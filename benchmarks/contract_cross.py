@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fixtures.factory import ARCHITECTURES, build_checkpoint  # noqa: E402
 from llm_mlx_streaming.checkpoints.support import UNSUPPORTED, moe_modules  # noqa: E402
+from llm_mlx_streaming.checkpoints.vision import UNSUPPORTED_VISION, vision_moe_modules  # noqa: E402
 from llm_mlx_streaming.engine.disk_cache import DiskCacheSpec  # noqa: E402
 from llm_mlx_streaming.engine.kv import KVSpec, blocker, make_cache  # noqa: E402
 from llm_mlx_streaming.engine.manager import get_manager  # noqa: E402
@@ -316,6 +317,64 @@ def row(arch, root):
     return cells, degenerate
 
 
+def vision_row(arch, root) -> str:
+    """A MoE VLM family: greedy tokens for a prompt with one PNG, stock mlx-vlm against
+    the engine at pools all/top-k/2: "ok", "FAIL: ..." or "unsupported"."""
+    import io as _io
+
+    import llm
+    from llm.parts import AttachmentPart, Message, TextPart
+    from mlx_vlm import load as vlm_load
+    from mlx_vlm.generate import stream_generate as vlm_stream
+    from mlx_vlm.prompt_utils import apply_chat_template
+    from PIL import Image
+
+    from fixtures.vision import TOP_K as VISION_TOP_K, build_vision_checkpoint
+    from llm_mlx_streaming.prompt.vision import render_with_images
+
+    if arch in UNSUPPORTED_VISION:
+        return "unsupported"
+    path = build_vision_checkpoint(Path(root) / f"vision-{arch}", arch)
+    png = _io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(png, "PNG")
+    png = png.getvalue()
+    model, processor = vlm_load(str(path))
+    text = apply_chat_template(processor, model.config, PROMPT, num_images=1)
+    expected = [r.token for r in vlm_stream(model, processor, text, image=[Image.open(_io.BytesIO(png))],
+                                            max_tokens=12, temperature=0.0)][:12]
+    engine = EngineManager()
+    message = Message(role="user", parts=[AttachmentPart(attachment=llm.Attachment(content=png)),
+                                          TextPart(text=PROMPT)])
+    try:
+        for name, slots in {"all": None, "top-k": VISION_TOP_K, "2": 2}.items():
+            load = LoadSpec(path, expert_slots=slots)
+            tokenizer = engine.tokenizer_for(load).wait_started().started.tokenizer
+            ids, _, vision = render_with_images(tokenizer, [message])
+            if engine.session is not None:
+                engine.session.reset()
+            generation = engine.run(load, Request(prompt=ids, max_tokens=12, vision=vision))
+            list(generation)
+            if generation.tokens != expected:
+                return f"FAIL: pool {name} differs from stock mlx-vlm"
+    finally:
+        engine.unload()
+    return "ok"
+
+
+def vision_section(root) -> int:
+    """The vision column: every MoE VLM module of the installed mlx-vlm; the failures."""
+    print("\n| vision-language module | vision |\n|---|---|")
+    fails = 0
+    for arch in vision_moe_modules():
+        try:
+            state = vision_row(arch, root)
+        except Exception as e:  # a failure of the engine, shown in the table
+            state = f"FAIL: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        fails += state.startswith("FAIL")
+        print(f"| {arch} | {state} |", flush=True)
+    return fails
+
+
 def main(archs) -> int:
     start = time.perf_counter()
     rows, degenerate = {}, {}
@@ -337,8 +396,12 @@ def main(archs) -> int:
     if notes:
         print("\n" + "\n".join(notes))
     fails = sum(c.state == "FAIL" for cells in rows.values() for c in cells.values())
+    with tempfile.TemporaryDirectory() as root:
+        vision_fails = vision_section(root)
     print(f"\n{len(rows)} architectures x pools all/top-k/2 x {len(FEATURES)} features, "
-          f"{fails} failed: {time.perf_counter() - start:.0f} s")
+          f"{fails} failed; MoE vision-language modules: {vision_fails} failed: "
+          f"{time.perf_counter() - start:.0f} s")
+    fails += vision_fails
     return 1 if fails else 0
 
 

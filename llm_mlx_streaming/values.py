@@ -24,6 +24,7 @@ MAX_K = 32  # a pass of more positions than this is a prefill, not a verificatio
 MIN_PREFILL_STEP = 16
 OVERLAP_MODES = ("auto", "on", "off")  # experts/prefetch.py: when decode reads overlap compute
 PAGE_CACHE_MODES = ("keep", "bypass")  # experts/store.py: whether reads go through the OS page cache
+IMAGE_URL_MODES = ("off", "on")  # server/images.py: whether the server fetches an image's http(s) URL
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -83,6 +84,11 @@ def buffer_size(value) -> str:
 def disk_size(value) -> str:
     """A size on disk as stored (0 allowed)."""
     return _size(value, "2GB, 500MB, 1.5GiB", allow_zero=True)
+
+
+def byte_count(value) -> int:
+    """A size as bytes (a number of bytes, or a size like 20MiB), more than 0."""
+    return parse_size(_size(value, "20MiB, 5MB, 1048576", allow_zero=False))
 
 
 def _size(value, examples: str, allow_zero: bool) -> str:

@@ -259,6 +259,45 @@ def test_gpt_oss_expert_containers(build):
     )
 
 
+@pytest.mark.parametrize("arch, image_tokens", [
+    ("qwen3_vl_moe", 4),  # a 32x32 image at min = max pixels 32 x 32: 4 x 4 patches of 8, merged 2 x 2
+    ("llama4", 1),  # its vision_model.model.layers outnumber the language model's
+])
+def test_a_vision_language_plan_names_its_vision_tower_and_an_images_tokens(tmp_path, monkeypatch, arch,
+                                                                          image_tokens):
+    from click.testing import CliRunner
+
+    from fixtures.vision import build_vision_checkpoint
+    from llm_mlx_streaming.cli import mlxs
+
+    path = build_vision_checkpoint(tmp_path / arch, arch)
+    sizes = header(path)
+    tower = sum(n for k, n in sizes.items() if not k.startswith("language_model."))
+    layout = checkpoint_layout(path)
+    assert layout.vision_bytes == tower > 0 and layout.skipped_bytes == 0
+    assert layout.checkpoint_bytes == sum(sizes.values())  # the tower is dense: counted once
+    assert layout.image_tokens == image_tokens
+    plan = plan_memory(path, "1GB", max_context=1000)
+    assert plan.kv_bytes == kv_cache_bytes(layout.config, 1000 + image_tokens)[0]
+
+    monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "llm"))
+    run = ["plan", str(path), "--budget", "1GB", "--max-context", "1000"]
+    data = json.loads(CliRunner().invoke(mlxs, [*run, "--json"]).output)
+    assert data["vision_bytes"] == tower and data["image_tokens"] == image_tokens
+    text = CliRunner().invoke(mlxs, run).output
+    assert re.search(rf"vision tower +{re.escape(format_size(tower))}  ", text)
+    assert f"1000 tokens + {image_tokens} image tokens" in text
+    assert re.search(rf"image tokens +{image_tokens}  in the KV cache", text)
+
+
+def test_a_text_only_plan_has_no_vision_lines(ckpt):
+    plan = plan_memory(ckpt, "1GB", max_context=1000)
+    assert (plan.vision_bytes, plan.image_tokens) == (0, 0)
+    assert plan.kv_bytes == kv_cache_bytes(checkpoint_layout(ckpt).config, 1000)[0]
+    assert plan.kv_description == "1000 tokens, 4 layers"
+    assert "vision" not in format_plan(plan) and "image" not in format_plan(plan)
+
+
 # -- checkpoints the planner must read correctly or refuse ----------------------------------
 
 

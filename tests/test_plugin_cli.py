@@ -27,6 +27,7 @@ def test_config_show_set_unset(llm_env):
         "k", "draft",  # speculation (issue 9)
         "kv_bits", "kv_group_size", "kv_start", "prefill_step",  # long context (#13)
         "server", "server_hosts", "server_origins", "reply_memory", "max_batch", "max_responses",  # the server
+        "image_urls", "max_image_bytes",  # images (#37)
         "conversation_cache", "conversation_cache_size", "conversation_cache_entries",  # features (#11)
     }
     assert " set " in lines["default_model"] and " default " in lines["max_tokens"]
@@ -62,7 +63,47 @@ def test_config_rejects_bad_keys_and_values(llm_env):
     assert_one_line_error(llm_env.run("mlxs", "config", "policy", "fifo"), "policy")
     assert_one_line_error(llm_env.run("mlxs", "config", "default_model", "ghost"), "Unknown model 'ghost'")
     assert_one_line_error(llm_env.run("mlxs", "config", "--unset", "models"), "Unknown setting")
+    assert_one_line_error(llm_env.run("mlxs", "config", "image_urls", "sometimes"), "image_urls")
+    assert_one_line_error(llm_env.run("mlxs", "config", "max_image_bytes", "0"), "max_image_bytes")
+    assert_one_line_error(llm_env.run("mlxs", "config", "max_image_bytes", "huge"), "max_image_bytes")
     assert llm_env.settings_file.read_text() == before
+
+
+def test_image_settings_take_sizes(llm_env):
+    assert_ok(llm_env.run("mlxs", "config", "max_image_bytes", "5MiB"))
+    assert_ok(llm_env.run("mlxs", "config", "image_urls", "on"))
+    settings = llm_env.read_settings()
+    assert settings["image_urls"] == "on" and settings["max_image_bytes"] == 5 * 2**20
+
+
+def test_a_vision_checkpoint_declares_image_attachments_a_text_only_one_none(llm_env, tmp_path):
+    import llm
+
+    seer = tmp_path / "seer"
+    shutil.copytree(llm_env.checkpoint, seer)
+    config = json.loads((seer / "config.json").read_text())
+    (seer / "config.json").write_text(json.dumps({**config, "vision_config": {"model_type": "siglip_vision_model"}}))
+    llm_env.write_settings(default_model="small", models={
+        "small": {"path": str(llm_env.checkpoint), "expert_slots": 4}, "seer": {"path": str(seer)}})
+    image_types = {"image/png", "image/jpeg", "image/webp", "image/gif"}
+    assert llm.get_model("mlx-stream/seer").attachment_types == image_types
+    assert llm.get_async_model("mlx-stream/seer").attachment_types == image_types
+    assert llm.get_model("mlx-stream/small").attachment_types == frozenset()
+    assert llm.get_model("mlx-stream").attachment_types == frozenset()  # the default: small
+    assert llm.get_model("mlx-stream/tiny-moe").attachment_types == frozenset()  # the bundled demo
+    assert "image/png" in assert_ok(llm_env.run("models", "--options", "-m", "mlx-stream/seer")).stdout
+
+
+def test_an_image_on_a_text_only_model_is_one_line_and_no_row(llm_env, tmp_path):
+    from PIL import Image
+
+    image = tmp_path / "red.png"
+    Image.new("RGB", (8, 8), (200, 30, 30)).save(image)
+    assert_one_line_error(llm_env.run("-m", "mlx-stream/small", "-a", str(image), "describe"),
+                          "does not support attachments")
+    assert_one_line_error(llm_env.run("-m", "mlx-stream", "--at", str(image), "image/png", "describe"),
+                          "does not support attachments")
+    assert llm_env.turns() == []
 
 
 def test_models_add_remove_default(llm_env, tmp_path):

@@ -109,7 +109,8 @@ def test_a_forced_custom_tool_follows_its_grammar_for_every_seed(served, syntax,
 
 
 @pytest.mark.parametrize("body,needle", [
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "takes no images"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input.0.content.0"),
     ({"input": "hi", "max_tokens": 4}, "max_output_tokens"),
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "tool_choice": {"type": "custom", "name": "nope"}}, "tool_choice"),

@@ -14,6 +14,7 @@ from pathlib import Path
 from ..errors import CheckpointError
 from ..experts.index import read_header, weight_files
 from .support import unsupported_reason
+from .vision import build_vision_model, mlx_vlm_module, takes_images, unsupported_vision_reason
 from ..errors import one_line
 
 QUANT_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
@@ -119,15 +120,14 @@ def decoder_shape(config: dict) -> tuple[int, int, int]:
 @functools.lru_cache(maxsize=16)
 def _decoder_shape(config_json: str) -> tuple[int, int, int]:
     import mlx.nn as nn
-    from .classes import model_classes
 
     config = json.loads(config_json)
     heads = int(config_field(config, ("num_attention_heads", "num_heads", "n_heads", "n_head")) or 1)
     try:
-        model_class, args_class = model_classes(config)
-        model = model_class(args_class.from_dict(config))
+        model = _build(config)
         widths = [m.weight.shape[1] for _, m in model.named_modules() if isinstance(m, nn.Embedding)]
-        return len(model.layers), max(widths), heads
+        decoder = model.language_model if takes_images(config) else model
+        return len(decoder.layers), max(widths), heads
     except Exception:  # a config mlx-lm cannot build is refused by moe_shape, with mlx-lm's words
         layers = config_field(config, ("num_hidden_layers", "num_layers", "n_layers"))
         return int(layers or 0), int(config_field(config, ("hidden_size", "model_dim", "d_model")) or 0), heads
@@ -150,17 +150,18 @@ def _hidden_size(model, block, attr: str, experts: int) -> int:
 def _moe_model(config_json: str) -> tuple[tuple[int, int] | None, tuple[str, ...]]:
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from .classes import model_classes
 
     from ..experts.switch import expert_containers
 
     config = json.loads(config_json)
+    library = "mlx-vlm" if takes_images(config) else "mlx-lm"
     try:
-        model_class, args_class = model_classes(config)
-        model = model_class(args_class.from_dict(config))
-    except Exception as e:  # mlx-lm's own error, whatever its type
+        model = _build(config)
+    except CheckpointError:
+        raise
+    except Exception as e:  # the library's own error, whatever its type
         raise CheckpointError(
-            f"mlx-lm cannot build a {config.get('model_type')} model from it: "
+            f"{library} cannot build a {config.get('model_type')} model from it: "
             f"{one_line(e)}"
         ) from None
     containers = expert_containers(model)
@@ -186,7 +187,7 @@ def _moe_model(config_json: str) -> tuple[tuple[int, int] | None, tuple[str, ...
             first_error = first_error or e
     else:
         raise CheckpointError(
-            f"mlx-lm cannot route a token with this config ({one_line(first_error)}); "
+            f"{library} cannot route a token with this config ({one_line(first_error)}); "
             f"experts per token must be between 1 and the {experts} experts"
         )
     if not 1 <= top_k <= experts:
@@ -195,6 +196,17 @@ def _moe_model(config_json: str) -> tuple[tuple[int, int] | None, tuple[str, ...
             f"{experts} experts"
         )
     return (experts, top_k), tuple(n for n, _ in containers)
+
+
+def _build(config: dict):
+    """mlx-lm's model of `config`, or mlx-vlm's for a checkpoint that takes images;
+    nothing is computed."""
+    if takes_images(config):
+        return build_vision_model(config)
+    from .classes import model_classes
+
+    model_class, args_class = model_classes(config)
+    return model_class(args_class.from_dict(config))
 
 
 def check_checkpoint(path: Path) -> dict:
@@ -220,7 +232,7 @@ def check_checkpoint(path: Path) -> dict:
                     f"{config_file}: unsupported quantization mode {mode!r} "
                     f"(supported: {', '.join(QUANT_MODES)})"
                 )
-    reason = unsupported_reason(config)
+    reason = unsupported_vision_reason(config) if takes_images(config) else unsupported_reason(config)
     if reason:
         raise CheckpointError(
             f"{config_file}: {config['model_type']} is not supported by llm-mlx-streaming: {reason}"
@@ -237,6 +249,12 @@ def check_checkpoint(path: Path) -> dict:
 def _check_model_type(config: dict, config_file: Path) -> None:
     from .classes import model_classes
 
+    if takes_images(config):
+        try:
+            mlx_vlm_module(config)
+        except CheckpointError as e:
+            raise CheckpointError(f"{config_file}: {e}") from None
+        return
     try:
         model_classes(config)
     except (ValueError, ImportError):

@@ -175,7 +175,12 @@ def format_plan(plan, hit_rate: float | None = None) -> str:
 
     row("budget", plan.budget)
     row("dense weights", plan.dense_bytes)
+    if plan.vision_bytes:
+        row("  vision tower", plan.vision_bytes, "vision tower and projector, resident, within the dense weights")
     row("KV cache", plan.kv_bytes, plan.kv_description)
+    if plan.image_tokens:
+        lines.append(f"  {'  image tokens':<{width}}{plan.image_tokens:>10}  in the KV cache beyond max_context: "
+                     f"{plan.image_note}")
     row("reserve", plan.reserve_bytes, reserve_note)
     if plan.num_moe_layers:
         total_slots = sum(plan.slots_per_layer)

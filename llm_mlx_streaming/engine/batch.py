@@ -32,6 +32,8 @@ def alone_reason(request: Request, model) -> str | None:
 
     if request.max_batch <= 1:
         return "max_batch 1"
+    if getattr(model, "vlm", None) is not None:  # engine/vision.py: embeddings and positions per prompt
+        return "a vision-language model"
     if request.k != 0:
         return "speculation"
     if request.sampling.seed is not None or request.sampler is not None:

@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoints.config import config_field, decoder_shape, expert_container_paths, moe_shape, read_config
+from ..checkpoints.vision import takes_images
 from ..errors import CheckpointError
 from ..experts.index import CheckpointIndex
 from .kv import FULL_PRECISION, KVSpec, blocker
 from .kv import bytes_per_element as bytes_per_element_of
+from .vision_footprint import is_vision_tensor, typical_image_tokens
 
 KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens
 PREFILL_STEP = 2048  # mlx-lm's stream_generate prefills in chunks of this many tokens
@@ -41,8 +43,11 @@ class Layout:
     model_type: str
     num_experts: int  # 0: a dense model
     top_k: int
-    dense_bytes: int
+    dense_bytes: int  # with the vision tower's
     skipped_bytes: int  # tensors mlx-lm drops on load (multi-token-prediction heads)
+    vision_bytes: int = 0  # a vision-language model's vision tower and projector, resident
+    image_tokens: int = 0  # KV room kept for a prompt's image (engine/vision_footprint.py)
+    image_note: str = ""  # how image_tokens was counted
     layer_keys: list[str] = field(default_factory=list)  # one expert container per MoE layer
     expert_bytes: list[int] = field(default_factory=list)  # bytes of one expert, per MoE layer
     kv_blocker: str | None = None  # why a quantized KV cache cannot apply (engine/kv.py)
@@ -72,7 +77,8 @@ def checkpoint_layout(path: str | os.PathLike) -> Layout:
     A stacked expert tensor is one under an expert container of the model mlx-lm builds
     (`expert_container_paths`) whose first dimension is
     number of experts of mlx-lm's model; it belongs to its container's MoE layer. Every
-    other tensor is dense.
+    other tensor is dense; a vision-language model's vision tower and projector are dense
+    and also counted apart (`vision_bytes`).
     """
     path = Path(path).expanduser()
     config = read_config(path)
@@ -83,9 +89,14 @@ def checkpoint_layout(path: str | os.PathLike) -> Layout:
     except CheckpointError as e:
         raise CheckpointError(f"{path / 'config.json'}: {e}") from None
     num_layers = decoder_shape(config)[0] or None
-    dense = skipped = 0
+    vision = takes_images(config)
+    dense = skipped = vision_bytes = 0
     groups: dict[str, int] = {}
     for key, entry in index.tensors.items():
+        if vision and is_vision_tensor(key):  # its layers are not the language model's
+            vision_bytes += entry.nbytes
+            dense += entry.nbytes
+            continue
         if _dropped_on_load(key, num_layers):
             skipped += entry.nbytes
             continue
@@ -104,6 +115,7 @@ def checkpoint_layout(path: str | os.PathLike) -> Layout:
     for key in keys:
         if groups[key] % num_experts:
             raise CheckpointError(f"{path}: expert tensors of {key!r} do not split into {num_experts} experts")
+    image_tokens, image_note = typical_image_tokens(path, config) if vision else (0, "")
     return Layout(
         path=path,
         config=config,
@@ -112,6 +124,9 @@ def checkpoint_layout(path: str | os.PathLike) -> Layout:
         top_k=top_k,
         dense_bytes=dense,
         skipped_bytes=skipped,
+        vision_bytes=vision_bytes,
+        image_tokens=image_tokens,
+        image_note=image_note,
         layer_keys=keys,
         expert_bytes=[groups[k] // num_experts for k in keys],
         kv_blocker=blocker(config, index.tensors),
@@ -152,9 +167,10 @@ def _layer_kinds(config: dict, num_layers: int) -> list[str]:
 
 def kv_cache_bytes(
     config: dict, max_context: int, bytes_per_element: int | None = None,
-    kv: KVSpec = FULL_PRECISION, kv_blocker: str | None = None,
+    kv: KVSpec = FULL_PRECISION, kv_blocker: str | None = None, image_tokens: int = 0,
 ) -> tuple[int, str]:
-    """(bytes, description) of the caches mlx-lm keeps for `max_context` tokens.
+    """(bytes, description) of the caches mlx-lm keeps for `max_context` tokens, plus
+    `image_tokens` kept for a prompt's image (a vision-language model's).
 
     With a quantized layout `kv` (and no `kv_blocker`, see engine/kv.py), full-attention
     layers hold `kv.bits` per element plus a scale and a bias per group; sliding windows
@@ -176,6 +192,7 @@ def kv_cache_bytes(
     """
     if max_context < 0:
         raise ValueError(f"max_context must not be negative, got {max_context}")
+    text_tokens, max_context = max_context, max_context + image_tokens
     width = bytes_per_element or _activation_bytes(config)
     quantized = kv.quantized and not kv_blocker and kv.start < max_context
     full_width = bytes_per_element_of(kv, width) if quantized else width
@@ -212,7 +229,8 @@ def kv_cache_bytes(
         names = {"full": "full-attention", "sliding": f"sliding-window ({window})",
                  "linear": "linear-attention"}
         layers = ", ".join(f"{n} {names[k]}" for k, n in counts.items()) + " layers"
-    text = f"{max_context} tokens, {layers}"
+    images = f" + {image_tokens} image tokens" if image_tokens else ""
+    text = f"{text_tokens} tokens{images}, {layers}"
     if quantized:
         text += f", {kv.describe()}" + (" on the full-attention layers" if set(counts) - {"full"} else "")
     elif kv.quantized:

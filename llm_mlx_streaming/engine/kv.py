@@ -27,6 +27,7 @@ from typing import Iterable, Optional
 
 from .. import values
 from ..checkpoints.support import cached_array_reads, model_module
+from ..checkpoints.vision import takes_images
 from ..values import KV_GROUP_SIZES
 
 
@@ -88,6 +89,8 @@ def blocker(config: dict, weight_names: Iterable[str]) -> Optional[str]:
         return "its attention caches a compressed latent (MLA), which mlx-lm does not quantize"
     if any(name.rsplit(".", 1)[-1] == "sinks" for name in weight_names):
         return "its attention uses sinks, which mlx-lm's quantized attention does not support"
+    if takes_images(config):
+        return "its attention is mlx-vlm's, which no test checks against a quantized cache"
     if config.get("model_type"):
         module = model_module(config)
         reads = cached_array_reads(module)

@@ -3,7 +3,9 @@
 mlx-lm builds the model lazily (`lazy=True`), so no tensor is read until it is
 evaluated; the stacked expert tensors are replaced by pool slots before that happens,
 and so never enter memory. Everything else (attention, routers, shared experts, norms,
-embeddings) is evaluated once and stays resident.
+embeddings) is evaluated once and stays resident. A vision-language checkpoint is built
+the same way by mlx-vlm (engine/vision.py): its vision tower and projector are resident
+with the dense weights, its language model's experts streamed.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..checkpoints.config import check_checkpoint
+from ..checkpoints.config import check_checkpoint, config_field
 from ..checkpoints.mtp import classes_without_head
+from ..checkpoints.vision import takes_images
 from ..errors import CheckpointError, one_line
 from ..experts.index import CheckpointIndex
 from ..experts.policies import DEFAULT_POLICY
@@ -47,6 +50,11 @@ class StreamingModel:
     expert_slots: int | Sequence[int] | None = None  # as last given to build_pools
     policy: str = DEFAULT_POLICY
     overlap: Overlap = field(default_factory=Overlap)  # reads overlapping compute, read-ahead
+    processor: object = None  # a vision-language model's processor (mlx-vlm's): images -> pixels
+
+    @property
+    def takes_images(self) -> bool:
+        return self.processor is not None
 
     @property
     def pools(self) -> list[ExpertPool]:
@@ -92,23 +100,25 @@ def load_streaming(
     are found (a pipeline rank cuts it to its own layers there, so nothing of the
     others' is read).
     """
-    from mlx_lm.utils import load_model, load_tokenizer
+    from mlx_lm.utils import load_tokenizer
 
     if packed_check not in CHECK_MODES:
         raise ValueError(f"packed_check must be one of {', '.join(CHECK_MODES)}, got {packed_check!r}")
     path = Path(path).expanduser()
-    check_checkpoint(path)  # config.json and every shard's header
+    config = check_checkpoint(path)  # config.json and every shard's header
     index = CheckpointIndex(path)
-    try:
-        model, config = load_model(path, lazy=True, get_model_classes=classes_without_head)
-    except (ValueError, FileNotFoundError, KeyError) as e:
-        raise CheckpointError(f"{path}: mlx-lm cannot load this checkpoint: {one_line(e)}") from None
+    model, config, processor = _lazy_model(path, config)
     if prepare is not None:
         prepare(model)
-    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    tokenizer = load_tokenizer(path, eos_token_ids=config_field(config, ("eos_token_id",)))
+    if processor is not None:
+        from .vision import Vision
+
+        tokenizer.vision = Vision(processor, dict(vars(model.vlm.config)))
     loaded = StreamingModel(path, model, tokenizer, config, ExpertStore(threads, page_cache),
-                            overlap=Overlap(overlap))
-    containers = expert_containers(model)
+                            overlap=Overlap(overlap), processor=processor)
+    named = getattr(model, "vlm", model)  # module paths are the checkpoint's tensor names
+    containers = expert_containers(named)
     if not containers:
         print(f"{path.name}: no MoE layer, running fully resident", file=sys.stderr)
     for ordinal, (name, container) in enumerate(containers):
@@ -118,8 +128,8 @@ def load_streaming(
         module = StreamingExperts(container, layer, ordinal)
         loaded.layers.append(module)
         loaded.dtypes.append({k: v.dtype for k, v in params.items()})
-        _replace(model, name, module)
-    _link_read_ahead(model, [name for name, _ in containers], loaded)
+        _replace(named, name, module)
+    _link_read_ahead(named, [name for name, _ in containers], loaded)
     try:
         if packed and loaded.layers:
             loaded.store.packed = open_packed(path, [m.layout for m in loaded.layers], packed_check)
@@ -131,12 +141,33 @@ def load_streaming(
     except BaseException:
         loaded.store.close()
         raise
-    tile_attention(model)  # long prefill chunks: attention in tiles (engine/prefill.py)
+    if processor is None:
+        tile_attention(model)  # long prefill chunks: attention in tiles (engine/prefill.py)
     # Also the arrays modules keep outside their parameters (RoPE frequencies): left lazy,
     # they would be evaluated first on the engine thread, which lacks the loading
     # thread's streams.
     mx.eval(model.parameters(), _attribute_arrays(model))
     return loaded
+
+
+def _lazy_model(path: Path, config: dict):
+    """(the model, built lazily, its config, a vision-language model's processor or None):
+    mlx-lm's model, or for a checkpoint that takes images mlx-vlm's behind VisionLanguage."""
+    if takes_images(config):
+        from .vision import VisionLanguage, load_vision_model
+
+        try:
+            vlm, processor = load_vision_model(path, config)
+        except (ValueError, FileNotFoundError, KeyError, OSError) as e:
+            raise CheckpointError(f"{path}: mlx-vlm cannot load this checkpoint: {one_line(e)}") from None
+        return VisionLanguage(vlm), config, processor
+    from mlx_lm.utils import load_model
+
+    try:
+        model, config = load_model(path, lazy=True, get_model_classes=classes_without_head)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        raise CheckpointError(f"{path}: mlx-lm cannot load this checkpoint: {one_line(e)}") from None
+    return model, config, None
 
 
 def _attribute_arrays(model: nn.Module) -> list:

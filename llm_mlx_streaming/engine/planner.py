@@ -3,8 +3,10 @@
 Given a checkpoint and a memory budget, the planner splits the budget, in this order:
 
 1. the dense weights (everything that is not a stacked expert tensor: embeddings,
-   attention, routers, norms, shared experts), which stay resident;
-2. the KV cache for `max_context` tokens;
+   attention, routers, norms, shared experts, a vision-language model's vision tower
+   and projector), which stay resident;
+2. the KV cache for `max_context` tokens, and a vision-language model's one typical
+   image beyond them;
 3. a working reserve for activations, temporary buffers and the allocator;
 4. expert slots: every MoE layer first gets `min_slots` (default top_k) slots, then
    all layers grow evenly up to `whole_from` x num_experts slots, then whole layers
@@ -123,6 +125,9 @@ class Plan:
     checkpoint_bytes: int = 0
     skipped_bytes: int = 0
     layer_keys: list[str] = field(default_factory=list)
+    vision_bytes: int = 0  # a vision-language model's vision tower and projector, within dense_bytes
+    image_tokens: int = 0  # tokens of one typical image, planned into the KV cache beyond max_context
+    image_note: str = ""
 
     @property
     def unused_bytes(self) -> int:
@@ -164,7 +169,8 @@ def auto_context(layout: Layout, budget: int, kv: KVSpec | None = None) -> int:
     floor = min(DEFAULT_MAX_CONTEXT, longest)
 
     def fits(context: int) -> bool:
-        kv_bytes, _ = kv_cache_bytes(config, context, None, kv or FULL_PRECISION, layout.kv_blocker)
+        kv_bytes, _ = kv_cache_bytes(config, context, None, kv or FULL_PRECISION, layout.kv_blocker,
+                                     layout.image_tokens)
         return kv_bytes <= KV_SHARE * budget
 
     if fits(longest):
@@ -217,7 +223,8 @@ def plan_memory(
     kv_layout = kv or FULL_PRECISION
     if not layout.kv_blocker:
         check_model(kv_layout, layout.config)  # the engine refuses the same layouts
-    kv, kv_text = kv_cache_bytes(layout.config, max_context, kv_bytes_per_element, kv_layout, layout.kv_blocker)
+    kv, kv_text = kv_cache_bytes(layout.config, max_context, kv_bytes_per_element, kv_layout, layout.kv_blocker,
+                                 layout.image_tokens)
     reserve = default_reserve(budget) if reserve_bytes is None else parse_size(reserve_bytes)
     m = min(E, max(1, min_slots if min_slots is not None else layout.top_k)) if L else 0
     fixed = layout.dense_bytes + kv
@@ -254,6 +261,9 @@ def plan_memory(
         checkpoint_bytes=layout.checkpoint_bytes,
         skipped_bytes=layout.skipped_bytes,
         layer_keys=list(layout.layer_keys),
+        vision_bytes=layout.vision_bytes,
+        image_tokens=layout.image_tokens,
+        image_note=layout.image_note,
     )
 
 

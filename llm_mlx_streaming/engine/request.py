@@ -52,6 +52,17 @@ class Sampling:
     seed: Optional[int] = None
 
 
+@dataclass(frozen=True)
+class VisionInput:
+    """A prompt's images as the model's processor made them: the pixels, the arrays the
+    model reads beside them (grid sizes, ...), and each image's sha256 in prompt order,
+    so a cached prefix is reused only for the same images (engine/session.py)."""
+
+    pixel_values: Any
+    arrays: dict
+    digests: tuple[str, ...]
+
+
 @dataclass
 class Request:
     """One generation.
@@ -87,6 +98,7 @@ class Request:
     kv: KVSpec = FULL_PRECISION  # how the attention cache is kept (quantized or not)
     prefill_step: Optional[int] = None  # prompt tokens per prefill chunk (None: mlx-lm's 2048)
     max_batch: int = 1  # the largest batch it may join (engine/batch.py); 1: it runs alone
+    vision: Optional[VisionInput] = None  # the prompt's images (a vision-language model)
 
     def make_sampler(self):
         import mlx.core as mx

@@ -58,7 +58,7 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
         figures = spec.figures_for(request)
         run = None
         if figures.k != 0:  # k > 0 runs the draft-and-verify loop
-            figures.speculation_off = spec.off_reason(request)
+            figures.speculation_off = "a vision-language model" if loaded.takes_images else spec.off_reason(request)
             if figures.speculation_off is None:
                 run = spec.make_run(request, loaded, cache, prompt[:reused], new_tokens, max_tokens,
                                     carried.drafters, figures, prefill_step=prefill_step,
@@ -77,8 +77,11 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
 
         responses = stream_speculative(run, loaded.tokenizer)
     else:
+        embeddings = None
+        if loaded.takes_images:  # the whole prompt's embeddings, images in place; fed from `reused` on
+            embeddings = loaded.model.embed(prompt, request.vision)[reused:]
         responses = stream_generate(
-            loaded.model, loaded.tokenizer, new_tokens,
+            loaded.model, loaded.tokenizer, new_tokens, input_embeddings=embeddings,
             max_tokens=max_tokens, sampler=request.make_sampler(),
             logits_processors=with_history(request.logits_processors, prompt[:reused]) or None,
             prompt_cache=cache,
@@ -118,6 +121,8 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
                                  time.perf_counter() - start, syncs.count() - syncs_before)
     if stops.hit is not None:
         stats["stop_sequence"] = stops.hit
+    if request.conversation_cache is not None and images_of(request):
+        stats["disk_cache_off"] = "a prompt with images"
     stats.update(figures.as_dict())
     stats.update(fig.kv_figures(session.cache, kv, kv_note, prefill_step, ttft))
     if recorder is not None:
@@ -151,11 +156,17 @@ def begin(provider: ModelProvider, request: Request, out: Channel, carried: Carr
     for processor in request.budget_aware:  # constrained decoding closes within it
         processor.limit_tokens(max_tokens)
     kv, kv_note = kv_layout(loaded, request.kv)
-    cache, new_tokens, reused = session.reuse_for(prompt, kv)
-    disk = disk_cache_for(provider, request, kv, carried)
+    cache, new_tokens, reused = session.reuse_for(prompt, kv, images_of(request))
+    # equal tokens may stand for other images: the disk cache, keyed by tokens, is not used
+    disk = None if images_of(request) else disk_cache_for(provider, request, kv, carried)
     cache, new_tokens, reused, from_disk = cache_from_disk(disk, session, loaded, prompt, kv, cache, new_tokens, reused)
     out.put("started", Started(loaded.tokenizer, provider.checkpoint, prompt, reused))
     return Begun(prompt, max_tokens, kv, kv_note, cache, new_tokens, reused, disk, from_disk)
+
+
+def images_of(request: Request) -> tuple[str, ...]:
+    """The digests of the request's images, in prompt order."""
+    return request.vision.digests if request.vision is not None else ()
 
 
 def token_budget(prompt: list[int], request: Request, default_max_tokens: int, context: int | None) -> int:

@@ -7,6 +7,11 @@ the common prefix (a chunked-attention cache only to a chunk it still holds whol
 cached tokens are a strict prefix of the new prompt: such a state cannot be rewound,
 only extended. A cache is reused only under the KV layout it was built with (see
 engine/kv.py): a turn that asks for another one starts a new cache.
+
+Two different images can be the same placeholder tokens, so a cache also remembers the
+images it has seen (their digests, in order): it is reused only when those are the new
+prompt's first images or the new prompt's images are its first ones; otherwise equal
+tokens would stand for another picture, and it starts over.
 """
 
 from __future__ import annotations
@@ -35,15 +40,21 @@ class Session:
         self.cache = None
         self.tokens: list[int] = []  # exactly the tokens the cache has seen
         self.kv: KVSpec = FULL_PRECISION  # the layout the cache was made for
+        self.images: tuple[str, ...] = ()  # digests of the images the cache has seen, in order
 
     def reset(self) -> None:
         self.cache = None
         self.tokens = []
+        self.images = ()
 
-    def reuse_for(self, prompt: list[int], kv: KVSpec = FULL_PRECISION) -> tuple[list, list[int], int]:
-        """(cache, tokens still to prefill, tokens reused) for `prompt` under layout `kv`."""
-        if kv != self.kv:
+    def reuse_for(self, prompt: list[int], kv: KVSpec = FULL_PRECISION,
+                  images: tuple[str, ...] = ()) -> tuple[list, list[int], int]:
+        """(cache, tokens still to prefill, tokens reused) for `prompt` (showing `images`,
+        their digests in order) under layout `kv`."""
+        shared = min(len(images), len(self.images))
+        if kv != self.kv or images[:shared] != self.images[:shared]:
             self.reset()
+        self.images = tuple(images)  # what the cache holds once this prompt is fed
         reuse = 0
         if self.cache is not None:
             reuse = min(common_prefix_len(self.tokens, prompt), len(prompt) - 1)
@@ -65,4 +76,4 @@ class Session:
     # -- a cache loaded from the conversation cache on disk ------
     def adopt(self, cache, tokens: list[int], kv: KVSpec) -> None:
         """Use `cache`, which has seen exactly `tokens` under layout `kv`."""
-        self.cache, self.tokens, self.kv = cache, list(tokens), kv
+        self.cache, self.tokens, self.kv, self.images = cache, list(tokens), kv, ()

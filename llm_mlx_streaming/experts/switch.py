@@ -200,13 +200,18 @@ class StreamingExperts(nn.Module):
 
 
 def expert_containers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every mlx-lm expert container (`SwitchGLU`, `SwitchMLP`) in the model, by module
-    path, in layer order: what `StreamingExperts` replaces."""
+    """Every expert container (`SwitchGLU`, `SwitchMLP` of mlx-lm, and of mlx-vlm once a
+    vision-language model has imported it) in the model, by module path, in layer order:
+    what `StreamingExperts` replaces."""
+    import sys
+
     from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
-    found = [
-        (name, m) for name, m in model.named_modules() if isinstance(m, (SwitchGLU, SwitchMLP))
-    ]
+    kinds = (SwitchGLU, SwitchMLP)
+    vlm = sys.modules.get("mlx_vlm.models.switch_layers")  # never imported for a text model
+    if vlm is not None:
+        kinds += (vlm.SwitchGLU, vlm.SwitchMLP)
+    found = [(name, m) for name, m in model.named_modules() if isinstance(m, kinds)]
     return sorted(found, key=lambda item: [int(n) for n in re.findall(r"\d+", item[0])])
 
 

@@ -213,6 +213,17 @@ KNOBS: tuple[Knob, ...] = (
         "requests at once; for one request, the largest batch it may join (1: it runs alone).",
     ),
     _setting_only(
+        name="image_urls", type=Literal[values.IMAGE_URL_MODES], default="off",
+        description="on: `llm mlxs serve` fetches an image a request gives as an http(s) URL (bounded by "
+        "max_image_bytes and a time limit); off: such a request is refused, and images come inline (data "
+        "URLs, base64).",
+    ),
+    _setting_only(
+        name="max_image_bytes", type=int, default=20 * 2**20, check=values.byte_count,
+        description="Largest image `llm mlxs serve` takes, inline or fetched (bytes, or a size like 20MiB); "
+        "a larger one is refused.",
+    ),
+    _setting_only(
         name="max_responses", type=int, default=100, bounds={"ge": 1, "le": 100_000},
         description="Responses `llm mlxs serve` keeps for the Responses API's previous_response_id and "
         "GET /v1/responses/ID (with their conversations); past this many the oldest is dropped.",

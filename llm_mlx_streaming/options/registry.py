@@ -8,6 +8,7 @@ the loader.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional
 
@@ -15,7 +16,8 @@ from ..errors import SettingsError
 from ..values import NAME_RE
 from .knobs import BUNDLED_NAME
 from .settings import ModelEntry, Settings, load_settings, save_settings
-from ..checkpoints.default import default_checkpoint
+from ..checkpoints import vision
+from ..checkpoints.default import SHIPPED, default_checkpoint
 
 MODEL_PREFIX = "mlx-stream"
 BUNDLED_EXPERT_SLOTS = 8
@@ -87,6 +89,19 @@ def checkpoint_for(name: str, settings: Optional[Settings] = None) -> tuple[Path
             f"(run `llm mlxs remove {name}` or add it again)"
         )
     return path, entry
+
+
+def takes_images(name: Optional[str], settings: Optional[Settings] = None) -> bool:
+    """Whether the model `name` (None: the default) takes images, read off its checkpoint's
+    config.json alone (no copy, no load); False when that cannot be read, where a prompt
+    says why."""
+    try:
+        settings = settings or load_settings()
+        name = canonical_name(name or default_name(settings), settings)
+        folder = SHIPPED if name == BUNDLED_NAME else checkpoint_for(name, settings)[0]
+        return vision.takes_images(json.loads((folder / "config.json").read_text()))
+    except (SettingsError, OSError, ValueError):
+        return False
 
 
 def effective_slots(name: str, entry: Optional[ModelEntry], settings: Settings) -> Optional[int]:

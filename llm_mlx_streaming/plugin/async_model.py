@@ -31,6 +31,10 @@ class MlxStreamAsyncModel(llm.AsyncModel):
     def __str__(self) -> str:
         return f"MLX streaming (async): {self.model_id}"
 
+    @property
+    def attachment_types(self) -> frozenset[str]:
+        return self.sync.attachment_types
+
     async def execute(self, prompt, stream, response, conversation):
         async for event in in_worker(lambda hook: self.sync._execute(prompt, response, hook)):
             yield event

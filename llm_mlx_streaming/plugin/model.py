@@ -19,6 +19,7 @@ from ..options import registry
 from ..options.run_config import drafter
 from ..options.settings import Options, load_settings
 from ..prompt.constrained import cut_short_notice
+from ..prompt.images import IMAGE_TYPES
 from ..prompt.messages import reply_metadata
 from ..prompt.tools import function_tools, template_tools
 from ..reply.build import Ask
@@ -34,10 +35,20 @@ class MlxStreamModel(llm.Model):
     def __init__(self, name: Optional[str] = None):
         """``name=None`` is the ``mlx-stream`` id: whichever model is the default."""
         self.name = name
+        self._attachment_types: Optional[frozenset[str]] = None
         self.model_id = registry.MODEL_PREFIX if name is None else f"{registry.MODEL_PREFIX}/{name}"
 
     def __str__(self) -> str:
         return f"MLX streaming: {self.model_id}"
+
+    @property
+    def attachment_types(self) -> frozenset[str]:
+        """The image types `llm -a` may attach: a vision-language checkpoint's, none for a
+        text-only one. Read when llm asks (a prompt with attachments, `llm models
+        --options`), so registering the models reads no checkpoint."""
+        if self._attachment_types is None:
+            self._attachment_types = frozenset(IMAGE_TYPES if registry.takes_images(self.name) else ())
+        return self._attachment_types
 
     def execute(self, prompt, stream, response, conversation):
         yield from self._execute(prompt, response)

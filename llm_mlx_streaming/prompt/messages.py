@@ -6,7 +6,9 @@ llm's (a server request). Each reply carries the token ids it was generated as, 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
+
+from .images import attachment_data_url, attachment_part
 from .tools import assistant_tool_calls, tool_result_messages
 
 METADATA_KEY = "mlx-stream"
@@ -14,6 +16,10 @@ METADATA_KEY = "mlx-stream"
 
 class PromptError(ValueError):
     pass
+
+
+class NoImages(PromptError):
+    """A prompt with images for a model that takes none (its name goes in front)."""
 
 
 def reply_metadata(tokens: list[int]) -> dict:
@@ -30,11 +36,15 @@ def stored_tokens(message) -> Optional[list[int]]:
     return found
 
 
-def template_messages(messages, think_start=None, think_end=None) -> tuple[list[dict], dict[int, list[int]]]:
+def template_messages(messages, think_start=None, think_end=None,
+                      images: Optional[list] = None) -> tuple[list[dict], dict[int, list[int]]]:
     """Template dicts for the chain, and {message index: stored token ids}.
 
     Earlier replies keep their reasoning inside the think tags, so the
-    rendered conversation is what the model generated.
+    rendered conversation is what the model generated. With `images` (a list), each
+    image attachment is appended to it and its message says how many it has
+    (`"images"`; the vision model's own format places them, prompt/images.py);
+    without, an image is a NoImages error.
     """
     out, stored = [], {}
     for message in messages:
@@ -42,10 +52,16 @@ def template_messages(messages, think_start=None, think_end=None) -> tuple[list[
             out.extend(tool_result_messages(message))
             continue
         pieces = _pieces(message)
+        if images is None and any(kind == "image" for kind, _ in pieces):
+            raise NoImages("takes no images: it is a text-only model")
         tagged = bool(think_start and think_end)
         content = "".join(f"{think_start}{text}{think_end}" if kind == "reasoning" else text
-                          for kind, text in pieces if kind == "text" or (text and tagged))
+                          for kind, text in pieces if kind == "text" or (kind == "reasoning" and text and tagged))
+        attached = [part for kind, part in pieces if kind == "image"]
         item = {"role": message.role, "content": content}
+        if attached:
+            images.extend(attached)
+            item["images"] = len(attached)
         if message.role == "assistant":
             tokens = stored_tokens(message)
             if tokens is not None:
@@ -69,7 +85,7 @@ def openai_messages(messages) -> list[dict]:
                        for m in tool_result_messages(message))
             continue
         pieces = _pieces(message)
-        item = {"role": message.role, "content": "".join(text for kind, text in pieces if kind == "text")}
+        item = {"role": message.role, "content": _openai_content(pieces)}
         if reasoning := "".join(text for kind, text in pieces if kind == "reasoning"):
             item["reasoning_content"] = reasoning
         if calls := assistant_tool_calls(message.parts):
@@ -82,10 +98,22 @@ def openai_messages(messages) -> list[dict]:
     return out
 
 
-def _pieces(message) -> list[tuple[str, str]]:
-    """A message's ("text" | "reasoning", text) parts in order (its tool calls are read
-    apart); a role or part this plugin cannot send is a PromptError."""
-    from llm.parts import ReasoningPart, TextPart, ToolCallPart
+def _openai_content(pieces: list[tuple[str, Any]]):
+    """A message's text, or with images its OpenAI content parts in order (each image a
+    data URL, so the server needs nothing else to read it)."""
+    text = "".join(value for kind, value in pieces if kind == "text")
+    if not any(kind == "image" for kind, _ in pieces):
+        return text
+    return [{"type": "text", "text": value} if kind == "text" else
+            {"type": "image_url", "image_url": {"url": attachment_data_url(value)}}
+            for kind, value in pieces if kind in ("text", "image")]
+
+
+def _pieces(message) -> list[tuple[str, Any]]:
+    """A message's ("text" | "reasoning", text) and ("image", llm's Attachment) parts in
+    order (its tool calls are read apart); a role or part this plugin cannot send is a
+    PromptError."""
+    from llm.parts import AttachmentPart, ReasoningPart, TextPart, ToolCallPart
 
     if message.role not in ("system", "user", "assistant"):
         raise PromptError(f"mlx-stream cannot send '{message.role}' messages")
@@ -95,6 +123,8 @@ def _pieces(message) -> list[tuple[str, str]]:
             out.append(("reasoning", part.text or ""))
         elif isinstance(part, TextPart):
             out.append(("text", part.text))
+        elif isinstance(part, AttachmentPart) and part.attachment is not None and message.role == "user":
+            out.append(("image", part.attachment))
         elif not isinstance(part, ToolCallPart):
             raise PromptError(f"mlx-stream supports text only, not {type(part).__name__}")
     return out
@@ -103,8 +133,9 @@ def _pieces(message) -> list[tuple[str, str]]:
 def llm_messages(messages, known=lambda text, calls=(): None) -> list:
     """OpenAI chat messages (the server's bodies) as llm's; an assistant reply without
     its `tokens` gets them from `known(text, calls)` -> (reasoning, tokens) or None.
-    A message's tool calls come from its `calls()`: [{"id", "name", "arguments"}]."""
-    from llm.parts import Message, TextPart
+    A message's tool calls come from its `calls()`: [{"id", "name", "arguments"}]; its
+    content from `parts()`: text (str) and images (images.Image, read by the server)."""
+    from llm.parts import Message
 
     out, called = [], {}
     for i, m in enumerate(messages):
@@ -123,8 +154,19 @@ def llm_messages(messages, known=lambda text, calls=(): None) -> list:
                 reasoning, tokens = reasoning or found[0], found[1]
             out.append(assistant_message(text, reasoning, tokens, calls))
         else:
-            out.append(Message(role=role, parts=[TextPart(text=text)]))
+            out.append(Message(role=role, parts=_user_parts(m)))
     return out
+
+
+def _user_parts(message) -> list:
+    """A (system or user) message's text, with its images in order among it: a message
+    without images is one text part."""
+    from llm.parts import TextPart
+
+    pieces = message.parts()
+    if all(isinstance(p, str) for p in pieces):
+        return [TextPart(text="".join(pieces))]
+    return [TextPart(text=p) if isinstance(p, str) else attachment_part(p) for p in pieces]
 
 
 def assistant_message(text: str, reasoning: str = "", tokens: Optional[list[int]] = None, calls=()):

@@ -64,6 +64,18 @@ def render_prompt(tokenizer, messages, *, thinking: Optional[bool] = None,
         generation_prompt = text[len(head):] if text.startswith(head) else ""
     except Exception:
         generation_prompt = ""
+    tokens = with_stored_replies(tokenizer, render, messages, stored, text)
+    if tokens is None:
+        tokens = encode_text(tokenizer, text)
+    return tokens, generation_prompt
+
+
+def with_stored_replies(tokenizer, render, messages: list[dict], stored: dict[int, list[int]],
+                        text: str) -> Optional[list[int]]:
+    """`text` (`render(messages)`) encoded with each earlier reply's own ids in place of
+    its re-encoded text, so the next turn reuses the whole reply's KV; None when no
+    stored reply can be kept."""
+    stored = dict(stored)
     overhang = {}  # message index -> what its ids spell past its content (tool-call markup)
     for i, ids in list(stored.items()):
         past = _beyond(tokenizer.decode(ids), messages[i]["content"])
@@ -71,10 +83,7 @@ def render_prompt(tokenizer, messages, *, thinking: Optional[bool] = None,
             del stored[i]
         elif past:
             overhang[i] = past
-    tokens = _spliced(tokenizer, render, messages, stored, text, overhang) if stored else None
-    if tokens is None:
-        tokens = encode_text(tokenizer, text)
-    return tokens, generation_prompt
+    return _spliced(tokenizer, render, messages, stored, text, overhang) if stored else None
 
 
 def template_switches(tokenizer, thinking: Optional[bool]) -> dict:

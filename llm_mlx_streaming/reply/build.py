@@ -12,7 +12,8 @@ from ..errors import MlxStreamError
 from ..options.knobs import REPETITION_CONTEXT
 from ..options.run_config import RunConfig
 from ..prompt.constrained import SchemaError, SchemaProcessor, schema_grammar, text_grammar
-from ..prompt.messages import PromptError
+from ..prompt.vision import has_images, render_with_images
+from ..prompt.messages import NoImages, PromptError
 from ..prompt.render import fill_in_the_middle, raw_text, render_prompt
 from ..prompt.split import opens_thinking
 from ..prompt.tools import AUTO, NONE, ToolError, check_tool_choice, forced_call_grammar, shown_tools
@@ -59,10 +60,19 @@ def prepare(tokenizer, run: RunConfig, ask: Ask, grammar: Optional[str]) -> Prep
     tools = list(ask.tools)
     forced = _forcing(tokenizer, tools, options, grammar)
     tools = shown_tools(tools, options.tool_choice)
+    vision = None
     if ask.suffix is not None:
         tokens, generation_prompt = fill_in_the_middle(tokenizer, raw_text(ask.messages), ask.suffix), ""
+    elif getattr(tokenizer, "vision", None) is not None and has_images(ask.messages):
+        if tools:
+            raise PromptError("tools and images in one prompt are not supported yet")
+        tokens, generation_prompt, vision = render_with_images(tokenizer, ask.messages, thinking=options.thinking)
     else:
-        tokens, generation_prompt = render_prompt(tokenizer, ask.messages, thinking=options.thinking, tools=tools)
+        try:
+            tokens, generation_prompt = render_prompt(tokenizer, ask.messages, thinking=options.thinking,
+                                                      tools=tools)
+        except NoImages as e:
+            raise PromptError(f"{run.name} {e}") from None
     processors = repetition_processors(run.repetition_penalty)
     if options.thinking_budget and options.thinking is not False:
         processors.append(_reasoning_cap(tokenizer, tokens, generation_prompt, options.thinking_budget))
@@ -70,6 +80,7 @@ def prepare(tokenizer, run: RunConfig, ask: Ask, grammar: Optional[str]) -> Prep
         grammar = forced(generation_prompt)
     budget_aware = (SchemaProcessor(grammar, tokenizer),) if grammar is not None else ()
     request = run.request(tokens, [*processors, *budget_aware], budget_aware)
+    request.vision = vision
     end_tag = tokenizer.tool_call_end if tools else None
     one_call = bool(end_tag) and options.parallel_tool_calls is False
     if one_call:
@@ -80,6 +91,8 @@ def prepare(tokenizer, run: RunConfig, ask: Ask, grammar: Optional[str]) -> Prep
 def count(tokenizer, ask: Ask) -> int:
     """The prompt's tokens, rendered as a generation would render them."""
     tools = shown_tools(list(ask.tools), ask.options.tool_choice)
+    if getattr(tokenizer, "vision", None) is not None and has_images(ask.messages):
+        return len(render_with_images(tokenizer, ask.messages, thinking=ask.options.thinking)[0])
     tokens, _ = render_prompt(tokenizer, ask.messages, thinking=ask.options.thinking, tools=tools or None)
     return len(tokens)
 

@@ -16,9 +16,23 @@ from pydantic import ValidationError
 from starlette.routing import Match
 
 from ..errors import MlxStreamError, one_line
-from ..options.settings import first_error
+from ..options.knobs import BY_NAME
+from ..options.settings import SettingsError, first_error, load_settings
 
-MAX_BODY_BYTES = 8 * 2**20  # a request body larger than this is refused (413)
+REQUEST_ROOM = 8 * 2**20  # a request's text, tools and history, beside its image
+
+
+def max_body_bytes() -> int:
+    """The largest request body taken (a larger one is a 413): room for one image of
+    max_image_bytes base64'd (4/3 of it) and the rest of a request. Never below the room
+    for the default's image, so an image under it that a lower setting refuses is told
+    so by name; read on every request, as the image settings are."""
+    default = BY_NAME["max_image_bytes"].default
+    try:
+        image = max(load_settings().max_image_bytes, default)
+    except SettingsError:  # the routes say what is wrong with the file
+        image = default
+    return REQUEST_ROOM + 4 * -(-image // 3)
 
 
 class ApiError(Exception):
@@ -63,12 +77,12 @@ def shape_for(scope) -> Shape:
     return getattr(route_for(scope), "error_shape", ApiError.openai_body)
 
 
-def _too_large() -> ApiError:
-    return ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="body_too_large")
+def _too_large(cap: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than {cap} bytes", code="body_too_large")
 
 
 class BodyLimit:
-    """ASGI middleware: refuse bodies over MAX_BODY_BYTES, declared or streamed.
+    """ASGI middleware: refuse bodies over `max_body_bytes()`, declared or streamed.
 
     The body is read here first (it is small by then) and handed on whole, so a body
     that grows past the limit is refused before any route sees it."""
@@ -79,9 +93,10 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        cap = max_body_bytes()
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            return await _too_large().response(scope)(scope, receive, send)
+        if declared.isdigit() and int(declared) > cap:
+            return await _too_large(cap).response(scope)(scope, receive, send)
         body, more = bytearray(), True
         while more:
             message = await receive()
@@ -89,8 +104,8 @@ class BodyLimit:
                 return
             body += message.get("body", b"")
             more = message.get("more_body", False)
-            if len(body) > MAX_BODY_BYTES:
-                return await _too_large().response(scope)(scope, receive, send)
+            if len(body) > cap:
+                return await _too_large(cap).response(scope)(scope, receive, send)
         replayed = False
 
         async def replay():

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from fastapi import Request
 
+from ..checkpoints.vision import takes_images
 from ..errors import MlxStreamError, SettingsError, one_line
 from ..options import registry
 from ..options.run_config import configure
@@ -45,6 +46,7 @@ class Service:
         self.strict = strict  # an undeclared field is a 400 (fields.py)
         self._logged: set[str] = set()  # fields named in the log already
         self._thinks: dict[str, bool] = {}  # model id -> whether its template has a thinking switch
+        self._takes_images: dict[str, bool] = {}  # model id -> whether its checkpoint takes images
         self.hosts, self.origins = tuple(hosts), tuple(origins)  # server/guard.py
         self.api_key, self.secret = api_key, secret
         self.gate = Gate(max_queue, capacity=max_batch)
@@ -120,6 +122,13 @@ class Service:
             found = checkpoint(model_id)
             self._thinks[model_id] = found is not None and "enable_thinking" in found.template
         return self._thinks[model_id]
+
+    def takes_images(self, model_id: str) -> bool:
+        """Whether the model's checkpoint is a vision-language model's."""
+        if model_id not in self._takes_images:
+            found = checkpoint(model_id)
+            self._takes_images[model_id] = found is not None and takes_images(found.config)
+        return self._takes_images[model_id]
 
     async def load(self, model_id: str) -> None:
         """Load `model_id` in its turn, and return once it is loaded."""

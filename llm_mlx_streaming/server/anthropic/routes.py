@@ -17,7 +17,8 @@ from ...prompt.tools import function_spec
 from ...reply.build import Ask
 from ...reply.core import count_tokens as counted
 from ..errors import ApiError, error_for, api_routes
-from ..openai.schemas import ChatMessage, engine_values
+from ..images import read_images
+from ..openai.schemas import ChatMessage, ImageContent, ImageUrl, TextContent, engine_values
 from ..openai.tools import CalledFunction, ToolCall
 from ..turns import answer
 from .schemas import AnthropicEngineOptions, AnthropicError, CountTokensRequest, MessagesRequest
@@ -31,10 +32,13 @@ def chat_messages(body) -> list[ChatMessage]:
     if system := body.system_text():
         out.append(ChatMessage(role="system", content=system))
     for i, message in enumerate(body.messages):
-        text, reasoning, calls, results = [], [], [], []
+        content, reasoning, calls, results = [], [], [], []
         for j, block in enumerate(message.blocks()):
+            where = f"messages.{i}.content.{j}"
             if block.type == "text":
-                text.append(block.text)
+                content.append(TextContent(type="text", text=block.text))
+            elif block.type == "image" and message.role == "user":
+                content.append(_image(block, where))
             elif block.type == "thinking" and message.role == "assistant":
                 reasoning.append(block.thinking)
             elif block.type == "tool_use" and message.role == "assistant":
@@ -42,20 +46,35 @@ def chat_messages(body) -> list[ChatMessage]:
                                                                           arguments=json.dumps(block.input))))
             elif block.type == "tool_result" and message.role == "user" and not block.images():
                 results.append(ChatMessage(role="tool", tool_call_id=block.tool_use_id, content=block.text()))
+            elif block.type == "tool_result" and message.role == "user":
+                raise ApiError(400, f"{where}: an image in a tool result is not taken (send it in the user "
+                               "message's content)", param=where)
             else:
-                where = f"messages.{i}.content.{j}"
-                if block.type == "image" or (block.type == "tool_result" and block.images()):
-                    raise ApiError(400, f"{where}: an image: the model served here reads text only", param=where)
                 raise ApiError(400, f"{where}: a {block.type} block is not taken in a {message.role} message",
                                param=where)
         out.extend(results)
-        if message.role == "assistant" or text or not results:
-            out.append(ChatMessage(role=message.role, content="".join(text),
+        if message.role == "assistant" or content or not results:
+            out.append(ChatMessage(role=message.role, content=_content(content),
                                    reasoning_content="".join(reasoning) or None, tool_calls=calls or None))
     if body.messages[-1].role == "assistant":
         raise ApiError(400, "messages: the last message must be the user's (an assistant prefill is not "
                        "continued by this server)", param="messages")
     return out
+
+
+def _image(block, where: str) -> ImageContent:
+    """An image block as the chat message's image part."""
+    try:
+        return ImageContent(type="image_url", image_url=ImageUrl(url=block.url()))
+    except ValueError as e:
+        raise ApiError(400, f"{where}: {e}", param=where) from None
+
+
+def _content(parts: list):
+    """Text alone as one string (as before images), else the parts in order."""
+    if all(isinstance(p, TextContent) for p in parts):
+        return "".join(p.text for p in parts)
+    return parts
 
 
 def function_specs(body) -> list[dict]:
@@ -86,7 +105,9 @@ def router(service) -> APIRouter:
     async def messages(body: MessagesRequest, request: Request):
         service.accept(request, body)
         model_id = service.model_for(body.model)
-        chain = llm_messages(chat_messages(body), service.replies.known)
+        chat = chat_messages(body)
+        await read_images(service, model_id, chat)
+        chain = llm_messages(chat, service.replies.known)
         return await answer(service, request, MessageShape(model_id), model_id, chain, engine_options(body),
                             body.schema_dict(), body.stream, function_specs(body))
 
@@ -94,7 +115,9 @@ def router(service) -> APIRouter:
     async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
         service.accept(request, body)
         model_id = service.model_for(body.model)
-        chain = llm_messages(chat_messages(body), service.replies.known)
+        chat = chat_messages(body)
+        await read_images(service, model_id, chat)
+        chain = llm_messages(chat, service.replies.known)
         try:
             options = Options.model_validate(service.runtime.for_request(engine_options(body)))
             count = await counted(Ask(service.name_of(model_id), chain, options, function_specs(body)))

@@ -28,12 +28,38 @@ class TextBlock(RequestModel):
     cache_control: Optional[dict[str, Any]] = hint(CACHED)
 
 
+class Base64Source(RequestModel):
+    type: Literal["base64"]
+    media_type: str = Field(description="image/png, image/jpeg, image/webp or image/gif")
+    data: str
+
+
+class UrlSource(RequestModel):
+    type: Literal["url"]
+    url: str = Field(description="Fetched by the server when its image_urls setting is on")
+
+
+class FileSource(RequestModel):
+    """Declared so that it is refused in one line: no file is kept here."""
+
+    type: Literal["file"]
+    file_id: str
+
+
 class ImageBlock(RequestModel):
-    """Declared so that it is refused in one line: the models served here read text."""
+    """An image in a user message, for a model that takes images (server/images.py)."""
 
     type: Literal["image"]
-    source: dict[str, Any]
+    source: Annotated[Union[Base64Source, UrlSource, FileSource], Field(discriminator="type")]
     cache_control: Optional[dict[str, Any]] = hint(CACHED)
+
+    def url(self) -> str:
+        """The image as a URL: a data URL for base64 data."""
+        if isinstance(self.source, Base64Source):
+            return f"data:{self.source.media_type};base64,{self.source.data}"
+        if isinstance(self.source, UrlSource):
+            return self.source.url
+        raise ValueError("a file source: no file is kept on this server (send the image as base64 or a url)")
 
 
 class ThinkingBlock(RequestModel):

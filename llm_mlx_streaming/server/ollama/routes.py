@@ -18,7 +18,8 @@ from ...prompt.messages import llm_messages, raw_message
 from ..catalog import Checkpoint, checkpoint
 from ..errors import ApiError, api_routes
 from ..openai import tools as openai_tools
-from ..openai.schemas import ChatMessage
+from ..images import read_images
+from ..openai.schemas import ChatMessage, ImageContent, ImageUrl, TextContent
 from ..turns import answer
 from .schemas import ChatRequest, GenerateRequest, OllamaError, ShowRequest
 from .shapes import GenerateShape, OllamaChatShape, error_body, stamp
@@ -44,8 +45,18 @@ def chat_messages(messages) -> list[ChatMessage]:
             name=c.function.name, arguments=json.dumps(c.function.arguments))) for j, c in enumerate(m.tool_calls or [])]
         if m.role == "assistant":
             open_calls = list(calls)
-        out.append(ChatMessage(role=m.role, content=m.content, reasoning_content=m.thinking, tool_calls=calls or None))
+        out.append(ChatMessage(role=m.role, content=with_images(m.content, m.images), reasoning_content=m.thinking,
+                               tool_calls=calls or None))
     return out
+
+
+def with_images(text: str, images) -> str | list:
+    """A message's text with Ollama's base64 images before it, as chat content parts
+    (their type is read off their bytes: Ollama gives none)."""
+    if not images:
+        return text
+    parts: list = [ImageContent(type="image_url", image_url=ImageUrl(url=f"data:;base64,{data}")) for data in images]
+    return [*parts, TextContent(type="text", text=text)]
 
 
 def details(found: Checkpoint | None) -> dict:
@@ -90,7 +101,9 @@ def router(service) -> APIRouter:
     @api.post("/api/chat", description="Ollama's chat; NDJSON chunks unless stream is false")
     async def chat(body: ChatRequest, request: Request):
         service.accept(request, body)
-        messages = llm_messages(chat_messages(body.messages), service.replies.known)
+        chat = chat_messages(body.messages)
+        await read_images(service, service.model_for(body.model), chat)
+        messages = llm_messages(chat, service.replies.known)
         return await run(request, body, OllamaChatShape(body.model), messages, openai_tools.function_specs(body.tools))
 
     @api.post("/api/generate", description="Ollama's completion; NDJSON chunks unless stream is false")
@@ -102,7 +115,9 @@ def router(service) -> APIRouter:
             messages = [raw_message(body.prompt)]
         else:
             system = [ChatMessage(role="system", content=body.system)] if body.system else []
-            messages = llm_messages(system + [ChatMessage(role="user", content=body.prompt)], service.replies.known)
+            chat = [*system, ChatMessage(role="user", content=with_images(body.prompt, body.images))]
+            await read_images(service, service.model_for(body.model), chat)
+            messages = llm_messages(chat, service.replies.known)
         return await run(request, body, GenerateShape(body.model), messages)
 
     @api.get("/api/tags", description="The models served, as Ollama lists them")
@@ -116,6 +131,8 @@ def router(service) -> APIRouter:
         template = found.template if found else ""
         capabilities = ["completion"] + [c for c, mark in (("tools", "tools"), ("thinking", "think"))
                                          if mark in template]  # what the chat template reads
+        if service.takes_images(service.model_for(body.model)):
+            capabilities.append("vision")
         info = {"general.architecture": found.family if found else ""}
         if found is not None and found.context_length:
             info[f"{found.family}.context_length"] = found.context_length

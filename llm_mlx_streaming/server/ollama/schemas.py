@@ -27,6 +27,7 @@ RENAMED = {"max_tokens": "options.num_predict", "repetition_penalty": "options.r
            "max_context": "options.num_ctx", "thinking": "think", "top_logprobs": "top_logprobs at the top level",
            "tool_choice": "no Ollama field (every tool may be called)",
            "parallel_tool_calls": "no Ollama field (calls may be parallel)"}
+IMAGES = "Base64 images (PNG, JPEG, WebP, GIF), for a model that takes images; they come before the text"
 HARDWARE = "this engine places the model itself (memory_budget, expert_slots)"
 NO_OP_OPTIONS = {"repeat_last_n": (REPETITION_CONTEXT,), "presence_penalty": (0,), "frequency_penalty": (0,),
                  "typical_p": (1,), "tfs_z": (1,), "mirostat": (0,)}
@@ -172,12 +173,12 @@ class Message(RequestModel):
     thinking: Optional[str] = Field(None, description="An assistant message's reasoning")
     tool_calls: Optional[list[ToolCall]] = None
     tool_name: Optional[str] = Field(None, description="A tool message's tool")
-    images: Optional[list[str]] = Field(None, description="Only none: the models served here read text")
+    images: Optional[list[str]] = Field(None, description=IMAGES)
 
     @model_validator(mode="after")
     def _fields_of_its_role(self):
-        if self.images:
-            raise ValueError("images: the model served here reads text only")
+        if self.images and self.role != "user":
+            raise ValueError("images: only in a user message")
         if (self.tool_calls or self.thinking) and self.role != "assistant":
             raise ValueError("tool_calls and thinking: only in an assistant message")
         if self.tool_name is not None and self.role != "tool":
@@ -195,11 +196,14 @@ class GenerateRequest(_Generation):
     prompt: str = Field("", description="Empty: load the model (or unload it, with keep_alive 0)")
     system: Optional[str] = None
     raw: bool = Field(False, description="true: the prompt is encoded as it is, without the chat template")
+    images: Optional[list[str]] = Field(None, description=IMAGES)
 
     @model_validator(mode="after")
     def _raw_alone(self):
         if self.raw and self.system is not None:
             raise ValueError("system: a raw prompt has no template to put it in")
+        if self.raw and self.images:
+            raise ValueError("images: a raw prompt has no template to put them in")
         return self
 
 

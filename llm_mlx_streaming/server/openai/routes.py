@@ -13,6 +13,7 @@ from fastapi import APIRouter, Depends, Request
 from ...options.registry import model_ids
 from ...prompt.messages import llm_messages, raw_message
 from ..errors import api_routes
+from ..images import read_images
 from ..turns import answer
 from .schemas import (ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse, ModelList,
                       engine_option_names)
@@ -43,6 +44,7 @@ def router(service) -> APIRouter:
               "The reply, or with stream: true an SSE stream of chat.completion.chunk objects"}})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         service.accept(request, body)
+        await read_images(service, service.model_for(body.model), body.messages)
         messages = llm_messages(body.messages, service.replies.known)
         return await generate(request, body, ChatCompletionShape, messages, function_specs(body.tools))
 

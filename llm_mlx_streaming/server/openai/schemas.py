@@ -10,13 +10,14 @@ at their no-op value (docs/server.md lists them).
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from ...options.knobs import build_options
 from ...options.settings import Options
+from ...prompt.images import Image
 from ..fields import RequestModel, hint
 from .tools import ToolCall, ToolChoice, ToolSpec, choice_option
 
@@ -32,6 +33,35 @@ def engine_option_names() -> list[str]:
 class TextContent(BaseModel):
     type: Literal["text"]
     text: str
+
+
+class ImageUrl(RequestModel):
+    url: str = Field(description="A data URL (data:image/png;base64,...), or an http(s) URL the server fetches "
+                     "when its image_urls setting is on")
+    detail: Optional[str] = hint("the image is given to the model at the size its processor takes")
+
+
+class ImageContent(RequestModel):
+    """An image in a user message: every API's images come in this shape (server/images.py
+    reads them before the messages become llm's)."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+    _image: Optional[Image] = PrivateAttr(None)
+
+    def image(self) -> Image:
+        if self._image is None:
+            raise ValueError("an image was not read before the prompt was made")  # server/images.py reads each
+        return self._image
+
+    def is_read(self) -> bool:
+        return self._image is not None
+
+    def read_as(self, image: Image) -> None:
+        self._image = image
+
+
+Content = Annotated[Union[TextContent, ImageContent], Field(discriminator="type")]
 
 
 def engine_values(body, names) -> dict:
@@ -54,7 +84,7 @@ EMPTY_MESSAGE_FIELDS = ("refusal", "audio", "function_call", "annotations")
 class ChatMessage(RequestModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextContent], None] = None
+    content: Union[str, list[Content], None] = None
     reasoning_content: Optional[str] = Field(None, description="An assistant message's reasoning")
     tool_calls: Optional[list[ToolCall]] = Field(None, description="An assistant message's tool calls")
     tool_call_id: Optional[str] = Field(None, description="A tool message's call: the result is its answer")
@@ -78,12 +108,24 @@ class ChatMessage(RequestModel):
         for name in EMPTY_MESSAGE_FIELDS:
             if getattr(self, name):
                 raise ValueError(f"{name}: not supported by this server (accepted: null)")
+        if self.images() and self.role != "user":
+            raise ValueError(f"content: an image comes in a user message, not in a {self.role} message")
         return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text for part in self.content if isinstance(part, TextContent))
         return self.content or ""
+
+    def images(self) -> list[ImageContent]:
+        return [part for part in self.content if isinstance(part, ImageContent)] \
+            if isinstance(self.content, list) else []
+
+    def parts(self) -> list:
+        """Its content in order: text (str) and images (Image)."""
+        if not isinstance(self.content, list):
+            return [self.content or ""]
+        return [part.text if isinstance(part, TextContent) else part.image() for part in self.content]
 
     def calls(self) -> list[dict]:
         return [call.call() for call in self.tool_calls or []]

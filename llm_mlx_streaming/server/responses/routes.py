@@ -19,11 +19,12 @@ from fastapi import APIRouter, Depends, Request
 from ...prompt.messages import llm_messages
 from ...prompt.tools import function_spec
 from ..errors import ApiError, api_routes
-from ..openai.schemas import ChatMessage, ErrorResponse, engine_values
+from ..images import read_images
+from ..openai.schemas import ChatMessage, ErrorResponse, ImageContent, ImageUrl, TextContent, engine_values
 from ..openai.tools import CalledFunction, ToolCall
 from ..transcript import Transcript
 from ..turns import answer
-from .schemas import (CustomTool, ImagePart, CustomToolCallItem, CustomToolCallOutputItem, FunctionCallItem,
+from .schemas import (CustomTool, FilePart, ImagePart, TextPart, CustomToolCallItem, CustomToolCallOutputItem, FunctionCallItem,
                       FunctionCallOutputItem, FunctionTool, JsonObjectFormat, JsonSchemaFormat, MessageItem,
                       NamedToolChoice, NamespaceTool, ReasoningItem, ResponseRequest, ResponsesEngineOptions)
 from .shapes import ResponseShape
@@ -43,13 +44,15 @@ def conversation(body: ResponseRequest) -> list[ChatMessage]:
         if isinstance(item, ReasoningItem):
             reasoning += item.text()
         elif isinstance(item, MessageItem):
-            text = _text(item.content, f"input.{i}.content")
             role = "system" if item.role == "developer" else item.role
             if role == "assistant":
-                out.append(ChatMessage(role=role, content=text, reasoning_content=reasoning or None))
+                out.append(ChatMessage(role=role, content=_text(item.content, f"input.{i}.content"),
+                                       reasoning_content=reasoning or None))
                 reasoning = ""
+            elif role == "user":
+                out.append(ChatMessage(role=role, content=_user_content(item.content, f"input.{i}.content")))
             else:
-                out.append(ChatMessage(role=role, content=text))
+                out.append(ChatMessage(role=role, content=_text(item.content, f"input.{i}.content")))
         elif isinstance(item, (FunctionCallItem, CustomToolCallItem)):
             arguments = item.arguments if isinstance(item, FunctionCallItem) else json.dumps({"input": item.input})
             call = ToolCall(id=item.call_id, function=CalledFunction(name=item.name, arguments=arguments or "{}"))
@@ -67,13 +70,38 @@ def conversation(body: ResponseRequest) -> list[ChatMessage]:
 
 
 def _text(content, where: str) -> str:
+    """Content that is text only: an image or a file in it is a 400 naming it."""
     if isinstance(content, str):
         return content
     for j, part in enumerate(content):
         if isinstance(part, ImagePart):
-            raise ApiError(400, f"{where}.{j}: an {part.type}: the model served here reads text only",
+            raise ApiError(400, f"{where}.{j}: an input_image is taken only in a user message",
                            param=f"{where}.{j}")
+        if isinstance(part, FilePart):
+            _refuse_file(part, f"{where}.{j}")
     return "".join(part.value() for part in content)
+
+
+def _user_content(content, where: str):
+    """A user message's text, or with images its parts in order, as the chat message's."""
+    if isinstance(content, str) or not any(isinstance(p, ImagePart) for p in content):
+        return _text(content, where)
+    return [_user_part(part, f"{where}.{j}") for j, part in enumerate(content)]
+
+
+def _user_part(part, where: str):
+    if isinstance(part, TextPart):
+        return TextContent(type="text", text=part.value())
+    if isinstance(part, FilePart):
+        _refuse_file(part, where)
+    try:
+        return ImageContent(type="image_url", image_url=ImageUrl(url=part.url()))
+    except ValueError as e:
+        raise ApiError(400, f"{where}.{e}", param=where) from None
+
+
+def _refuse_file(part: FilePart, where: str):
+    raise ApiError(400, f"{where}: an {part.type}: the models served here read text and images", param=where)
 
 
 class Tools:
@@ -143,6 +171,7 @@ def router(service) -> APIRouter:
                 service.ignore(request, ["reasoning.effort"])
         system = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
         chat = [*earlier, *conversation(body)]
+        await read_images(service, model_id, chat)
         messages = llm_messages(_one_system_message([*system, *chat]), service.replies.known)
         store = body.store is not False
 

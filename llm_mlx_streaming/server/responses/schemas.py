@@ -33,12 +33,29 @@ class TextPart(RequestModel):
 
 
 class ImagePart(RequestModel):
-    """Declared so that it is refused in one line: the models served here read text."""
+    """An image in a user message, for a model that takes images (server/images.py)."""
 
-    type: Literal["input_image", "input_file", "input_audio"]
+    type: Literal["input_image"]
+    image_url: Optional[str] = Field(None, description="A data URL, or an http(s) URL the server fetches when "
+                                     "its image_urls setting is on")
+    file_id: Optional[str] = Field(None, description="Refused: no file is kept on this server")
+    detail: Optional[str] = hint("the image is given to the model at the size its processor takes")
+
+    def url(self) -> str:
+        if self.file_id is not None:
+            raise ValueError("file_id: no file is kept on this server (send image_url, e.g. a data URL)")
+        if self.image_url is None:
+            raise ValueError("image_url: required (a data URL, or an http(s) URL)")
+        return self.image_url
 
 
-Part = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+class FilePart(RequestModel):
+    """Declared so that it is refused in one line: the models served here read text and images."""
+
+    type: Literal["input_file", "input_audio"]
+
+
+Part = Annotated[Union[TextPart, ImagePart, FilePart], Field(discriminator="type")]
 Content = Union[str, list[Part]]
 
 
