@@ -63,15 +63,15 @@ def _run(engine, path, slots, messages, reset=False, thinking=None):
     return generation, ids, tokenizer
 
 
-def _stock(path, png: bytes) -> list[int]:
+def _stock(path, *pngs: bytes, prompt: str = "Describe the picture") -> list[int]:
     from PIL import Image
     from mlx_vlm import load
     from mlx_vlm.generate import stream_generate
     from mlx_vlm.prompt_utils import apply_chat_template
 
     model, processor = load(str(path))
-    text = apply_chat_template(processor, model.config, "Describe the picture", num_images=1)
-    responses = stream_generate(model, processor, text, image=[Image.open(io.BytesIO(png))],
+    text = apply_chat_template(processor, model.config, prompt, num_images=len(pngs))
+    responses = stream_generate(model, processor, text, image=[Image.open(io.BytesIO(p)) for p in pngs],
                                 max_tokens=TOKENS, temperature=0.0)
     return [r.token for r in responses][:TOKENS]
 
@@ -85,6 +85,14 @@ def test_greedy_tokens_equal_stock_mlx_vlm(checkpoints, engine, arch):
         assert generation.tokens == expected, f"{arch}, {slots} slots"
         assert generation.stats["reused_tokens"] == 0
     assert sum(p.counters.misses for p in engine.loaded.pools) > 0
+
+
+@pytest.mark.parametrize("arch", VISION_ARCHITECTURES)
+def test_two_images_in_one_prompt_equal_stock_mlx_vlm(checkpoints, engine, arch):
+    path, pictures = checkpoints[arch], (_png(3), _png(4))
+    expected = _stock(path, *pictures, prompt="Compare the pictures")
+    generation, _, _ = _run(engine, path, 2, [_user("Compare the pictures", *pictures)], reset=True)
+    assert generation.tokens == expected
 
 
 @pytest.mark.parametrize("arch", VISION_ARCHITECTURES)
