@@ -178,3 +178,19 @@ def test_without_mlx_vlm_a_vision_checkpoint_is_one_line(checkpoints, monkeypatc
     monkeypatch.setitem(sys.modules, "mlx_vlm.utils", None)
     with pytest.raises(CheckpointError, match=r"pip install 'llm-mlx-streaming\[vision\]'"):
         check_checkpoint(checkpoints["qwen3_vl_moe"])
+
+
+def test_a_packed_vision_checkpoint_answers_as_its_safetensors(checkpoints, engine, tmp_path):
+    import shutil
+
+    from llm_mlx_streaming.checkpoints.packing import pack_checkpoint, verify_packed
+
+    path = tmp_path / "packed"
+    shutil.copytree(checkpoints["qwen3_vl_moe"], path)
+    pack_checkpoint(path)  # `llm mlxs pack`: the language model's experts, found as the engine finds them
+    assert verify_packed(path) == []
+    messages = [_user("Describe the picture", _png(5))]
+    plain, _, _ = _run(engine, checkpoints["qwen3_vl_moe"], 2, messages, reset=True)
+    packed, _, _ = _run(engine, path, 2, messages, reset=True)
+    assert engine.loaded.store.packed is not None
+    assert packed.tokens == plain.tokens

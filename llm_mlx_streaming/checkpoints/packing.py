@@ -21,6 +21,7 @@ from ..experts.packed import ALIGN, FORMAT, FORMAT_VERSION, INDEX_NAME, PackedSt
 from ..experts.store import read_exact
 from .config import check_checkpoint
 from .mtp import classes_without_head
+from .vision import load_lazily, takes_images
 
 _CHUNK_BYTES = 64 << 20  # experts assembled per write while packing
 
@@ -157,9 +158,12 @@ def layer_maps(path: Path) -> list[LayerExperts]:
 
     from ..experts.switch import expert_containers
 
-    check_checkpoint(path)
+    config = check_checkpoint(path)
     index = CheckpointIndex(path)
-    model, _ = load_model(path, lazy=True, get_model_classes=classes_without_head)
+    if takes_images(config):
+        model = load_lazily(path, config)  # its module paths are the checkpoint's tensor names
+    else:
+        model, _ = load_model(path, lazy=True, get_model_classes=classes_without_head)
     maps = []
     for name, container in expert_containers(model):
         params = dict(tree_flatten(container.parameters()))

@@ -109,6 +109,15 @@ def build_vision_model(config: dict):
     return module.Model(model_config)
 
 
+def load_lazily(path, config: dict):
+    """mlx-vlm's model of the checkpoint at `path` as its `load_model` builds it (weights
+    mapped, quantized layers in place), lazily: no tensor is read."""
+    mlx_vlm_module(config)  # one line when mlx-vlm is missing or lacks the type
+    from mlx_vlm.utils import load_model
+
+    return load_model(path, lazy=True)
+
+
 def unsupported_vision_reason(config: dict) -> str | None:
     return UNSUPPORTED_VISION.get(config.get("model_type"))
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..checkpoints.vision import mlx_vlm_module
+from ..checkpoints.vision import load_lazily
 from .request import VisionInput
 
 
@@ -77,10 +77,9 @@ class VisionLanguage(nn.Module):
 def load_vision_model(path: Path, config: dict):
     """(mlx-vlm's model of the checkpoint at `path`, built lazily: no tensor read, its
     config as mlx-vlm completed it, its processor)."""
-    mlx_vlm_module(config)  # one line when mlx-vlm is missing or lacks the type
-    from mlx_vlm.utils import load_image_processor, load_model, load_processor
+    model = load_lazily(path, config)
+    from mlx_vlm.utils import load_image_processor, load_processor
 
-    model = load_model(path, lazy=True)
     processor = load_processor(path, True, eos_token_ids=getattr(model.config, "eos_token_id", None))
     image_processor = load_image_processor(path)
     if image_processor is not None:
