@@ -121,8 +121,8 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
                                  time.perf_counter() - start, syncs.count() - syncs_before)
     if stops.hit is not None:
         stats["stop_sequence"] = stops.hit
-    if request.conversation_cache is not None and images_of(request):
-        stats["disk_cache_off"] = "a prompt with images"
+    if request.conversation_cache is not None and (off := disk_cache_off(loaded, request)):
+        stats["disk_cache_off"] = off
     stats.update(figures.as_dict())
     stats.update(fig.kv_figures(session.cache, kv, kv_note, prefill_step, ttft))
     if recorder is not None:
@@ -157,11 +157,19 @@ def begin(provider: ModelProvider, request: Request, out: Channel, carried: Carr
         processor.limit_tokens(max_tokens)
     kv, kv_note = kv_layout(loaded, request.kv)
     cache, new_tokens, reused = session.reuse_for(prompt, kv, images_of(request))
-    # equal tokens may stand for other images: the disk cache, keyed by tokens, is not used
-    disk = None if images_of(request) else disk_cache_for(provider, request, kv, carried)
+    disk = None if disk_cache_off(loaded, request) else disk_cache_for(provider, request, kv, carried)
     cache, new_tokens, reused, from_disk = cache_from_disk(disk, session, loaded, prompt, kv, cache, new_tokens, reused)
     out.put("started", Started(loaded.tokenizer, provider.checkpoint, prompt, reused))
     return Begun(prompt, max_tokens, kv, kv_note, cache, new_tokens, reused, disk, from_disk)
+
+
+def disk_cache_off(loaded, request: Request) -> str | None:
+    """Why the conversation cache on disk is not used for `request`, or None."""
+    if loaded.takes_images:  # mlx-vlm's cache classes, which mlx-lm's load_prompt_cache cannot load
+        return "a vision-language model"
+    if images_of(request):  # keyed by tokens, which do not tell two pictures apart
+        return "a prompt with images"
+    return None
 
 
 def images_of(request: Request) -> tuple[str, ...]:
