@@ -10,6 +10,7 @@ cache. Every MoE VLM module of the installed mlx-vlm is in the matrix or refused
 from __future__ import annotations
 
 import io
+import json
 from types import SimpleNamespace
 
 import llm
@@ -194,3 +195,34 @@ def test_a_packed_vision_checkpoint_answers_as_its_safetensors(checkpoints, engi
     packed, _, _ = _run(engine, path, 2, messages, reset=True)
     assert engine.loaded.store.packed is not None
     assert packed.tokens == plain.tokens
+
+
+def test_a_text_only_conversion_that_kept_its_vision_config_runs_on_mlx_lm(checkpoints, engine, tmp_path):
+    """A checkpoint converted by mlx-lm keeps config.json's vision_config but has no vision
+    tower: it runs as a text model (mlx-lm's), equal to stock mlx-lm, and takes no images."""
+    import shutil
+
+    from mlx_lm.utils import load_model
+    from safetensors.numpy import load_file, save_file
+
+    from exactness import greedy_tokens
+    from llm_mlx_streaming.checkpoints.config import read_config
+    from llm_mlx_streaming.checkpoints.vision import takes_images
+
+    path = tmp_path / "text-only"
+    shutil.copytree(checkpoints["qwen3_vl_moe"], path)
+    (path / "model.safetensors.index.json").unlink()
+    weights = load_file(path / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if k.startswith("language_model.")}, path / "model.safetensors")
+    config = json.loads((path / "config.json").read_text())
+    config["text_config"].setdefault("norm_topk_prob", True)  # what mlx-lm's qwen3_moe arguments need
+    (path / "config.json").write_text(json.dumps(config))
+    assert "vision_config" in config
+    assert not takes_images(read_config(path)) and takes_images(read_config(checkpoints["qwen3_vl_moe"]))
+
+    prompt = [5, 17, 42, 8, 99, 3, 61, 27]
+    expected = greedy_tokens(load_model(path)[0], prompt, TOKENS)
+    generation = engine.run(LoadSpec(path, expert_slots=2), Request(prompt=prompt, max_tokens=TOKENS))
+    list(generation)
+    assert not engine.loaded.takes_images
+    assert generation.tokens == expected

@@ -17,6 +17,7 @@ import re
 from ..errors import CheckpointError
 
 INSTALL = "pip install 'llm-mlx-streaming[vision]'"
+LANGUAGE_MODEL = "language_model."  # mlx-vlm's prefix of the language model's tensors
 
 _NO_FIXTURE = "no tiny fixture checks its streamed tokens against stock mlx-vlm yet: "
 
@@ -74,9 +75,10 @@ _IMPORT = re.compile(r"^from (\.{1,2})([\w.]*) import", re.MULTILINE)
 
 
 def takes_images(config: dict) -> bool:
-    """Whether `config` (a checkpoint's config.json) is a vision-language model's: it
-    describes a vision tower. Such a checkpoint is built with mlx-vlm; a text-only
-    checkpoint of a family both libraries know stays mlx-lm's."""
+    """Whether `config` (a checkpoint's, as checkpoints.config.read_config gives it) is a
+    vision-language model's: it describes a vision tower. Such a checkpoint is built with
+    mlx-vlm; a text-only checkpoint of a family both libraries know (read_config drops
+    the vision config a text-only conversion kept) stays mlx-lm's."""
     vision = config.get("vision_config")
     return isinstance(vision, dict) and bool(vision)
 

@@ -13,7 +13,8 @@ import json
 import math
 from pathlib import Path
 
-LANGUAGE_MODEL = "language_model."  # mlx-vlm's prefix of the language model's tensors
+from ..checkpoints.vision import LANGUAGE_MODEL
+
 DEFAULT_IMAGE_SIDE = 1024  # the side of a typical image, for processors that keep an image's own size
 PROCESSOR_FILE = "preprocessor_config.json"
 

@@ -8,15 +8,15 @@ the loader.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
-from ..errors import SettingsError
+from ..errors import CheckpointError, SettingsError
 from ..values import NAME_RE
 from .knobs import BUNDLED_NAME
 from .settings import ModelEntry, Settings, load_settings, save_settings
 from ..checkpoints import vision
+from ..checkpoints.config import read_config
 from ..checkpoints.default import SHIPPED, default_checkpoint
 
 MODEL_PREFIX = "mlx-stream"
@@ -99,8 +99,8 @@ def takes_images(name: Optional[str], settings: Optional[Settings] = None) -> bo
         settings = settings or load_settings()
         name = canonical_name(name or default_name(settings), settings)
         folder = SHIPPED if name == BUNDLED_NAME else checkpoint_for(name, settings)[0]
-        return vision.takes_images(json.loads((folder / "config.json").read_text()))
-    except (SettingsError, OSError, ValueError):
+        return vision.takes_images(read_config(folder))
+    except (SettingsError, CheckpointError, OSError, ValueError):
         return False
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from ..checkpoints.config import read_config
 from ..errors import MlxStreamError
 from ..options.registry import checkpoint_for, name_of
 from ..options.run_config import checked_name
@@ -54,7 +55,7 @@ def checkpoint(model_id: str) -> Optional[Checkpoint]:
     settings = load_settings()
     try:
         path, _ = checkpoint_for(checked_name(name_of(model_id), settings), settings)
-        config = json.loads((path / "config.json").read_text())
+        config = read_config(path)
     except (MlxStreamError, OSError, ValueError):
         return None
     return Checkpoint(path, config, _template(path))
