@@ -14,7 +14,7 @@ from pathlib import Path
 from ..errors import CheckpointError
 from ..experts.index import read_header, weight_files
 from .support import unsupported_reason
-from .vision import LANGUAGE_MODEL, build_vision_model, mlx_vlm_module, takes_images, unsupported_vision_reason
+from .vision import build_vision_model, is_vision_tensor, mlx_vlm_module, takes_images, unsupported_vision_reason
 from ..errors import one_line
 
 QUANT_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
@@ -56,15 +56,14 @@ def read_config(path: Path) -> dict:
 
 
 def _has_vision_tower(path: Path) -> bool:
-    """Whether the checkpoint holds any tensor outside its language model (mlx-vlm keeps
-    the language model's under `language_model.`, the vision tower's beside them)."""
+    """Whether the checkpoint holds any tensor of a vision tower or projector."""
     index = path / "model.safetensors.index.json"
     try:
         names = json.loads(index.read_text())["weight_map"] if index.exists() else \
             [n for f in weight_files(path) for n in read_header(f)]
     except (OSError, ValueError, KeyError, CheckpointError):
         return True  # unreadable: the checks that follow say why, in mlx-vlm's terms
-    return any(not name.startswith(LANGUAGE_MODEL) for name in names if name != "__metadata__")
+    return any(is_vision_tensor(name) for name in names if name != "__metadata__")
 
 
 def describe(config: dict) -> dict:

@@ -74,6 +74,11 @@ _MOE_SOURCE = re.compile(r"switch_layers|Switch(GLU|MLP|Linear)\b")
 _IMPORT = re.compile(r"^from (\.{1,2})([\w.]*) import", re.MULTILINE)
 
 
+def is_vision_tensor(key: str) -> bool:
+    """Whether `key` of a vision-language checkpoint is its vision tower's or projector's."""
+    return not key.startswith(LANGUAGE_MODEL)
+
+
 def takes_images(config: dict) -> bool:
     """Whether `config` (a checkpoint's, as checkpoints.config.read_config gives it) is a
     vision-language model's: it describes a vision tower. Such a checkpoint is built with

@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoints.config import config_field, decoder_shape, expert_container_paths, moe_shape, read_config
-from ..checkpoints.vision import takes_images
+from ..checkpoints.vision import is_vision_tensor, takes_images
 from ..errors import CheckpointError
 from ..experts.index import CheckpointIndex
 from .kv import FULL_PRECISION, KVSpec, blocker
 from .kv import bytes_per_element as bytes_per_element_of
-from .vision_footprint import is_vision_tensor, typical_image_tokens
+from .vision_footprint import typical_image_tokens
 
 KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens
 PREFILL_STEP = 2048  # mlx-lm's stream_generate prefills in chunks of this many tokens

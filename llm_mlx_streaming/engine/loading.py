@@ -50,11 +50,11 @@ class StreamingModel:
     expert_slots: int | Sequence[int] | None = None  # as last given to build_pools
     policy: str = DEFAULT_POLICY
     overlap: Overlap = field(default_factory=Overlap)  # reads overlapping compute, read-ahead
-    processor: object = None  # a vision-language model's processor (mlx-vlm's): images -> pixels
 
     @property
     def takes_images(self) -> bool:
-        return self.processor is not None
+        """A vision-language model's tokenizer carries its processor (engine/vision.Vision)."""
+        return getattr(self.tokenizer, "vision", None) is not None
 
     @property
     def pools(self) -> list[ExpertPool]:
@@ -116,7 +116,7 @@ def load_streaming(
 
         tokenizer.vision = Vision(processor, dict(vars(model.vlm.config)))
     loaded = StreamingModel(path, model, tokenizer, config, ExpertStore(threads, page_cache),
-                            overlap=Overlap(overlap), processor=processor)
+                            overlap=Overlap(overlap))
     named = getattr(model, "vlm", model)  # module paths are the checkpoint's tensor names
     containers = expert_containers(named)
     if not containers:

@@ -58,7 +58,7 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
         figures = spec.figures_for(request)
         run = None
         if figures.k != 0:  # k > 0 runs the draft-and-verify loop
-            figures.speculation_off = "a vision-language model" if loaded.takes_images else spec.off_reason(request)
+            figures.speculation_off = spec.off_reason(request, loaded)
             if figures.speculation_off is None:
                 run = spec.make_run(request, loaded, cache, prompt[:reused], new_tokens, max_tokens,
                                     carried.drafters, figures, prefill_step=prefill_step,

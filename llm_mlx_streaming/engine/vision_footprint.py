@@ -13,15 +13,9 @@ import json
 import math
 from pathlib import Path
 
-from ..checkpoints.vision import LANGUAGE_MODEL
 
 DEFAULT_IMAGE_SIDE = 1024  # the side of a typical image, for processors that keep an image's own size
 PROCESSOR_FILE = "preprocessor_config.json"
-
-
-def is_vision_tensor(key: str) -> bool:
-    """Whether `key` of a vision-language checkpoint is its vision tower's or projector's."""
-    return not key.startswith(LANGUAGE_MODEL)
 
 
 def typical_image_tokens(path: Path, config: dict) -> tuple[int, str]:

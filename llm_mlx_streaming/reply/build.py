@@ -63,7 +63,7 @@ def prepare(tokenizer, run: RunConfig, ask: Ask, grammar: Optional[str]) -> Prep
     vision = None
     if ask.suffix is not None:
         tokens, generation_prompt = fill_in_the_middle(tokenizer, raw_text(ask.messages), ask.suffix), ""
-    elif getattr(tokenizer, "vision", None) is not None and has_images(ask.messages):
+    elif _with_images(tokenizer, ask):
         if tools:
             raise PromptError("tools and images in one prompt are not supported yet")
         tokens, generation_prompt, vision = render_with_images(tokenizer, ask.messages, thinking=options.thinking)
@@ -88,10 +88,16 @@ def prepare(tokenizer, run: RunConfig, ask: Ask, grammar: Optional[str]) -> Prep
     return Prepared(request, generation_prompt, tools, one_call, budget_aware if ask.schema is not None else ())
 
 
+def _with_images(tokenizer, ask: Ask) -> bool:
+    """Whether `ask` is rendered by the vision model's processor: it has images, and the
+    tokenizer carries a processor (a text-only model's refuses them in render_prompt)."""
+    return getattr(tokenizer, "vision", None) is not None and has_images(ask.messages)
+
+
 def count(tokenizer, ask: Ask) -> int:
     """The prompt's tokens, rendered as a generation would render them."""
     tools = shown_tools(list(ask.tools), ask.options.tool_choice)
-    if getattr(tokenizer, "vision", None) is not None and has_images(ask.messages):
+    if _with_images(tokenizer, ask):
         return len(render_with_images(tokenizer, ask.messages, thinking=ask.options.thinking)[0])
     tokens, _ = render_prompt(tokenizer, ask.messages, thinking=ask.options.thinking, tools=tools or None)
     return len(tokens)

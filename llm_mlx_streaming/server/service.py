@@ -13,7 +13,6 @@ from typing import Any, Optional
 
 from fastapi import Request
 
-from ..checkpoints.vision import takes_images
 from ..errors import MlxStreamError, SettingsError, one_line
 from ..options import registry
 from ..options.run_config import configure
@@ -126,8 +125,7 @@ class Service:
     def takes_images(self, model_id: str) -> bool:
         """Whether the model's checkpoint is a vision-language model's."""
         if model_id not in self._takes_images:
-            found = checkpoint(model_id)
-            self._takes_images[model_id] = found is not None and takes_images(found.config)
+            self._takes_images[model_id] = registry.takes_images(self.name_of(model_id))
         return self._takes_images[model_id]
 
     async def load(self, model_id: str) -> None:

@@ -25,8 +25,10 @@ def figures_for(request) -> SpecFigures:
     return SpecFigures(k=values.k(request.k), draft=_draft_name(request))
 
 
-def off_reason(request) -> Optional[str]:
-    """Why this request must decode without drafts (None: it may speculate)."""
+def off_reason(request, loaded) -> Optional[str]:
+    """Why this request must decode without drafts on `loaded` (None: it may speculate)."""
+    if loaded.takes_images:  # its prompt is fed as embeddings, which the drafters do not take
+        return "a vision-language model"
     if not all_stateless(request.logits_processors):
         return "stateful logits processor"
     if request.sampler is not None:
