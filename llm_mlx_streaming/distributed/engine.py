@@ -179,6 +179,7 @@ class PipelineEngine(EngineManager):
             out.put("error", EngineError(f"{self.broken}; restart the ranks"))
 
     batches = False  # every rank steps each generation in lockstep
+    leaves_prefills = False  # the other ranks run each prefill chunk with rank 0 to its end
 
     def steps(self, responses):
         """Tells the other ranks the request as its first forward is about to run."""

@@ -180,6 +180,7 @@ class ModelProvider:
             raise EngineError(self.error or "no model is loaded")
 
     batches = True  # a provider that steps its generations itself (a pipeline rank) runs them alone
+    leaves_prefills = True  # a cancelled generation stops between prefill chunks (a pipeline's ranks cannot)
 
     def steps(self, responses):
         """The responses of one generation as respond() reads them; a pipeline rank

@@ -77,6 +77,11 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
 
         responses = stream_speculative(run, loaded.tokenizer)
     else:
+        def prefilled(done: int, _total: int) -> None:
+            if provider.leaves_prefills:  # a caller that has gone (or an exit) stops it at its next chunk
+                out.check_cancelled()
+            ACTIVITY.prefilled(flight, done)
+
         embeddings = None
         if loaded.takes_images:  # the whole prompt's embeddings, images in place; fed from `reused` on
             embeddings = loaded.model.embed(prompt, request.vision)[reused:]
@@ -86,7 +91,7 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
             logits_processors=with_history(request.logits_processors, prompt[:reused]) or None,
             prompt_cache=cache,
             prefill_step_size=prefill_step, **kv.generate_kwargs(),
-            prompt_progress_callback=lambda done, _: ACTIVITY.prefilled(flight, done),
+            prompt_progress_callback=prefilled,
         )
     responses = provider.steps(responses)
     # the dashboard's request in flight (activity.py)

@@ -4,11 +4,20 @@ One thread, because MLX computes one thing at a time anyway and the CPU backend'
 side stream belongs to the thread that made it. Callers queue a job and read what it
 produces from their own `Generation` (engine/generation.py), so a caller that stops
 reading never blocks the others.
+
+The process ends with the thread at rest (`_EngineThread.stop`, at exit): a thread that
+has run MLX's compiled functions must neither end nor wake once the interpreter
+finalizes, or the C++ runtime aborts the process ("terminate called without an active
+exception"). CPython ends a daemon thread that asks for the GIL then, and MLX's per-thread
+compile cache takes the GIL in its destructor as the thread ends. So it is never joined:
+its work is cancelled and it is left waiting for a job that never comes.
 """
 
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 from collections import deque
 from typing import Callable
 
@@ -38,6 +47,9 @@ def idle() -> bool:
     return _engine_thread().idle
 
 
+EXIT_WAIT_SECONDS = 30.0  # the longest an exit waits for the step under way (a prefill chunk, a load)
+
+
 class _EngineThread:
     """The one thread that runs every job, in submission order; a job never waits on
     another job."""
@@ -45,17 +57,24 @@ class _EngineThread:
     def __init__(self) -> None:
         self._jobs: deque = deque()
         self._ready = threading.Condition()
+        self._channels: weakref.WeakSet = weakref.WeakSet()  # of the jobs not yet over: what `stop` cancels
         self.idle = False
+        self.stopped = False
         threading.Thread(target=self._loop, name="mlx-stream-engine", daemon=True).start()
+        atexit.register(self.stop)
 
     def submit(self, job, channel: Channel, tag) -> None:
         with self._ready:
+            if self.stopped:  # the process is exiting
+                channel.put("error", Cancelled())
+                return
+            self._channels.add(channel)
             self._jobs.append((job, channel, tag))
-            self._ready.notify()
+            self._ready.notify_all()
 
     def take(self, accept: Callable) -> tuple | None:
         with self._ready:
-            if not self._jobs or not accept(self._jobs[0][2]):
+            if self.stopped or not self._jobs or not accept(self._jobs[0][2]):
                 return None
             _, channel, tag = self._jobs.popleft()
         channel.running.set()
@@ -69,6 +88,8 @@ class _EngineThread:
                 memory.release()
             with self._ready:
                 self.idle = not self._jobs
+                if self.idle:
+                    self._ready.notify_all()  # `stop` may be waiting for it
                 self._ready.wait_for(lambda: self._jobs)
                 job, channel, _ = self._jobs.popleft()
                 self.idle = False
@@ -82,6 +103,21 @@ class _EngineThread:
             finally:
                 channel.finished.set()
                 del job, channel
+
+    def stop(self, timeout: float = EXIT_WAIT_SECONDS) -> bool:
+        """Cancel every job, queued or running (a generation stops at its next token or
+        prefill chunk), run no more, and wait until the thread rests in its wait for the
+        next job, which never comes; whether it rests. Runs at exit, before the
+        interpreter finalizes; a second Ctrl-C stops the waiting."""
+        with self._ready:
+            self.stopped = True
+            self._jobs.clear()
+            for channel in list(self._channels):
+                channel.cancel.set()
+            try:
+                return self._ready.wait_for(lambda: self.idle, timeout)
+            except KeyboardInterrupt:
+                return False
 
 
 class Once:
