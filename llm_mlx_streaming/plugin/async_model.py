@@ -1,9 +1,11 @@
 """The ``llm.AsyncModel`` twin of every ``mlx-stream`` id.
 
-It shares the one process-wide engine with the sync model: the sync model's event
-stream runs in a worker thread (which only waits on the engine thread), and its
-events are handed to the event loop. Cancelling the awaiting task cancels the
-engine's generation, which stops at its next token; the worker thread then ends.
+It shares the one process-wide engine with the sync model and gives the same events:
+in this process it awaits the reply core's `AsyncReply` on the event loop, as the
+server does, so a prompt holds no thread of its own. A consumer that stops (its task
+cancelled, the stream closed) cancels the reply, which stops at the engine's next
+token. A prompt routed to a running `llm mlxs serve` reads the server's stream through
+the client's blocking HTTP connection, on a worker thread.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Callable, Iterator, Optional
 import llm
 
 from ..options.settings import Options
-from .model import MlxStreamModel
+from ..reply.core import AsyncReply
+from .model import MlxStreamModel, llm_events
 
 
 class MlxStreamAsyncModel(llm.AsyncModel):
@@ -36,22 +39,31 @@ class MlxStreamAsyncModel(llm.AsyncModel):
         return self.sync.attachment_types
 
     async def execute(self, prompt, stream, response, conversation):
-        async for event in in_worker(lambda hook: self.sync._execute(prompt, response, hook)):
-            yield event
+        ask, server = await asyncio.to_thread(self.sync.asked, prompt)  # it may ask a server's /health
+        if server is not None:
+            events = in_worker(lambda hook: server.answer(self.model_id, ask, hook))
+        else:
+            events = AsyncReply(ask).events()
+        try:
+            async for event in events:
+                for llm_event in llm_events(event, response):
+                    yield llm_event
+        finally:
+            await events.aclose()  # a reply the consumer left is cancelled, now
 
 
 async def in_worker(make: Callable[[Callable], Iterator]):
-    """Iterate `make(on_generation)` in a worker thread; cancel its generations when
-    the consumer stops early (task cancelled, generator closed)."""
+    """Iterate `make(on_handle)` in a worker thread; cancel the handles it is told of
+    when the consumer stops early (task cancelled, generator closed)."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
-    generations: list = []
+    handles: list = []
     stopped = threading.Event()
 
-    def hand(generation) -> None:  # one handed over after the consumer stopped is cancelled at once
-        generations.append(generation)
+    def hand(handle) -> None:  # one handed over after the consumer stopped is cancelled at once
+        handles.append(handle)
         if stopped.is_set():
-            generation.cancel()
+            handle.cancel()
 
     def post(item) -> None:
         try:
@@ -85,5 +97,5 @@ async def in_worker(make: Callable[[Callable], Iterator]):
     finally:
         if not finished:
             stopped.set()
-            for generation in list(generations):
-                generation.cancel()
+            for handle in list(handles):
+                handle.cancel()

@@ -9,12 +9,12 @@ so each turn passes the *whole* conversation and `llm chat` prefills only what i
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Optional
 
 import click
 import llm
 
-from ..client.client import running_server
+from ..client.client import ServerClient, running_server
 from ..options import registry
 from ..options.run_config import drafter
 from ..options.settings import Options, load_settings
@@ -53,16 +53,21 @@ class MlxStreamModel(llm.Model):
     def execute(self, prompt, stream, response, conversation):
         yield from self._execute(prompt, response)
 
-    def _execute(self, prompt, response, on_handle=None):
-        """llm's stream events for `prompt`; `on_handle` is told each handle whose
-        `cancel()` stops the reply (the async model cancels through it)."""
+    def _execute(self, prompt, response):
+        """llm's stream events for `prompt`."""
+        ask, server = self.asked(prompt)
+        events = server.answer(self.model_id, ask) if server else reply(ask)
+        for event in events:
+            yield from llm_events(event, response)
+
+    def asked(self, prompt) -> tuple[Ask, Optional[ServerClient]]:
+        """llm's prompt as the reply core's `Ask`, and the running server it goes to
+        (None: this process answers it)."""
         settings = load_settings()
         options = prompt.options
         drafter(options, settings)  # an unknown drafter is refused before a server sees it
-        server = running_server(options, settings)
         ask = Ask(self.name, prompt.messages, options, template_tools(function_tools(prompt)), schema_dict(prompt))
-        events = server.answer(self.model_id, ask, on_handle) if server else reply(ask, on_handle)
-        yield from llm_events(events, response)
+        return ask, running_server(options, settings)
 
 
 def schema_dict(prompt) -> Optional[dict]:
@@ -70,38 +75,40 @@ def schema_dict(prompt) -> Optional[dict]:
     return schema.model_json_schema() if hasattr(schema, "model_json_schema") else schema
 
 
-def llm_events(events: Iterator[Event], response) -> Iterator:
-    """The core's events as llm's; at the end the calls, the ids and the figures go on
-    `response`."""
+def llm_events(event: Event, response) -> list:
+    """One of the core's events as llm's; at the end the calls, the ids and the figures
+    go on `response`."""
     from llm.parts import StreamEvent
 
-    for event in events:
-        if isinstance(event, Chunk):
-            yield StreamEvent(type=event.kind, chunk=event.text)
-        elif isinstance(event, CallBegins):
-            yield StreamEvent(type="tool_call_name", chunk=event.name, tool_call_id=event.id)
-        elif isinstance(event, CallArguments):
-            yield StreamEvent(type="tool_call_args", chunk=event.text, tool_call_id=event.id)
-        elif isinstance(event, Finished):
-            yield from _finish(event.outcome, response)
+    if isinstance(event, Chunk):
+        return [StreamEvent(type=event.kind, chunk=event.text)]
+    if isinstance(event, CallBegins):
+        return [StreamEvent(type="tool_call_name", chunk=event.name, tool_call_id=event.id)]
+    if isinstance(event, CallArguments):
+        return [StreamEvent(type="tool_call_args", chunk=event.text, tool_call_id=event.id)]
+    if isinstance(event, Finished):
+        return _finish(event.outcome, response)
+    return []
 
 
-def _finish(outcome: Outcome, response) -> Iterator:
+def _finish(outcome: Outcome, response) -> list:
     """The reply's own token ids ride on its last part, logged with it, so a later turn
     reuses the KV cache exactly (prompt/render.py): on the last call too, since a reply
     that ends in calls has no text part to carry them."""
     from llm.parts import StreamEvent
 
     metadata = reply_metadata(outcome.tokens)
+    out = []
     for call in outcome.tool_calls:
         response.add_tool_call(llm.ToolCall(name=call.name, arguments=call.arguments, tool_call_id=call.id))
     if outcome.tool_calls:
-        yield StreamEvent(type="tool_call_args", chunk="", tool_call_id=outcome.tool_calls[-1].id,
-                          provider_metadata=metadata)
-    yield StreamEvent(type="text", chunk="", provider_metadata=metadata)
+        out.append(StreamEvent(type="tool_call_args", chunk="", tool_call_id=outcome.tool_calls[-1].id,
+                               provider_metadata=metadata))
+    out.append(StreamEvent(type="text", chunk="", provider_metadata=metadata))
     if notice := cut_short_notice(outcome.figures):
         click.echo(notice, err=True)
     response.set_usage(input=outcome.prompt_tokens, output=outcome.figures.get("generated_tokens"))
     response.response_json = outcome.figures
     if outcome.resolved_model:
         response.set_resolved_model(outcome.resolved_model)
+    return out
