@@ -57,6 +57,8 @@ class Service:
         self.rebuilds = 0  # rebuilds queued or running
         self.rebuild_error: Optional[str] = None
         self.disconnects = 0  # clients that went before their reply was complete
+        self.turns: set = set()  # the replies in flight (turns.Turn)
+        self.stopping = False
         self._tasks: set = set()
         self._unload_timer: Optional[asyncio.TimerHandle] = None  # Ollama's keep_alive
         self.unload_due: Optional[float] = None  # when it unloads the model (a time.time())
@@ -160,6 +162,14 @@ class Service:
         if self._unload_timer is not None:
             self._unload_timer.cancel()
         self._unload_timer = self.unload_due = None
+
+    def stop(self) -> None:
+        """The server stops: every reply in flight ends now (a stream with an error frame
+        saying so), and no other starts, so that no request is still running when uvicorn's
+        grace period is over (it would cancel it, with a traceback)."""
+        self.stopping = True
+        for turn in list(self.turns):
+            turn.reply.cancel()
 
     # -- runtime config -------------------------------------------------------
     def config(self) -> dict:

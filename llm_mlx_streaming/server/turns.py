@@ -29,11 +29,13 @@ KEEPALIVE_SECONDS = 5.0  # a stream waiting for its first token (a long prefill)
 
 class Turn:
     """A request's hold on the gate and its reply: finishing cancels the reply if it is
-    still going and passes the turn on, once."""
+    still going and passes the turn on, once. The service knows its turns in flight, to
+    end them when the server stops."""
 
     def __init__(self, service, reply: AsyncReply) -> None:
         self.service, self.reply = service, reply
         self._done = False
+        service.turns.add(self)
 
     @property
     def finished(self) -> bool:
@@ -45,6 +47,7 @@ class Turn:
         self._done = True
         self.reply.cancel()  # nothing once it has ended
         self.service.served += served
+        self.service.turns.discard(self)
         self.service.gate.release()
 
 
@@ -108,6 +111,8 @@ async def answer(service, request: Request, shape, model_id: str, messages: list
     await take_turn(service, request=request)
     service.keep_loaded()
     try:
+        if service.stopping:
+            raise _stopping()
         options = service.runtime.for_request(fields)  # now: a config change made while it waited applies
         options.setdefault("max_batch", service.gate.capacity)  # the requests it admits at once may batch
         ask = Ask(service.name_of(model_id), messages, Options.model_validate(options), tools, schema, grammar,
@@ -143,11 +148,15 @@ async def answer(service, request: Request, shape, model_id: str, messages: list
 
 async def _whole(service, turn: Turn, events, first, shape) -> dict:
     transcript = Transcript()
+    ended = False
     try:
         async for event in _chain(first, events):
             transcript.add(event)
+            ended = isinstance(event, Finished)
     finally:
         turn.finish(served=not turn.reply.cancelled)
+    if not ended:  # cancelled: the client has gone, or the server is stopping
+        raise _stopping()
     service.replies.remember(transcript)
     return shape.whole(transcript)
 
@@ -169,6 +178,8 @@ async def _stream(service, turn: Turn, events, first: asyncio.Future, shape):
                 break
             for frame in shape.delta(event):
                 yield frame
+        else:  # cancelled: the client has gone, or the server is stopping
+            raise _stopping()
         service.replies.remember(transcript)
         turn.finish(served=True)
         for frame in shape.closing(transcript):
@@ -176,6 +187,11 @@ async def _stream(service, turn: Turn, events, first: asyncio.Future, shape):
     except Exception as e:  # the status line is sent: the error goes in the stream
         for frame in shape.failure(error_for(e)):
             yield frame
+
+
+def _stopping() -> ApiError:
+    return ApiError(503, "the server is stopping; the reply was cut short", kind="server_error",
+                    code="server_stopping")
 
 
 async def _cancel_on_disconnect(service, request: Request, reply: AsyncReply) -> None:

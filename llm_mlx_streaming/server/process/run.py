@@ -12,6 +12,8 @@ import threading
 import time
 from typing import Optional
 
+import uvicorn
+
 from ... import discovery
 from ...errors import MlxStreamError, SettingsError
 from ...options import registry
@@ -42,8 +44,6 @@ class Server:
         discovery file: the file names it, so that it outlives this rank 0 while the ranks
         restart; this server takes over the file of its stand-in (server/standin.py) and
         leaves the file behind."""
-        import uvicorn
-
         from ..app import create_app
         from ..service import Service
 
@@ -81,7 +81,7 @@ class Server:
                                          self.service.secret)
         config = uvicorn.Config(create_app(self.service), log_level="warning", access_log=False,
                                 lifespan="on", timeout_graceful_shutdown=5)
-        self.uvicorn = uvicorn.Server(config)
+        self.uvicorn = _Uvicorn(config, self.service)
         self._thread: Optional[threading.Thread] = None
 
     @property
@@ -127,3 +127,16 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn, whose shutdown (Ctrl-C, SIGTERM, `stop`) first ends the replies in flight,
+    so that their streams close before its grace period is over."""
+
+    def __init__(self, config: uvicorn.Config, service) -> None:
+        super().__init__(config)
+        self.service = service
+
+    async def shutdown(self, sockets: Optional[list[socket.socket]] = None) -> None:
+        self.service.stop()
+        await super().shutdown(sockets)
