@@ -92,6 +92,8 @@ def test_claude_gets_the_server_its_key_and_model_everywhere_and_the_started_ser
     assert discovery.read() is None
     said = result.stderr
     assert "starting a server for mlx-stream/small" in said and "mlx-stream/small loaded in" in said
+    log = (agents.user_dir / "mlx-streaming" / "launch-serve.log").read_text()
+    assert "server stopped" in log and "terminate called" not in log and "Traceback" not in log  # a clean stop
 
 
 def test_codex_gets_a_codex_home_of_ours_and_the_users_own_is_untouched(agents):

@@ -1,0 +1,222 @@
+"""Every process that loaded the engine ends with its own exit status: a script on llm's
+Python API (sync and async, a schema, a stream left half read) and `llm mlxs serve`
+stopped by SIGINT or SIGTERM after agent traffic (Claude Code's and Codex's recorded
+requests, streamed, some cut short) or during a prefill. None may end in "terminate
+called without an active exception" (SIGABRT, the engine thread killed mid-step as the
+interpreter finalizes, engine/worker.py); the server's conversation cache and llm's
+logs.db are left whole."""
+
+from __future__ import annotations
+
+import copy
+import http.client
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import llm
+import pytest
+
+from fixtures.traffic import load
+from plugin_support import LlmEnv
+from server_support import wait_for
+
+ABNORMAL = ("terminate called", "Traceback", "Fatal Python error")
+
+SCRIPT = """\
+import asyncio, json, sys
+import llm
+
+model, later = llm.get_model("mlx-stream"), llm.get_async_model("mlx-stream")
+shaped = model.prompt("a person", schema=llm.schema_dsl("name, age int"), max_tokens=40).text()
+said = model.prompt("hello", max_tokens=4).text()
+
+async def prompted():
+    heard = await later.prompt("hello", max_tokens=4).text()
+    async for _ in later.prompt("hello", max_tokens=2000):
+        break  # left after its first chunk: the engine is still generating as the script ends
+    return heard
+
+print(json.dumps([json.loads(shaped), said, asyncio.run(prompted())]))
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_a_script_on_the_sync_and_async_models_exits_with_its_own_status(llm_env, tmp_path):
+    expected = llm.get_model("mlx-stream").prompt("hello", max_tokens=4).text()
+    script = tmp_path / "prompts.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "LLM_USER_PATH": str(llm_env.user_dir)}
+    for status in (0, 3, 0):  # each run ended in SIGABRT 9 times in 10 before the engine thread was stopped
+        run = subprocess.run([sys.executable, str(script), str(status)], env=env, capture_output=True, text=True,
+                             timeout=120)
+        said = run.stdout + run.stderr
+        assert run.returncode == status and not any(sign in said for sign in ABNORMAL), said
+        person, text, async_text = json.loads(run.stdout)
+        assert set(person) == {"name", "age"} and text == async_text == expected
+
+
+# -- the server ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def agent_checkpoint(build):
+    """test_agent_traffic's checkpoint: tool template, a 32k tokenizer, a 32k context."""
+    return build("qwen3_moe", tool_template=True, tokenizer_kind="bpe32k", max_position_embeddings=32768)
+
+
+@pytest.fixture
+def served(tmp_path, monkeypatch, agent_checkpoint):
+    """An llm user dir, and `start(**settings)`: `llm mlxs serve` on a free loopback port in
+    a subprocess, serving the agent checkpoint with these settings; (process, discovery info)."""
+    from llm_mlx_streaming import discovery
+
+    user_dir = tmp_path / "llm"
+    monkeypatch.setenv("LLM_USER_PATH", str(user_dir))
+    env = LlmEnv(user_dir, agent_checkpoint)
+    processes = []
+
+    def start(**settings):
+        env.write_settings(default_model="tiny", max_context=32768, **settings,
+                           models={"tiny": {"path": str(agent_checkpoint), "expert_slots": 8}})
+        llm_bin = os.path.join(os.path.dirname(sys.executable), "llm")
+        process = subprocess.Popen([llm_bin, "mlxs", "serve", "--port", "0", "--any-model"],
+                                   env={**os.environ, "LLM_USER_PATH": str(user_dir)},
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        processes.append(process)
+        wait_for(lambda: discovery.read() is not None or process.poll() is not None, timeout=60)
+        info = discovery.read()
+        assert info is not None and info.pid == process.pid, process.stderr.read()
+        return process, info
+
+    env.start = start
+    yield env
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait(30)
+
+
+def _cut(name: str, max_tokens: int = 8) -> dict:
+    """A recorded request made cheap to prefill: its first tools, its long texts cut
+    short, a few tokens to generate; still streamed, in its own API's shape."""
+    doc = copy.deepcopy(load(name))
+    body = doc["body"]
+    body["tools"] = body["tools"][:3]
+    for block in body.get("system") or []:
+        block["text"] = block["text"][:1500]
+    for item in body.get("input") or []:
+        for part in item.get("content") or []:
+            if isinstance(part, dict) and "text" in part:
+                part["text"] = part["text"][:1500]
+    body["max_output_tokens" if "input" in body else "max_tokens"] = max_tokens
+    return doc
+
+
+def _post(info, doc: dict, connection=None) -> http.client.HTTPConnection:
+    """Send `doc` as its client did (on `connection`, kept alive, if given)."""
+    conn = connection or http.client.HTTPConnection(info.host, info.port, timeout=120)
+    headers = {k: v for k, v in doc["headers"].items() if k not in ("authorization", "x-api-key", "content-length")}
+    conn.request(doc["method"], doc["path"], body=json.dumps(doc["body"]), headers=headers)
+    return conn
+
+
+def _reply(conn: http.client.HTTPConnection) -> http.client.HTTPResponse:
+    response = conn.getresponse()
+    assert response.status == 200, response.read()[:300]
+    return response
+
+
+def _events(response, count=None) -> list[str]:
+    """The stream's `data:` lines: `count` of them, or all."""
+    lines = []
+    while count is None or len(lines) < count:
+        line = response.readline()
+        if not line:
+            break
+        if line.startswith(b"data:"):
+            lines.append(line.decode())
+    return lines
+
+
+def _prefilling(info) -> bool:
+    """Whether the server is prefilling a prompt, past its first chunk."""
+    stats = http.client.HTTPConnection(info.host, info.port, timeout=30)
+    stats.request("GET", "/api/stats", headers={"Authorization": f"Bearer {info.secret}"})
+    flights = json.loads(stats.getresponse().read())["in_flight"]
+    stats.close()
+    return any(f["phase"] == "prefill" and f["prefill_done"] > 0 for f in flights)
+
+
+def _stopped(process, stop_signal: str) -> str:
+    """Signal the server and wait for it; what it said."""
+    process.send_signal(getattr(signal, stop_signal))
+    status = process.wait(60)
+    said = process.stderr.read()
+    assert status == 0 and not any(sign in said for sign in ABNORMAL), (status, said)
+    assert "server stopped" in said
+    return said
+
+
+def _left_whole(user_dir) -> int:
+    """The conversation cache's files all readable, none half written; their count."""
+    from llm_mlx_streaming.engine.cache_files import saved_header
+
+    files = list((user_dir / "mlx-streaming").glob("kv-cache/**/*.safetensors"))
+    assert not [f for f in files if f.name.startswith(".partial-")]
+    assert all(saved_header(f) is not None for f in files)
+    return len(files)
+
+
+@pytest.mark.parametrize("stop_signal", ["SIGINT", "SIGTERM"])
+def test_a_server_stopped_after_agent_traffic_exits_cleanly(served, stop_signal):
+    from llm_mlx_streaming import discovery
+
+    process, info = served.start()
+    kept = None
+    for name, whole in (("claude_code_turn1", True), ("codex_turn1", False), ("claude_code_turn2", True),
+                        ("codex_turn1", True), ("claude_code_turn1", False)):
+        kept = _post(info, _cut(name), kept if whole else None)  # the whole ones on one kept-alive connection
+        response = _reply(kept)
+        if whole:
+            assert json.loads(_events(response)[-1][5:])["type"] in ("message_stop", "response.completed")
+        else:
+            assert _events(response, 2)  # then the client goes away mid-stream
+            kept.close()
+            kept = None
+    result = served.run("-m", "mlx-stream", "-o", "max_tokens", "4", "hi")  # llm's own client, logged in logs.db
+    assert result.exit_code == 0, result.output
+    # the last, Codex's whole request (9,000 tokens), is cancelled during its prefill, and the
+    # signal comes at once: the engine is still in the chunk it had begun
+    doc = load("codex_turn1")
+    doc["body"]["max_output_tokens"] = 8
+    conn = _post(info, doc)
+    wait_for(lambda: _prefilling(info), timeout=60)
+    conn.close()
+    _stopped(process, stop_signal)
+    assert discovery.read() is None
+    assert _left_whole(served.user_dir) >= 1
+    db = sqlite3.connect(served.user_dir / "logs.db")
+    assert db.execute("pragma integrity_check").fetchone() == ("ok",)
+    [(stats,)] = db.execute("select response_json from turns").fetchall()
+    assert json.loads(stats)["served_by"] == info.url
+
+
+def test_a_server_stopped_during_a_prefill_exits_cleanly(served):
+    """SIGINT while the longest recorded request (Claude Code's, 19,700 tokens) is being
+    prefilled, its client waiting on the stream: the stream ends with an error saying
+    the server stops, and the prefill stops at its next chunk."""
+    process, info = served.start()
+    doc = load("claude_code_sonnet_turn1")
+    doc["body"]["max_tokens"] = 8
+    conn = _post(info, doc)
+    wait_for(lambda: _prefilling(info), timeout=60)
+    _stopped(process, "SIGINT")
+    last = json.loads(_events(_reply(conn))[-1][5:])
+    assert last["type"] == "error" and "the server is stopping" in last["error"]["message"]
+    conn.close()
+    _left_whole(served.user_dir)
