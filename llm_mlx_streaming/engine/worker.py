@@ -104,20 +104,20 @@ class _EngineThread:
                 channel.finished.set()
                 del job, channel
 
-    def stop(self, timeout: float = EXIT_WAIT_SECONDS) -> bool:
+    def stop(self, timeout: float = EXIT_WAIT_SECONDS) -> None:
         """Cancel every job, queued or running (a generation stops at its next token or
         prefill chunk), run no more, and wait until the thread rests in its wait for the
-        next job, which never comes; whether it rests. Runs at exit, before the
-        interpreter finalizes; a second Ctrl-C stops the waiting."""
+        next job, which never comes. Runs at exit, before the interpreter finalizes; a
+        second Ctrl-C stops the waiting."""
         with self._ready:
             self.stopped = True
             self._jobs.clear()
             for channel in list(self._channels):
                 channel.cancel.set()
             try:
-                return self._ready.wait_for(lambda: self.idle, timeout)
+                self._ready.wait_for(lambda: self.idle, timeout)
             except KeyboardInterrupt:
-                return False
+                pass
 
 
 class Once:
