@@ -408,3 +408,30 @@ def test_a_closed_or_dropped_generation_stops_at_the_next_token(qwen):
     assert engine.session.tokens == prompt + after.tokens[:len(engine.session.tokens) - len(prompt)]
     assert engine.bad_slots() == 0
     engine.unload()
+
+
+def test_stopping_the_engine_thread_cancels_its_jobs_and_leaves_it_at_rest():
+    """What runs at exit (engine/worker.py): the running job is cancelled, a queued one
+    never runs, a later one is refused, and stop returns once the thread waits idle."""
+    from llm_mlx_streaming.engine import worker
+    from llm_mlx_streaming.engine.generation import Cancelled, Generation
+
+    thread = worker._EngineThread()  # its own, so the process's engine thread goes on
+    began, ran = threading.Event(), []
+
+    def endless(out):  # a generation that stops only when cancelled
+        began.set()
+        while True:
+            out.check_cancelled()
+            time.sleep(0.001)
+
+    running, queued, late = Generation(), Generation(), Generation()
+    thread.submit(lambda: endless(running.channel), running.channel, None)
+    thread.submit(lambda: ran.append("queued"), queued.channel, None)
+    assert began.wait(60)
+    thread.stop(timeout=60)
+    assert thread.idle and running.channel.finished.is_set() and ran == []
+    thread.submit(lambda: ran.append("late"), late.channel, None)
+    with pytest.raises(Cancelled):
+        late.wait_started()
+    assert ran == []
