@@ -1,0 +1,201 @@
+"""What a tool-call format is: its markup and parser (mlx-lm's `tool_parsers/` shape:
+`tool_call_start`, `tool_call_end`, `parse_tool_call(text, tools)`), how to read its
+calls while they are still being written, how to force one, and how it is recognised
+when mlx-lm's own inference misses it.
+
+Calls are streamed as OpenAI's clients expect them, a name and then the arguments as
+JSON text in pieces whose concatenation is the whole arguments' JSON. Two shapes cover
+the families: the arguments are JSON in the markup (`json_calls`: streamed as written),
+or they are written one parameter at a time (`param_calls`: each parameter streamed
+once closed, read by the format's own parser, so the values are typed as it types them).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Protocol
+
+# (markup so far, whether the block is closed, the tools) -> [(name, arguments' JSON text so far)]
+Reading = Callable[[str, bool, Optional[list]], list[tuple[str, str]]]
+# (the grammar's writer, functions [{"name", "parameters"}]) -> lark rules call0, call1, ... (one call each)
+Grammar = Callable[["Lark", list[dict]], list[str]]
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """A family's tool-call format. `parser` names a module with mlx-lm's parser
+    interface. `reading` and `grammar` are None where calls are given whole when their
+    block closes and cannot be forced. `detect(template, vocab)` recognises the format
+    where mlx-lm's inference does not. `response_format` is mlx-lm's text-state-machine
+    spec for formats that write in channels (harmony). `blocks`: each call is its own
+    block (start ... end), else all the turn's calls share one."""
+
+    name: str
+    parser: str
+    reading: Optional[Reading] = None
+    grammar: Optional[Grammar] = None
+    detect: Optional[Callable[[str, dict], bool]] = None
+    response_format: Optional[dict] = None
+    blocks: bool = True
+    lead: str = ""  # what the reply writes before a call's start tag (harmony's channel header)
+
+    @property
+    def module(self):
+        return importlib.import_module(self.parser)
+
+    @property
+    def start(self) -> str:
+        return self.module.tool_call_start
+
+    @property
+    def end(self) -> str:
+        return self.module.tool_call_end
+
+    def parse(self, text: str, tools: Optional[list]) -> list[dict]:
+        """[{"name", "arguments" (a dict)}] of one block; ValueError if it holds no call."""
+        parsed: Any = self.module.parse_tool_call(text, tools)
+        calls = parsed if isinstance(parsed, list) else [parsed]
+        out = []
+        for call in calls:
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                raise ValueError(f"not a call: {call!r}")
+            arguments = call.get("arguments")
+            if arguments is None:
+                arguments = {}
+            if isinstance(arguments, str):
+                arguments = json.loads(arguments)
+            if not isinstance(arguments, dict):
+                raise ValueError(f"arguments that are not an object: {arguments!r}")
+            out.append({"name": call["name"], "arguments": arguments})
+        if not out:
+            raise ValueError("no call")
+        return out
+
+
+def partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+def json_calls(head: str, call_end: str = "", tail: str = r"\s*", held: str = r"\s*") -> Reading:
+    """Calls written as a head naming the function (`head`, a regex with a group
+    `name`) followed by the arguments' JSON, which ends at `call_end`, the next head or
+    the end of the block; `tail` is what follows the JSON there (stripped), `held` what
+    may still turn out to be that tail while the block is open (held back)."""
+    heads = re.compile(head, re.S)
+    tail_re, held_re = re.compile(f"(?:{tail})\\Z", re.S), re.compile(f"(?:{held})\\Z", re.S)
+
+    def reading(text: str, closed: bool, tools=None) -> list[tuple[str, str]]:
+        found = list(heads.finditer(text))
+        out = []
+        for i, match in enumerate(found):
+            stop = found[i + 1].start() if i + 1 < len(found) else len(text)
+            region = text[match.end():stop]
+            ended = closed or i + 1 < len(found)
+            if call_end and call_end in region:
+                region, ended = region[: region.index(call_end)], True
+            elif not ended and call_end:
+                region = region[: len(region) - partial_suffix(region, call_end)]
+            cut = (tail_re.search(region) if ended else None) or held_re.search(region)
+            region = region[: cut.start()]
+            out.append((match.group("name"), region))
+        return out
+
+    return reading
+
+
+def param_calls(head: str, closed_parameter: str, closing: str) -> Callable[[str], Reading]:
+    """For a format whose calls write one parameter at a time: a call starts at `head`
+    (a regex with a group `name`), a parameter is complete at the end of a match of
+    `closed_parameter`, and `closing` completes a call cut after a parameter so the
+    format's parser reads it. Given the format's parser module path, the Reading."""
+    heads, params = re.compile(head, re.S), re.compile(closed_parameter, re.S)
+
+    def for_parser(parser: str) -> Reading:
+        def reading(text: str, closed: bool, tools=None) -> list[tuple[str, str]]:
+            module = importlib.import_module(parser)
+            found = list(heads.finditer(text))
+            out = []
+            for i, match in enumerate(found):
+                stop = found[i + 1].start() if i + 1 < len(found) else len(text)
+                region = text[match.start():stop]
+                ended = closed or i + 1 < len(found)
+                if not ended:
+                    last = None
+                    for last in params.finditer(region):
+                        pass
+                    region = (region[: last.end()] if last else region[: match.end() - match.start()]) + closing
+                try:
+                    parsed = module.parse_tool_call(region, tools)
+                except Exception:  # not yet a call its parser reads
+                    parsed = None
+                call = parsed[0] if isinstance(parsed, list) and parsed else parsed
+                arguments = call.get("arguments") if isinstance(call, dict) else None
+                if not isinstance(arguments, dict):
+                    if ended:
+                        break
+                    arguments = {}
+                text_so_far = json.dumps(arguments, ensure_ascii=False)
+                out.append((match.group("name"), text_so_far if ended else text_so_far[:-1]))
+            return out
+
+        return reading
+
+    return for_parser
+
+
+def literal(text: str) -> str:
+    """A lark string literal."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+class Lark(Protocol):
+    """What a format's grammar is written with (given by the caller, who knows the
+    tokenizer and how JSON is constrained)."""
+
+    def tag(self, text: str) -> str:
+        """A markup tag: the special token it is, when it is one, else its text."""
+
+    def json(self, schema: dict) -> str:
+        """A value following a JSON schema."""
+
+
+def json_grammar(write: Callable[[Lark, str, str], str]) -> Grammar:
+    """Forcing for calls whose arguments are JSON: `write(lark, name, arguments)` is
+    the lark of one call, given the rule its arguments follow."""
+    def grammar(lark, functions):
+        lines = []
+        for i, function in enumerate(functions):
+            lines.append(f"arguments{i}: {lark.json(function.get('parameters') or {'type': 'object'})}")
+            lines.append(f"call{i}: {write(lark, function['name'], f'arguments{i}')}")
+        return lines
+
+    return grammar
+
+
+def param_grammar(write: Callable[[Lark, str, str], str], parameter: Callable[[Lark, str, str], str]) -> Grammar:
+    """Forcing for calls written one parameter at a time: `write(lark, name, params)` is
+    the lark of one call around its parameters, `parameter(lark, key, value)` that of
+    one parameter. The required parameters are written in the schema's order; a string
+    is text without markup, any other type JSON of its schema."""
+    def grammar(lark, functions):
+        lines = []
+        for i, function in enumerate(functions):
+            schema = function.get("parameters") or {}
+            properties = schema.get("properties") or {}
+            parts = []
+            for j, key in enumerate(k for k in properties if k in (schema.get("required") or ())):
+                spec = properties[key] or {}
+                value = f"value{i}_{j}"
+                lines.append(f"{value}: " + ("/[^<]*/" if spec.get("type") == "string" else lark.json(spec)))
+                parts.append(parameter(lark, key, value))
+            lines.append(f"call{i}: {write(lark, function['name'], ' '.join(parts) or literal(''))}")
+        return lines
+
+    return grammar

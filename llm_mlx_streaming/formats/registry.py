@@ -1,0 +1,79 @@
+"""Which format a checkpoint's tool calls are in, and the tokenizer told about it.
+
+mlx-lm infers a parser from the chat template (or `tool_parser_type` in the tokenizer
+config) when it loads a tokenizer; that choice stands. Where it finds none, the formats
+of ours are asked in turn, from the template's text and the vocabulary (never from the
+model's name). The format found is set on mlx-lm's tokenizer wrapper (its tool markup,
+parser and response format), so mlx-lm's own text state machine splits the reply.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+from .base import ToolFormat
+
+# Ours, one module each (a FORMAT): where mlx-lm has a parser, what it lacks (streaming,
+# forcing, a detection); where it has none, the parser too. The order is detection's.
+MODULES = ("json_tools", "qwen3_coder", "glm47", "minimax_m2", "kimi_k2", "mistral", "gemma4", "pythonic",
+           "deepseek_v31", "deepseek_v32", "harmony")
+
+
+def formats() -> list[ToolFormat]:
+    out = []
+    for name in MODULES:
+        try:
+            module = importlib.import_module(f"{__package__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__package__}.{name}":
+                raise
+            continue
+        out.append(module.FORMAT)
+    return out
+
+
+def by_name(name: str) -> ToolFormat:
+    """A format by its name: ours, or mlx-lm's parser module of that name as it is."""
+    for fmt in formats():
+        if fmt.name == name:
+            return fmt
+    return ToolFormat(name, f"mlx_lm.tool_parsers.{name}")
+
+
+def find_format(tokenizer) -> Optional[ToolFormat]:
+    """The format of a tokenizer mlx-lm loaded (`mlx_lm.utils.load_tokenizer`)."""
+    inferred = (getattr(tokenizer, "init_kwargs", None) or {}).get("tool_parser_type")
+    if inferred:
+        return by_name(inferred)
+    template = getattr(tokenizer, "chat_template", None)
+    template = template if isinstance(template, str) else ""
+    vocab = tokenizer.get_vocab()
+    return next((f for f in formats() if f.detect is not None and f.detect(template, vocab)), None)
+
+
+def install(tokenizer) -> Optional[ToolFormat]:
+    """Find the tokenizer's format and give mlx-lm's wrapper its markup, parser and
+    response format (what mlx-lm's own inference would have set, had it known it)."""
+    fmt = find_format(tokenizer)
+    tokenizer.tool_format = fmt
+    if fmt is None:
+        return None
+    module = fmt.module
+    encode = lambda tag: tuple(tokenizer.encode(tag, add_special_tokens=False)) if tag else None  # noqa: E731
+    tokenizer._tool_parser = module.parse_tool_call
+    tokenizer._tool_call_start, tokenizer._tool_call_end = module.tool_call_start, module.tool_call_end
+    tokenizer._tool_call_start_tokens = encode(module.tool_call_start)
+    tokenizer._tool_call_end_tokens = encode(module.tool_call_end)
+    if fmt.response_format is not None and not tokenizer.response_transitions:
+        tokenizer._response_format = fmt.response_format
+    return fmt
+
+
+def format_of(tokenizer) -> Optional[ToolFormat]:
+    """The format installed on a tokenizer, installed first where it was loaded
+    elsewhere (a test's, a draft model's)."""
+    try:
+        return tokenizer.tool_format
+    except AttributeError:
+        return install(tokenizer)
