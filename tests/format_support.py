@@ -1,0 +1,175 @@
+"""What the tool-call format tests (tests/test_format_*.py) share.
+
+- `family_tokenizer`: a real tokenizer with a family's special tokens and its real chat
+  template, loaded through mlx-lm as a checkpoint's is (mlx-lm infers the parser from the
+  template, then `formats.registry.install` gives it our format). Build it once per module.
+- `read_reply`: a reply's text, fed in pieces, split by `prompt.split.ReplySplitter` and
+  its calls read by `prompt.tools.CallReader` as reply/core.py's Replier does.
+- `forced` and `accepts`: a forced-call grammar, and whether an llguidance matcher over
+  the tokenizer takes a text whole.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+TEMPLATES = Path(__file__).parent / "data" / "templates"
+
+
+def template(name: str) -> str:
+    """A real chat template kept under tests/data/templates/."""
+    return (TEMPLATES / name).read_text(encoding="utf-8")
+
+
+def family_tokenizer(chat_template: str, special: Sequence[str], eos: str, bos: Optional[str] = None,
+                     added: Sequence[str] = ()):
+    """mlx-lm's TokenizerWrapper for a family: the tiny BPE of fixtures/tokenizer.py whose
+    added tokens are replaced by the family's (`special` tokens, then `added` ones that
+    are not special; one id each), with `chat_template`, `eos` ending a turn and `bos`
+    starting the text."""
+    from mlx_lm.tokenizer_utils import load
+    from tokenizers import AddedToken, Tokenizer
+
+    from fixtures.tokenizer import tokenizer_json
+    from llm_mlx_streaming.formats.registry import install
+
+    data = json.loads(tokenizer_json("tiny"))
+    data["added_tokens"] = []
+    hf = Tokenizer.from_str(json.dumps(data))
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    hf.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
+              "pad_token": None, "unk_token": None, "add_prefix_space": False,
+              "clean_up_tokenization_spaces": False, "model_max_length": 4096, "chat_template": chat_template}
+    with tempfile.TemporaryDirectory() as directory:
+        (Path(directory) / "tokenizer.json").write_text(hf.to_str(), encoding="utf-8")
+        (Path(directory) / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+        tokenizer = load(Path(directory))
+    install(tokenizer)
+    return tokenizer
+
+
+def tool(name: str, properties: dict, required: Optional[Iterable[str]] = None) -> dict:
+    """A function spec as the template and the parsers get it (all parameters required
+    unless `required` says otherwise)."""
+    return {"type": "function", "function": {
+        "name": name, "description": f"{name} something",
+        "parameters": {"type": "object", "properties": properties,
+                       "required": list(properties if required is None else required)}}}
+
+
+WEATHER = tool("get_weather", {"city": {"type": "string"}})
+# A parameter of each JSON type.
+TYPED = tool("book", {"title": {"type": "string"}, "copies": {"type": "integer"}, "price": {"type": "number"},
+                      "gift": {"type": "boolean"}, "shelf": {"type": "object", "properties": {"row": {"type": "integer"}}},
+                      "tags": {"type": "array", "items": {"type": "string"}}})
+TYPED_ARGUMENTS = {"title": "Dune", "copies": 2, "price": 9.5, "gift": True, "shelf": {"row": 3}, "tags": ["sf", "classic"]}
+
+
+@dataclass
+class Reply:
+    """What a reply was read into: the events in order (("text" | "reasoning", chunk),
+    ("name", id, name), ("arguments", id, piece)), the index of the piece fed when each
+    came (`at`; the number of pieces for those of the end), and the calls at the end."""
+
+    events: list = field(default_factory=list)
+    at: list = field(default_factory=list)
+    calls: list = field(default_factory=list)
+
+    def text(self, kind: str = "text") -> str:
+        return "".join(e[1] for e in self.events if e[0] == kind)
+
+    def names(self) -> list[str]:
+        return [e[2] for e in self.events if e[0] == "name"]
+
+    def arguments(self) -> list:
+        """Each call's streamed argument pieces joined and parsed, in call order."""
+        ids = [e[1] for e in self.events if e[0] == "name"]
+        return [json.loads("".join(e[2] for e in self.events if e[0] == "arguments" and e[1] == i)) for i in ids]
+
+    def when(self, kind: str) -> list[int]:
+        """The pieces at which events of a kind came, in order."""
+        return [at for at, e in zip(self.at, self.events) if e[0] == kind]
+
+
+def read_reply(tokenizer, pieces: Iterable[str], tools: list[dict], generation_prompt: str = "",
+               finish: str = "stop") -> Reply:
+    """The reply `pieces` make, read as reply/core.py's Replier reads it (`finish`: how
+    the generation ended; "stop" closes a block left open, as the end of turn does)."""
+    from llm_mlx_streaming.prompt.split import TOOL, TOOL_TEXT, UNFINISHED_TOOL, ReplySplitter, initial_state
+    from llm_mlx_streaming.prompt.tools import CallReader
+
+    splitter = ReplySplitter(tokenizer, initial_state(tokenizer, generation_prompt))
+    reader = CallReader(tokenizer, tools)
+    reply = Reply()
+
+    def take(at: int, kind: str, chunk: str) -> None:
+        events = []
+        if kind == TOOL_TEXT:
+            events = reader.piece(chunk)
+        elif kind in (TOOL, UNFINISHED_TOOL):
+            closed = reader.close(chunk, finished=kind == TOOL)
+            if closed is None:
+                end = tokenizer.tool_call_end if kind == TOOL else ""
+                events = [("text", f"{tokenizer.tool_call_start}{chunk}{end}")]
+            else:
+                events = closed[0]
+                reply.calls.extend(closed[1])
+        elif chunk:
+            events = [(kind, chunk)]
+        reply.events.extend(events)
+        reply.at.extend([at] * len(events))
+
+    n = 0
+    for n, piece in enumerate(pieces):
+        for kind, chunk in splitter.feed(piece):
+            take(n, kind, chunk)
+    for kind, chunk in splitter.flush():
+        take(n + 1, TOOL if kind == UNFINISHED_TOOL and finish == "stop" else kind, chunk)
+    return reply
+
+
+def cuts(text: str) -> Iterable[list[str]]:
+    """The text cut in two at every position, then in one-character pieces."""
+    for i in range(1, len(text)):
+        yield [text[:i], text[i:]]
+    yield list(text)
+
+
+def forced(tokenizer, tools: list[dict], choice: str = "required", parallel: Optional[bool] = None,
+           thinking: bool = False) -> str:
+    """The grammar that forces the reply to be calls of `tools`, as the server asks it."""
+    from llm_mlx_streaming.prompt.tools import forced_call_grammar
+
+    return forced_call_grammar(tokenizer, tools, choice, parallel=parallel, thinking=thinking)
+
+
+def accepts(tokenizer, grammar: str, text: str) -> bool:
+    """Whether a reply of exactly `text` (encoded as the model writes it: each tag its
+    own token) is one the grammar allows, through to its end."""
+    import llguidance
+
+    from llm_mlx_streaming.prompt.constrained import ll_tokenizer
+
+    hf = tokenizer._tokenizer
+    matcher = llguidance.LLMatcher(ll_tokenizer(hf, len(hf), [tokenizer.eos_token_id]), grammar, log_level=0)
+    return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+
+def rendered_call(tokenizer, calls: list[dict], tools: list[dict]) -> str:
+    """What the real template writes for an assistant turn making `calls` ([{"name",
+    "arguments"}]): from its tool-call start tag through its last end tag (where the
+    format has none, up to the end of the turn)."""
+    ask, thanks = "@ask@", "@thanks@"
+    messages = [{"role": "user", "content": ask},
+                {"role": "assistant", "content": "",
+                 "tool_calls": [{"id": f"call{i:09d}", "type": "function", "function": c} for i, c in enumerate(calls)]},
+                {"role": "user", "content": thanks}]
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    turn = text[text.index(ask) + len(ask):text.index(thanks)]
+    start, end = turn.index(tokenizer.tool_call_start), tokenizer.tool_call_end
+    return turn[start:turn.rindex(end) + len(end)] if end else turn[start:turn.index(tokenizer.eos_token, start)]
