@@ -83,6 +83,10 @@ class Reply:
     def text(self, kind: str = "text") -> str:
         return "".join(e[1] for e in self.events if e[0] == kind)
 
+    def found(self) -> list[dict]:
+        """The calls, as {"name", "arguments"}."""
+        return [{"name": c["name"], "arguments": c["arguments"]} for c in self.calls]
+
     def names(self) -> list[str]:
         return [e[2] for e in self.events if e[0] == "name"]
 
@@ -133,11 +137,12 @@ def read_reply(tokenizer, pieces: Iterable[str], tools: list[dict], generation_p
     return reply
 
 
-def cuts(text: str) -> Iterable[list[str]]:
-    """The text cut in two at every position, then in one-character pieces."""
+def every_way(tokenizer, text: str, tools: list[dict], generation_prompt: str = "") -> Iterable[tuple]:
+    """(pieces, the Reply they make) for the text cut in two at every position, then in
+    one-character pieces (the last)."""
     for i in range(1, len(text)):
-        yield [text[:i], text[i:]]
-    yield list(text)
+        yield [text[:i], text[i:]], read_reply(tokenizer, [text[:i], text[i:]], tools, generation_prompt)
+    yield list(text), read_reply(tokenizer, list(text), tools, generation_prompt)
 
 
 def forced(tokenizer, tools: list[dict], choice: str = "required", parallel: Optional[bool] = None,

@@ -4,10 +4,12 @@ calls while they are still being written, how to force one, and how it is recogn
 when mlx-lm's own inference misses it.
 
 Calls are streamed as OpenAI's clients expect them, a name and then the arguments as
-JSON text in pieces whose concatenation is the whole arguments' JSON. Two shapes cover
+JSON text in pieces whose concatenation is the whole arguments' JSON. Three shapes cover
 the families: the arguments are JSON in the markup (`json_calls`: streamed as written),
-or they are written one parameter at a time (`param_calls`: each parameter streamed
-once closed, read by the format's own parser, so the values are typed as it types them).
+they are written one parameter at a time in markup (`param_calls`), or in a literal
+syntax of the format's own (`literal_calls`: Python's keywords, Gemma's objects); in
+the last two each parameter is streamed once complete, read by the format's own parser,
+so the values are typed as it types them.
 """
 
 from __future__ import annotations
@@ -148,6 +150,72 @@ def param_calls(head: str, closed_parameter: str, closing: str) -> Callable[[str
         return reading
 
     return for_parser
+
+
+def literal_calls(head: str, quotes: tuple[str, ...], escapes: bool, call: Callable[[str, str], str]
+                  ) -> Callable[[str], Reading]:
+    """For a format that writes a call as a name and its arguments in a literal syntax
+    of its own (Python's keywords, Gemma's objects): a call starts at `head` (a regex with
+    a group `name`, ending at the bracket that opens the arguments); its arguments run to
+    the matching bracket, parameters apart at the commas outside strings (delimited by
+    any of `quotes`, a backslash escaping where `escapes`) and brackets. Each parameter
+    is streamed once the next begins, read by the format's parser from `call(name,
+    the parameters so far)`. Given the parser's module path, the Reading."""
+    heads = re.compile(head, re.S)
+
+    def for_parser(parser: str) -> Reading:
+        def reading(text: str, closed: bool, tools=None) -> list[tuple[str, str]]:
+            module = importlib.import_module(parser)
+            out, at = [], 0
+            while match := heads.search(text, at):
+                commas, end = _arguments(text, match.end(), quotes, escapes)
+                done = text[match.end():end if end is not None else (commas[-1] if commas else match.end())]
+                try:
+                    parsed = module.parse_tool_call(call(match.group("name"), done), tools)
+                    arguments = (parsed[0] if isinstance(parsed, list) else parsed)["arguments"]
+                except Exception:  # not yet arguments its parser reads
+                    arguments = None
+                if not isinstance(arguments, dict):
+                    if end is not None:
+                        break
+                    arguments = {}
+                text_so_far = json.dumps(arguments, ensure_ascii=False)
+                out.append((match.group("name"), text_so_far if end is not None else text_so_far[:-1]))
+                if end is None:
+                    break
+                at = end + 1
+            return out
+
+        return reading
+
+    return for_parser
+
+
+def _arguments(text: str, start: int, quotes: tuple[str, ...], escapes: bool) -> tuple[list[int], Optional[int]]:
+    """From just inside an opening bracket: where the commas between its parameters
+    are, and where its closing bracket is (None while it is not written)."""
+    commas, depth, i = [], 1, start
+    while i < len(text):
+        quote = next((q for q in quotes if text.startswith(q, i)), None)
+        if quote:
+            i += len(quote)
+            while i < len(text) and not text.startswith(quote, i):
+                i += 2 if escapes and text[i] == "\\" else 1
+            if i >= len(text):
+                return commas, None
+            i += len(quote)
+            continue
+        char = text[i]
+        if char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+            if depth == 0:
+                return commas, i
+        elif char == "," and depth == 1:
+            commas.append(i)
+        i += 1
+    return commas, None
 
 
 def literal(text: str) -> str:
