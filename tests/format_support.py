@@ -165,14 +165,15 @@ def accepts(tokenizer, grammar: str, text: str) -> bool:
     return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
 
 
-def rendered_call(tokenizer, calls: list[dict], tools: list[dict]) -> str:
+def rendered_call(tokenizer, calls: list[dict], tools: list[dict], ids: Optional[list[str]] = None) -> str:
     """What the real template writes for an assistant turn making `calls` ([{"name",
-    "arguments"}]): from its tool-call start tag through its last end tag (where the
-    format has none, up to the end of the turn)."""
+    "arguments"}], with `ids` or ids of nine digits): from its tool-call start tag through
+    its last end tag (where the format has none, up to the end of the turn)."""
     ask, thanks = "@ask@", "@thanks@"
+    ids = ids or [f"{i:09d}" for i in range(len(calls))]
     messages = [{"role": "user", "content": ask},
                 {"role": "assistant", "content": "",
-                 "tool_calls": [{"id": f"call{i:09d}", "type": "function", "function": c} for i, c in enumerate(calls)]},
+                 "tool_calls": [{"id": i, "type": "function", "function": c} for i, c in zip(ids, calls)]},
                 {"role": "user", "content": thanks}]
     text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
     turn = text[text.index(ask) + len(ask):text.index(thanks)]

@@ -218,6 +218,9 @@ def _arguments(text: str, start: int, quotes: tuple[str, ...], escapes: bool) ->
     return commas, None
 
 
+BOOLEAN = "/true|false|True|False/"  # a boolean as JSON or Python writes it, in lark
+
+
 def literal(text: str) -> str:
     """A lark string literal."""
     return json.dumps(text, ensure_ascii=False)
@@ -247,11 +250,18 @@ def json_grammar(write: Callable[[Lark, str, str], str]) -> Grammar:
     return grammar
 
 
-def param_grammar(write: Callable[[Lark, str, str], str], parameter: Callable[[Lark, str, str], str]) -> Grammar:
+def param_grammar(write: Callable[[Lark, str, str], str], parameter: Callable[[Lark, str, str], str],
+                  closing: str = "") -> Grammar:
     """Forcing for calls written one parameter at a time: `write(lark, name, params)` is
     the lark of one call around its parameters, `parameter(lark, key, value)` that of
-    one parameter. The required parameters are written in the schema's order; a string
-    is text without markup, any other type JSON of its schema."""
+    one parameter, and `closing` the text after each value, where it could be taken for
+    more of a string (Qwen3-Coder's line break before </parameter>): a string and its
+    closing are then one lexeme, which ends where the closing first comes. The required
+    parameters are written in the schema's order; a string is text without markup, a
+    boolean as JSON or Python writes it (templates write either, the parsers read both),
+    any other type JSON of its schema."""
+    end = f" {literal(closing)}" if closing else ""
+
     def grammar(lark, functions):
         lines = []
         for i, function in enumerate(functions):
@@ -259,9 +269,11 @@ def param_grammar(write: Callable[[Lark, str, str], str], parameter: Callable[[L
             properties = schema.get("properties") or {}
             parts = []
             for j, key in enumerate(k for k in properties if k in (schema.get("required") or ())):
-                spec = properties[key] or {}
-                value = f"value{i}_{j}"
-                lines.append(f"{value}: " + ("/[^<]*/" if spec.get("type") == "string" else lark.json(spec)))
+                kind, value = (properties[key] or {}).get("type"), f"value{i}_{j}"
+                if kind == "string":
+                    lines.append(f"{value}{'[lazy]' if closing else ''}: /[^<]*/{end}")
+                else:
+                    lines.append(f"{value}: {BOOLEAN if kind == 'boolean' else lark.json(properties[key])}{end}")
                 parts.append(parameter(lark, key, value))
             lines.append(f"call{i}: {write(lark, function['name'], ' '.join(parts) or literal(''))}")
         return lines

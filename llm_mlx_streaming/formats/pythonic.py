@@ -2,11 +2,10 @@
 a <|tool_call_start|> block (mlx-lm's pythonic, which reads the values as Python
 literals, JSON's true/false/null too)."""
 
-from .base import ToolFormat, literal, literal_calls
+from .base import BOOLEAN, ToolFormat, literal, literal_calls
 
 PARSER = "mlx_lm.tool_parsers.pythonic"
 STRING = r"""/"[^"\\<\n]*"/ | /'[^'\\<\n]*'/"""
-BOOLEAN = "/true|false|True|False/"
 
 
 def grammar(lark, functions):

@@ -11,5 +11,6 @@ FORMAT = ToolFormat(
     reading=param_calls(r"<function=(?P<name>[^\s<>]+)>", r"</parameter>", "\n</function>")(PARSER),
     grammar=param_grammar(
         lambda lark, name, params: f'"\\n" {literal(f"<function={name}>")} "\\n" {params} "</function>\\n"',
-        lambda lark, key, value: f'{literal(f"<parameter={key}>")} "\\n" {value} "\\n</parameter>\\n"'),
+        lambda lark, key, value: f'{literal(f"<parameter={key}>")} "\\n" {value}',
+        closing="\n</parameter>\n"),
 )
