@@ -168,7 +168,7 @@ def literal_calls(head: str, quotes: tuple[str, ...], escapes: bool, call: Calla
             module = importlib.import_module(parser)
             out, at = [], 0
             while match := heads.search(text, at):
-                commas, end = _arguments(text, match.end(), quotes, escapes)
+                commas, end = bracketed(text, match.end(), quotes, escapes)
                 done = text[match.end():end if end is not None else (commas[-1] if commas else match.end())]
                 try:
                     parsed = module.parse_tool_call(call(match.group("name"), done), tools)
@@ -191,9 +191,10 @@ def literal_calls(head: str, quotes: tuple[str, ...], escapes: bool, call: Calla
     return for_parser
 
 
-def _arguments(text: str, start: int, quotes: tuple[str, ...], escapes: bool) -> tuple[list[int], Optional[int]]:
-    """From just inside an opening bracket: where the commas between its parameters
-    are, and where its closing bracket is (None while it is not written)."""
+def bracketed(text: str, start: int, quotes: tuple[str, ...], escapes: bool) -> tuple[list[int], Optional[int]]:
+    """From just inside an opening bracket: where the commas between its items are, and
+    where its closing bracket is (None while it is not written); strings (between any of
+    `quotes`, a backslash escaping where `escapes`) and nested brackets are skipped."""
     commas, depth, i = [], 1, start
     while i < len(text):
         quote = next((q for q in quotes if text.startswith(q, i)), None)
