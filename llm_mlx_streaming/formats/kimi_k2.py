@@ -14,7 +14,7 @@ FORMAT = ToolFormat(
     reading=json_calls(r"<\|tool_call_begin\|>\s*(?:functions\.)?(?P<name>[\w.\-]+?):\d+\s*"
                        r"<\|tool_call_argument_begin\|>\s*", call_end="<|tool_call_end|>"),
     grammar=json_grammar(lambda lark, name, arguments: (
-        f'{lark.tag("<|tool_call_begin|>")} {literal(f"functions.{name}:0")} '
+        f'{lark.tag("<|tool_call_begin|>")} {literal(f"functions.{name}:")} /[0-9]+/ '
         f'{lark.tag("<|tool_call_argument_begin|>")} {arguments} {lark.tag("<|tool_call_end|>")}')),
     detect=lambda template, vocab: all(tag in vocab for tag in SECTION),
     blocks=False,
