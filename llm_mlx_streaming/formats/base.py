@@ -14,6 +14,7 @@ so the values are typed as it types them.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import re
@@ -195,28 +196,34 @@ def bracketed(text: str, start: int, quotes: tuple[str, ...], escapes: bool) -> 
     """From just inside an opening bracket: where the commas between its items are, and
     where its closing bracket is (None while it is not written); strings (between any of
     `quotes`, a backslash escaping where `escapes`) and nested brackets are skipped."""
+    marks, strings = _syntax(quotes, escapes)
     commas, depth, i = [], 1, start
-    while i < len(text):
-        quote = next((q for q in quotes if text.startswith(q, i)), None)
-        if quote:
-            i += len(quote)
-            while i < len(text) and not text.startswith(quote, i):
-                i += 2 if escapes and text[i] == "\\" else 1
-            if i >= len(text):
+    while mark := marks.search(text, i):
+        char, i = mark.group(), mark.end()
+        if char in strings:
+            string = strings[char].match(text, i)
+            if string is None:
                 return commas, None
-            i += len(quote)
-            continue
-        char = text[i]
-        if char in "([{":
+            i = string.end()
+        elif char in "([{":
             depth += 1
         elif char in ")]}":
             depth -= 1
             if depth == 0:
-                return commas, i
-        elif char == "," and depth == 1:
-            commas.append(i)
-        i += 1
+                return commas, mark.start()
+        elif depth == 1:
+            commas.append(mark.start())
     return commas, None
+
+
+@functools.lru_cache(maxsize=None)
+def _syntax(quotes: tuple[str, ...], escapes: bool):
+    """The marks `bracketed` stops at (brackets, commas, a string's opening), and for
+    each opening the rest of its string."""
+    marks = re.compile("|".join(map(re.escape, sorted(quotes, key=len, reverse=True))) + r"|[()\[\]{},]")
+    strings = {q: re.compile(rf"[^\\{q}]*(?:\\.[^\\{q}]*)*{q}" if escapes and len(q) == 1
+                             else rf".*?{re.escape(q)}", re.S) for q in quotes}
+    return marks, strings
 
 
 BOOLEAN = "/true|false|True|False/"  # a boolean as JSON or Python writes it, in lark
