@@ -105,7 +105,7 @@ def test_a_follow_up_reuses_the_kv_cache(served):
     ({"messages": HELLO, "options": {"num_ctx": 8192}}, "max_context 8192 is above the 96 tokens the KV cache is planned for"),
     ({"messages": HELLO, "options": {"max_tokens": 3}}, "max_tokens: this API's field is options.num_predict"),
     ({"messages": HELLO, "keep_alive": "a while"}, "keep_alive"),
-    ({"messages": HELLO, "think": "high"}, "think"),
+    ({"messages": HELLO, "think": "extreme"}, "think"),
     ({"messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]}, "mlx-stream takes no images: it is a text-only model"),
     ({"messages": [{"role": "tool", "content": "5"}]}, "messages.0"),
     ({"messages": HELLO, "model": "llama3"}, "llama3"),

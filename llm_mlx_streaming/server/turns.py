@@ -101,9 +101,11 @@ async def answer(service, request: Request, shape, model_id: str, messages: list
     """Answer `messages` (llm's) on `model_id` with the request's engine `fields` (the
     plugin's options), `tools` (function specs), the `schema` or `grammar` the reply
     must follow and the `suffix` it fills up to, in `shape`."""
-    if fields.get("thinking") is not None and not service.thinks(model_id):
-        if fields.pop("thinking"):  # the template cannot think: accepted as off
+    if not service.thinks(model_id):  # the template cannot think: accepted as off
+        if fields.pop("thinking", None):
             service.ignore(request, ["thinking"])
+        if fields.pop("reasoning_effort", None) not in (None, "none", "minimal"):
+            service.ignore(request, ["reasoning_effort"])
         fields.pop("thinking_budget", None)
     await take_turn(service, request=request)
     service.keep_loaded()

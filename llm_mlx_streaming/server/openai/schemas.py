@@ -180,7 +180,6 @@ class _GenerationRequest(Options):
     service_tier: Optional[str] = hint("one tier here")
     prompt_cache_key: Optional[str] = hint("the KV cache is reused for any matching prefix")
     safety_identifier: Optional[str] = hint("an end-user id")
-    reasoning_effort: Optional[str] = hint("the template's thinking switch is the `thinking` field")
     verbosity: Optional[str] = hint("the model's own length")
     prediction: Optional[dict[str, Any]] = hint("a latency hint for predicted outputs")
     presence_penalty: Optional[float] = Field(None, description="Only 0")

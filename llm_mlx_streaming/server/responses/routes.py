@@ -17,6 +17,7 @@ from typing import Optional
 from fastapi import APIRouter, Depends, Request
 
 from ...prompt.messages import llm_messages
+from ...values import EFFORTS
 from ...prompt.tools import function_spec
 from ..errors import ApiError, api_routes
 from ..images import read_images
@@ -30,7 +31,6 @@ from .schemas import (CustomTool, FilePart, ImagePart, TextPart, CustomToolCallI
 from .shapes import ResponseShape
 from ..response_store import Kept
 
-NO_THINKING = ("none", "minimal")  # reasoning efforts that turn the thinking switch off
 CUSTOM_INPUT = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
 
 
@@ -165,8 +165,8 @@ def router(service) -> APIRouter:
         forced_custom, grammar = _choice(body, tools, fields)
         effort = body.reasoning.effort if body.reasoning is not None else None
         if effort is not None and forced_custom is None:
-            if service.thinks(model_id):
-                fields["thinking"] = effort not in NO_THINKING
+            if service.thinks(model_id) and effort in EFFORTS:
+                fields["reasoning_effort"] = effort
             else:
                 service.ignore(request, ["reasoning.effort"])
         system = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
