@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from ...options.knobs import BY_NAME, REPETITION_CONTEXT
 from ..openai.tools import ToolSpec
@@ -212,7 +212,8 @@ class GenerateRequest(_Generation):
 
 
 class ShowRequest(RequestModel):
-    model: str = Field(min_length=1)
+    model: str = Field(min_length=1, validation_alias=AliasChoices("model", "name"),
+                       description="The model (`name`, Ollama's older spelling, as litellm sends it, too)")
     verbose: Optional[bool] = Field(None, description="Accepted; the answer is the same (no tensor list)")
 
 

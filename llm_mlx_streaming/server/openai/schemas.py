@@ -259,10 +259,15 @@ class CompletionRequest(_GenerationRequest):
 
 
 # -- responses (documented in the OpenAPI schema; streamed ones are SSE chunks) ----
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="The prompt tokens reused from the KV cache rather than prefilled")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class AssistantMessage(BaseModel):
