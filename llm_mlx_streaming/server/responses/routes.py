@@ -27,7 +27,7 @@ from ..images import read_images
 from ..openai.schemas import ChatMessage, ErrorResponse, ImageContent, ImageUrl, TextContent, engine_values
 from ..openai.tools import CalledFunction, ToolCall
 from ..transcript import Transcript
-from ..turns import answer
+from ..turns import answer, unswitched
 from .schemas import (CustomTool, FilePart, ImagePart, TextPart, CustomToolCallItem, CustomToolCallOutputItem, FunctionCallItem,
                       FunctionCallOutputItem, FunctionTool, JsonObjectFormat, JsonSchemaFormat, MessageItem,
                       NamedToolChoice, NamespaceTool, ReasoningItem, ResponseRequest, ResponsesEngineOptions)
@@ -202,6 +202,7 @@ def router(service) -> APIRouter:
         await read_images(service, model_id, chat)
         messages = llm_messages(_one_system_message([*system, *chat]), service.replies.known)
         specs = [] if forced_custom is not None else tools.specs
+        unswitched(service, request, model_id, fields)
         try:
             options = Options.model_validate(service.runtime.for_request(fields))
             count = await counted(Ask(service.name_of(model_id), messages, options, specs))
