@@ -20,7 +20,7 @@ from .base import ToolFormat
 # Ours, one module each (a FORMAT): where mlx-lm has a parser, what it lacks (streaming,
 # forcing, a detection); where it has none, the parser too. The order is detection's.
 MODULES = ("json_tools", "qwen3_coder", "glm47", "minimax_m2", "kimi_k2", "mistral", "gemma4", "pythonic",
-           "deepseek_v31", "deepseek_v32", "harmony")
+           "deepseek_v32", "deepseek_v31", "harmony")  # V3.2 before V3.1: it has V3.1's vocabulary
 
 
 def formats() -> list[ToolFormat]:
