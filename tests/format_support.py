@@ -1,12 +1,15 @@
 """What the tool-call format tests (tests/test_format_*.py) share.
 
-- `family_tokenizer`: a real tokenizer with a family's special tokens and its real chat
-  template, loaded through mlx-lm as a checkpoint's is (mlx-lm infers the parser from the
-  template, then `formats.registry.install` gives it our format). Build it once per module.
-- `read_reply`: a reply's text, fed in pieces, split by `prompt.split.ReplySplitter` and
-  its calls read by `prompt.tools.CallReader` as reply/core.py's Replier does.
-- `forced` and `accepts`: a forced-call grammar, and whether an llguidance matcher over
-  the tokenizer takes a text whole.
+- `family_tokenizer`: a real tokenizer with a family's tokens and real chat template
+  (fixtures/families.py), loaded through mlx-lm as a checkpoint's is (mlx-lm infers the
+  parser from the template, then `formats.registry.install` gives it our format). Build
+  it once per module.
+- `read_reply` and `every_way`: a reply's text, fed in pieces, split by
+  `prompt.split.ReplySplitter` and its calls read by `prompt.tools.CallReader` as
+  reply/core.py's Replier does.
+- `forced`, `matcher` and `accepts`: a forced-call grammar, llguidance's matcher of a
+  grammar over the tokenizer, and whether it takes a text whole.
+- `rendered_call`: the calls as the real template writes them in an earlier turn.
 """
 
 from __future__ import annotations
@@ -15,40 +18,28 @@ import json
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional
 
-TEMPLATES = Path(__file__).parent / "data" / "templates"
-
-
-def template(name: str) -> str:
-    """A real chat template kept under tests/data/templates/."""
-    return (TEMPLATES / name).read_text(encoding="utf-8")
+from llm_mlx_streaming.prompt.tools import function_spec
 
 
-def family_tokenizer(chat_template: str, special: Sequence[str], eos: str, bos: Optional[str] = None,
-                     added: Sequence[str] = ()):
-    """mlx-lm's TokenizerWrapper for a family: the tiny BPE of fixtures/tokenizer.py whose
-    added tokens are replaced by the family's (`special` tokens, then `added` ones that
-    are not special; one id each), with `chat_template`, `eos` ending a turn and `bos`
-    starting the text."""
+def family_tokenizer(family: str, special: tuple[str, ...] = (), **fields):
+    """mlx-lm's TokenizerWrapper for a family of fixtures/families.py: the tiny BPE of
+    fixtures/tokenizer.py with the family's added tokens (and `special` ones more), its
+    tokenizer_config.json fields (bos/eos/pad/unk, the real chat template; `fields`
+    replace or add some) and the tokens its turns end at."""
     from mlx_lm.tokenizer_utils import load
-    from tokenizers import AddedToken, Tokenizer
 
-    from fixtures.tokenizer import tokenizer_json
+    from fixtures.families import chat_format
+    from fixtures.tokenizer import token_ids, write_tokenizer
     from llm_mlx_streaming.formats.registry import install
 
-    data = json.loads(tokenizer_json("tiny"))
-    data["added_tokens"] = []
-    hf = Tokenizer.from_str(json.dumps(data))
-    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-    hf.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
-              "pad_token": None, "unk_token": None, "add_prefix_space": False,
-              "clean_up_tokenization_spaces": False, "model_max_length": 4096, "chat_template": chat_template}
+    spec = chat_format(family)
+    added = tuple((token, is_special) for token, is_special in spec["tokens"]) + tuple((t, True) for t in special)
+    ids = token_ids("tiny", added)
     with tempfile.TemporaryDirectory() as directory:
-        (Path(directory) / "tokenizer.json").write_text(hf.to_str(), encoding="utf-8")
-        (Path(directory) / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
-        tokenizer = load(Path(directory))
+        write_tokenizer(Path(directory), added=added, fields={**spec["tokenizer_config"], **fields})
+        tokenizer = load(Path(directory), eos_token_ids=[ids[t] for t in spec["eos_tokens"]])
     install(tokenizer)
     return tokenizer
 
@@ -56,10 +47,8 @@ def family_tokenizer(chat_template: str, special: Sequence[str], eos: str, bos: 
 def tool(name: str, properties: dict, required: Optional[Iterable[str]] = None) -> dict:
     """A function spec as the template and the parsers get it (all parameters required
     unless `required` says otherwise)."""
-    return {"type": "function", "function": {
-        "name": name, "description": f"{name} something",
-        "parameters": {"type": "object", "properties": properties,
-                       "required": list(properties if required is None else required)}}}
+    return function_spec(name, f"{name} something", {
+        "type": "object", "properties": properties, "required": list(properties if required is None else required)})
 
 
 WEATHER = tool("get_weather", {"city": {"type": "string"}})
@@ -153,16 +142,22 @@ def forced(tokenizer, tools: list[dict], choice: str = "required", parallel: Opt
     return forced_call_grammar(tokenizer, tools, choice, parallel=parallel, thinking=thinking)
 
 
-def accepts(tokenizer, grammar: str, text: str) -> bool:
-    """Whether a reply of exactly `text` (encoded as the model writes it: each tag its
-    own token) is one the grammar allows, through to its end."""
+def matcher(tokenizer, grammar: str):
+    """llguidance's matcher of `grammar` over the tokenizer, ending at the tokens its
+    turns end at (as prompt/constrained.py builds it)."""
     import llguidance
 
     from llm_mlx_streaming.prompt.constrained import ll_tokenizer
 
     hf = tokenizer._tokenizer
-    matcher = llguidance.LLMatcher(ll_tokenizer(hf, len(hf), [tokenizer.eos_token_id]), grammar, log_level=0)
-    return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+    return llguidance.LLMatcher(ll_tokenizer(hf, len(hf), sorted(tokenizer.eos_token_ids)), grammar, log_level=0)
+
+
+def accepts(tokenizer, grammar: str, text: str) -> bool:
+    """Whether a reply of exactly `text` (encoded as the model writes it: each tag its
+    own token) is one the grammar allows, through to its end."""
+    m = matcher(tokenizer, grammar)
+    return m.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and m.is_accepting()
 
 
 def rendered_call(tokenizer, calls: list[dict], tools: list[dict], ids: Optional[list[str]] = None) -> str:

@@ -3,12 +3,10 @@ in Gemma's literal syntax (strings between `<|"|>` tokens), read with mlx-lm's g
 
 import pytest
 from format_support import (TYPED, TYPED_ARGUMENTS, WEATHER, accepts, every_way, family_tokenizer, forced, read_reply,
-                            rendered_call, template, tool)
+                            rendered_call, tool)
 
 from llm_mlx_streaming.formats.gemma4 import FORMAT
 
-SPECIAL = ("<bos>", "<eos>", "<pad>", "<|turn>", "<turn|>", "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>",
-           "<|tool_response>", "<tool_response|>", '<|"|>', "<|channel>", "<channel|>", "<|think|>")
 TOOLS = [WEATHER, TYPED]
 PARIS = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
 ROME = '<|tool_call>call:get_weather{city:<|"|>Rome<|"|>}<tool_call|>'
@@ -20,7 +18,7 @@ TYPED_ARGS = {**TYPED_ARGUMENTS, "title": "Dune, 1965 {1st}"}
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return family_tokenizer(template("gemma4.jinja"), SPECIAL, "<turn|>", bos="<bos>")
+    return family_tokenizer("gemma4")
 
 
 def inner(call: str) -> str:

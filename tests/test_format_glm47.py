@@ -3,12 +3,10 @@
 
 import pytest
 from format_support import (TYPED, TYPED_ARGUMENTS, WEATHER, accepts, every_way, family_tokenizer, forced,
-                            read_reply, rendered_call, template)
+                            read_reply, rendered_call)
 
 from llm_mlx_streaming.formats.glm47 import FORMAT
 
-SPECIAL = ("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
-           "<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 TOOLS = [WEATHER, TYPED]
 PARIS = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>"
 ROME = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n</tool_call>"
@@ -21,16 +19,16 @@ TYPED_CALL = ('<tool_call>book<arg_key>title</arg_key>\n<arg_value>Dune</arg_val
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return family_tokenizer(template("GLM-4.6.jinja"), SPECIAL, "<|endoftext|>")
+    return family_tokenizer("glm46")
 
 
 def inner(call: str) -> str:
     return call.removeprefix("<tool_call>").removesuffix("</tool_call>")
 
 
-@pytest.mark.parametrize("name", ["GLM-4.6.jinja", "glm_4_5.jinja"])
-def test_mlx_lm_infers_glm47_from_the_real_templates(name):
-    tokenizer = family_tokenizer(template(name), SPECIAL, "<|endoftext|>")
+@pytest.mark.parametrize("family", ["glm45", "glm46"])
+def test_mlx_lm_infers_glm47_from_the_real_templates(family):
+    tokenizer = family_tokenizer(family)
     assert tokenizer.init_kwargs["tool_parser_type"] == "glm47"
     assert tokenizer.tool_format is FORMAT
     assert (tokenizer.tool_call_start, tokenizer.tool_call_end) == ("<tool_call>", "</tool_call>")
@@ -44,8 +42,8 @@ def test_the_parser_reads_a_call_and_arguments_of_every_json_type():
 
 def test_the_templates_write_calls_as_the_parser_reads_them(tokenizer):
     calls = [{"name": "book", "arguments": TYPED_ARGUMENTS}, {"name": "get_weather", "arguments": {"city": "Paris"}}]
-    for name in ("GLM-4.6.jinja", "glm_4_5.jinja"):
-        written = rendered_call(family_tokenizer(template(name), SPECIAL, "<|endoftext|>"), calls, TOOLS)
+    for family in ("glm45", "glm46"):
+        written = rendered_call(family_tokenizer(family), calls, TOOLS)
         assert read_reply(tokenizer, [written], TOOLS).found() == calls
 
 

@@ -5,11 +5,10 @@ import json
 
 import pytest
 from format_support import (TYPED, TYPED_ARGUMENTS, WEATHER, accepts, every_way, family_tokenizer, forced, read_reply,
-                            rendered_call, template)
+                            rendered_call)
 
 from llm_mlx_streaming.formats.json_tools import FORMAT
 
-SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>")
 TOOLS = [WEATHER, TYPED]
 
 
@@ -23,7 +22,7 @@ TYPED_CALL = call("book", TYPED_ARGUMENTS)
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return family_tokenizer(template("Qwen-Qwen3-0.6B.jinja"), SPECIAL, "<|im_end|>")
+    return family_tokenizer("qwen3")
 
 
 def test_mlx_lm_infers_json_tools_from_the_real_template(tokenizer):

@@ -7,13 +7,10 @@ import json
 
 import pytest
 from format_support import (TYPED, TYPED_ARGUMENTS, WEATHER, accepts, every_way, family_tokenizer, forced, read_reply,
-                            rendered_call, template)
+                            rendered_call)
 
 from llm_mlx_streaming.formats.kimi_k2 import FORMAT
 
-SPECIAL = ("[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>",
-           "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-           "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<think>", "</think>")
 TOOLS = [WEATHER, TYPED]
 
 
@@ -32,13 +29,13 @@ TYPED_CALL = call("book", 0, TYPED_ARGUMENTS)
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return family_tokenizer(template("moonshotai-Kimi-K2-Thinking.jinja"), SPECIAL, "<|im_end|>", bos="[BOS]")
+    return family_tokenizer("kimi_k2_thinking")
 
 
 def test_mlx_lm_infers_kimi_k2_from_the_thinking_template_and_we_from_the_instruct_vocabulary(tokenizer):
     assert tokenizer.init_kwargs["tool_parser_type"] == "kimi_k2"
     assert tokenizer.tool_format is FORMAT
-    instruct = family_tokenizer(template("moonshotai-Kimi-K2.jinja"), SPECIAL, "<|im_end|>", bos="[BOS]")
+    instruct = family_tokenizer("kimi_k2")
     assert "tool_parser_type" not in instruct.init_kwargs and instruct.tool_format is FORMAT
     assert instruct.has_tool_calling and instruct.tool_call_start == "<|tool_calls_section_begin|>"
 

@@ -4,11 +4,10 @@ with mlx-lm's minimax_m2 parser."""
 
 import pytest
 from format_support import (TYPED, TYPED_ARGUMENTS, WEATHER, accepts, every_way, family_tokenizer, forced,
-                            read_reply, rendered_call, template)
+                            read_reply, rendered_call)
 
 from llm_mlx_streaming.formats.minimax_m2 import FORMAT
 
-SPECIAL = ("]~!b[", "]~b]", "[e~[", "<minimax:tool_call>", "</minimax:tool_call>", "<think>", "</think>")
 TOOLS = [WEATHER, TYPED]
 PROMPT = "]~b]ai\n<think>\n"  # the template's generation prompt opens the think block
 PARIS = '<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n</invoke>\n'
@@ -25,7 +24,7 @@ def block(*invokes: str) -> str:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return family_tokenizer(template("unsloth-MiniMax-M2.jinja"), SPECIAL, "[e~[")
+    return family_tokenizer("minimax_m2")
 
 
 def test_mlx_lm_infers_minimax_m2_from_the_real_template(tokenizer):

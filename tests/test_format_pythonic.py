@@ -3,12 +3,10 @@
 
 import pytest
 from format_support import (TYPED, TYPED_ARGUMENTS, WEATHER, accepts, every_way, family_tokenizer, forced, read_reply,
-                            rendered_call, template, tool)
+                            rendered_call, tool)
 
 from llm_mlx_streaming.formats.pythonic import FORMAT
 
-SPECIAL = ("<|startoftext|>", "<|im_start|>", "<|im_end|>", "<|tool_list_start|>", "<|tool_list_end|>",
-           "<|tool_call_start|>", "<|tool_call_end|>", "<think>", "</think>")
 TOOLS = [WEATHER, TYPED]
 PARIS = '<|tool_call_start|>[get_weather(city="Paris")]<|tool_call_end|>'
 ROME = '<|tool_call_start|>[get_weather(city="Rome")]<|tool_call_end|>'
@@ -20,7 +18,7 @@ TYPED_ARGS = {**TYPED_ARGUMENTS, "title": "Dune, (1965)"}
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return family_tokenizer(template("LFM2.5-8B-A1B.jinja"), SPECIAL, "<|im_end|>", bos="<|startoftext|>")
+    return family_tokenizer("lfm2")
 
 
 def inner(call: str) -> str:

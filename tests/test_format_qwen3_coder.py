@@ -4,11 +4,10 @@ block, read with mlx-lm's qwen3_coder parser."""
 
 import pytest
 from format_support import (TYPED, TYPED_ARGUMENTS, WEATHER, accepts, every_way, family_tokenizer, forced, read_reply,
-                            rendered_call, template)
+                            rendered_call)
 
 from llm_mlx_streaming.formats.qwen3_coder import FORMAT
 
-SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>")
 TOOLS = [WEATHER, TYPED]
 PARIS = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
 ROME = "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>"
@@ -21,12 +20,12 @@ TYPED_CALL = ("<tool_call>\n<function=book>\n<parameter=title>\nDune\n</paramete
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return family_tokenizer(template("Qwen3-Coder.jinja"), SPECIAL, "<|im_end|>")
+    return family_tokenizer("qwen3_coder")
 
 
 @pytest.fixture(scope="module")
 def step():
-    return family_tokenizer(template("StepFun3.7-Flash.jinja"), SPECIAL, "<|im_end|>")
+    return family_tokenizer("step3")
 
 
 def test_mlx_lm_infers_qwen3_coder_from_the_qwen3_coder_and_step_templates(tokenizer, step):

@@ -34,7 +34,8 @@ class ToolFormat:
     block closes and cannot be forced. `detect(template, vocab)` recognises the format
     where mlx-lm's inference does not. `response_format` is mlx-lm's text-state-machine
     spec for formats that write in channels (harmony). `blocks`: each call is its own
-    block (start ... end), else all the turn's calls share one."""
+    block (start ... end), else all the turn's calls share one. `write`: calls in the
+    markup, start and end included, for a template that renders no `tool_calls`."""
 
     name: str
     parser: str
@@ -44,6 +45,7 @@ class ToolFormat:
     response_format: Optional[dict] = None
     blocks: bool = True
     lead: str = ""  # what the reply writes before a call's start tag (harmony's channel header)
+    write: Optional[Callable[[list[tuple[str, dict]]], str]] = None  # calls as the model writes them
 
     @property
     def module(self):

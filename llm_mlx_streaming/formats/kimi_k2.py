@@ -4,7 +4,17 @@
 model's template (as llama.cpp ships it) never spells a call, so it is recognised by
 its vocabulary too."""
 
+import json
+
 from .base import ToolFormat, json_calls, json_grammar, literal
+
+def write(calls: list[tuple[str, dict]]) -> str:
+    """A turn's calls as Kimi-K2 writes them."""
+    return "<|tool_calls_section_begin|>" + "".join(
+        f"<|tool_call_begin|>functions.{name}:{i}<|tool_call_argument_begin|>"
+        f"{json.dumps(arguments, ensure_ascii=False)}<|tool_call_end|>"
+        for i, (name, arguments) in enumerate(calls)) + "<|tool_calls_section_end|>"
+
 
 SECTION = ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>")
 
@@ -18,4 +28,5 @@ FORMAT = ToolFormat(
         f'{lark.tag("<|tool_call_argument_begin|>")} {arguments} {lark.tag("<|tool_call_end|>")}')),
     detect=lambda template, vocab: all(tag in vocab for tag in SECTION),
     blocks=False,
+    write=write,
 )

@@ -10,6 +10,9 @@ parser and response format), so mlx-lm's own text state machine splits the reply
 from __future__ import annotations
 
 import importlib
+import json
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 from .base import ToolFormat
@@ -17,7 +20,7 @@ from .base import ToolFormat
 # Ours, one module each (a FORMAT): where mlx-lm has a parser, what it lacks (streaming,
 # forcing, a detection); where it has none, the parser too. The order is detection's.
 MODULES = ("json_tools", "qwen3_coder", "glm47", "minimax_m2", "kimi_k2", "mistral", "gemma4", "pythonic",
-           "deepseek_v31", "deepseek_v32", "harmony")
+           "deepseek_v32", "deepseek_v31", "harmony")  # V3.2 before V3.1: it has V3.1's vocabulary
 
 
 def formats() -> list[ToolFormat]:
@@ -77,3 +80,28 @@ def format_of(tokenizer) -> Optional[ToolFormat]:
         return tokenizer.tool_format
     except AttributeError:
         return install(tokenizer)
+
+
+def checkpoint_format(path) -> Optional[ToolFormat]:
+    """The format of a checkpoint's tokenizer, read from its files (the template, the
+    tokenizer config, the added tokens) without loading it: for `llm mlxs add/models`."""
+    from mlx_lm.tokenizer_utils import _infer_tool_parser
+
+    path = Path(path)
+    config = _json(path / "tokenizer_config.json")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    if template is None and (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+    vocab = {t["content"]: t["id"] for t in _json(path / "tokenizer.json").get("added_tokens", [])}
+    view = SimpleNamespace(chat_template=template, get_vocab=lambda: vocab)
+    view.init_kwargs = {"tool_parser_type": config.get("tool_parser_type") or _infer_tool_parser(view)}
+    return find_format(view)
+
+
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}

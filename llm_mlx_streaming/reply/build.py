@@ -65,10 +65,12 @@ def prepare(tokenizer, run: RunConfig, ask: Ask, grammar: Optional[str]) -> Prep
     elif _with_images(tokenizer, ask):
         if tools:
             raise PromptError("tools and images in one prompt are not supported yet")
-        tokens, generation_prompt, vision = render_with_images(tokenizer, ask.messages, thinking=options.thinking)
+        tokens, generation_prompt, vision = render_with_images(tokenizer, ask.messages, thinking=options.thinking,
+                                                              effort=options.reasoning_effort)
     else:
         try:
             tokens, generation_prompt = render_prompt(tokenizer, ask.messages, thinking=options.thinking,
+                                                      effort=options.reasoning_effort,
                                                       tools=tools)
         except NoImages as e:
             raise PromptError(f"{run.name} {e}") from None
@@ -96,8 +98,10 @@ def count(tokenizer, ask: Ask) -> int:
     """The prompt's tokens, rendered as a generation would render them."""
     tools = shown_tools(list(ask.tools), ask.options.tool_choice)
     if _with_images(tokenizer, ask):
-        return len(render_with_images(tokenizer, ask.messages, thinking=ask.options.thinking)[0])
-    tokens, _ = render_prompt(tokenizer, ask.messages, thinking=ask.options.thinking, tools=tools or None)
+        return len(render_with_images(tokenizer, ask.messages, thinking=ask.options.thinking,
+                                      effort=ask.options.reasoning_effort)[0])
+    tokens, _ = render_prompt(tokenizer, ask.messages, thinking=ask.options.thinking,
+                              effort=ask.options.reasoning_effort, tools=tools or None)
     return len(tokens)
 
 
