@@ -25,6 +25,8 @@ THOUGHT = "I should look it up."
 CALLS = [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"city": "Paris"})]
 ANSWER = "It is sunny, and noon."
 ONE_CALL_A_TURN = {"gpt_oss"}  # harmony: a turn ends at its call
+# DeepSeek-V3.1 calls tools in non-thinking mode: after the results its template opens no think block
+ANSWERS_WITHOUT_REASONING = {"deepseek_v31"}
 RECORDED = {"anthropic": ("claude_code_turn1", "claude_code_tool_result"), "responses": ("codex_turn1", "codex_tool_output")}
 FINISH = {"openai": "tool_calls", "responses": "completed", "anthropic": "tool_use", "ollama": "stop"}
 # Each API's own way to turn the template's thinking switch on
@@ -91,7 +93,7 @@ def served(families):
 
 def _script(env, family: str, *, answer: bool = False) -> None:
     """The next generation's forced reply: the thought and the calls, or the answer."""
-    thinks = FAMILIES[family].reasons
+    thinks = FAMILIES[family].reasons and not (answer and family in ANSWERS_WITHOUT_REASONING)
     if answer:
         env.script.append((family, native_reply(family, reasoning=THOUGHT if thinks else None, text=ANSWER), False))
     else:

@@ -112,8 +112,6 @@ def test_the_call_grammar_refuses_anything_but_a_call(tokenizer, wrong):
     assert not accepts(tokenizer, call_grammar(tokenizer, [t["function"] for t in TOOLS]), wrong)
 
 
-@pytest.mark.xfail(strict=True, reason="forced_call_grammar writes a format's lead as a literal, which refuses "
-                                       "the <|channel|> special token in harmony's lead")
 def test_the_forced_grammar_takes_the_call_as_gpt_oss_writes_it(tokenizer):
     assert accepts(tokenizer, forced_call_grammar(tokenizer, TOOLS, "required"), NATIVE_CALL)
 

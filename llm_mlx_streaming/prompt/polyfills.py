@@ -9,8 +9,10 @@ the template needs it, so a template that renders the request as it is sees it a
   template never renders `tool_calls` (Kimi-K2 Instruct's, as llama.cpp ships it);
 then, only when rendering fails, in turn: a `type` for schema properties that have
 none (Gemma 4 reads `value['type']`; Claude Code's tools leave it out), the calls'
-arguments as JSON text (DeepSeek-V3.1's template concatenates them), and call ids of
-nine letters and digits (Mistral's template refuses any other).
+arguments as JSON text (DeepSeek-V3.1's template concatenates them), call ids of nine
+letters and digits (Mistral's template refuses any other), and a system message after
+the first turn (Claude Code sends one) as part of the user's turn (Mistral's template
+takes a system message only first).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def fitted(tokenizer, messages: list[dict], tools: Optional[list[dict]],
         return messages, tools
     except Exception as exc:  # the template's own error: try what it may be missing
         failure = exc
-    for fix in (typed_tools, string_arguments, short_call_ids):
+    for fix in (typed_tools, string_arguments, short_call_ids, later_system_as_user):
         fixed = fix(messages, tools)
         if fixed == (messages, tools):
             continue
@@ -188,4 +190,19 @@ def short_call_ids(messages, tools):
         if "tool_call_id" in message:
             message = {**message, "tool_call_id": short(message["tool_call_id"])}
         out.append(message)
+    return out, tools
+
+
+def later_system_as_user(messages, tools):
+    """A system message after the first, joined to the user turn before it (or made
+    one), for templates where roles after the first alternate user and assistant."""
+    out: list[dict] = []
+    for i, message in enumerate(messages):
+        if message["role"] == "system" and i > 0 and isinstance(message.get("content"), str):
+            if out and out[-1]["role"] == "user" and isinstance(out[-1].get("content"), str):
+                out[-1] = {**out[-1], "content": f"{out[-1]['content']}\n\n{message['content']}"}
+            else:
+                out.append({**message, "role": "user"})
+        else:
+            out.append(message)
     return out, tools

@@ -90,7 +90,7 @@ def forced_call_grammar(tokenizer, tools: list[dict], choice: str, parallel: Opt
     picked = [t["function"] for t in tools if choice == REQUIRED or t["function"]["name"] == choice]
     several = parallel is not False and choice == REQUIRED
     start, end = lark.tag(fmt.start), lark.tag(fmt.end) if fmt.end else ""
-    lead = literal(fmt.lead) if fmt.lead else ""
+    lead = lark.text(fmt.lead) if fmt.lead else ""
     lines = [*fmt.grammar(lark, picked), "call: " + " | ".join(f"call{i}" for i in range(len(picked)))]
     if fmt.blocks:
         lines += [f"block: {lead} {start} call {end}", 'calls: block ("\\n"? block)*' if several else "calls: block"]
@@ -118,6 +118,12 @@ class _Lark:
     def tag(self, text: str) -> str:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return f"<[{ids[0]}]>" if len(ids) == 1 else literal(text)
+
+    def text(self, text: str) -> str:
+        """Text that may hold special tokens (a channel header): each one as its token."""
+        added = sorted(self.tokenizer.get_added_vocab(), key=len, reverse=True)
+        parts = re.split("(" + "|".join(map(re.escape, added)) + ")", text) if added else [text]
+        return " ".join(self.tag(p) if p in added else literal(p) for p in parts if p)
 
     def json(self, schema: dict) -> str:
         return f"%json {json.dumps({'x-guidance': COMPILE_OPTIONS, **schema}, ensure_ascii=False)}"
