@@ -54,9 +54,11 @@ def tool(name: str, properties: dict, required: Optional[Iterable[str]] = None) 
 WEATHER = tool("get_weather", {"city": {"type": "string"}})
 # A parameter of each JSON type.
 TYPED = tool("book", {"title": {"type": "string"}, "copies": {"type": "integer"}, "price": {"type": "number"},
-                      "gift": {"type": "boolean"}, "shelf": {"type": "object", "properties": {"row": {"type": "integer"}}},
+                      "gift": {"type": "boolean"},
+                      "shelf": {"type": "object", "properties": {"row": {"type": "integer"}}},
                       "tags": {"type": "array", "items": {"type": "string"}}})
-TYPED_ARGUMENTS = {"title": "Dune", "copies": 2, "price": 9.5, "gift": True, "shelf": {"row": 3}, "tags": ["sf", "classic"]}
+TYPED_ARGUMENTS = {"title": "Dune", "copies": 2, "price": 9.5, "gift": True, "shelf": {"row": 3},
+                   "tags": ["sf", "classic"]}
 
 
 @dataclass
@@ -89,10 +91,9 @@ class Reply:
         return [at for at, e in zip(self.at, self.events) if e[0] == kind]
 
 
-def read_reply(tokenizer, pieces: Iterable[str], tools: list[dict], generation_prompt: str = "",
-               finish: str = "stop") -> Reply:
-    """The reply `pieces` make, read as reply/core.py's Replier reads it (`finish`: how
-    the generation ended; "stop" closes a block left open, as the end of turn does)."""
+def read_reply(tokenizer, pieces: Iterable[str], tools: list[dict], generation_prompt: str = "") -> Reply:
+    """The reply `pieces` make, ended by the model's end-of-turn token (which closes a
+    block left open), read as reply/core.py's Replier reads it."""
     from llm_mlx_streaming.prompt.split import TOOL, TOOL_TEXT, UNFINISHED_TOOL, ReplySplitter, initial_state
     from llm_mlx_streaming.prompt.tools import CallReader
 
@@ -122,7 +123,7 @@ def read_reply(tokenizer, pieces: Iterable[str], tools: list[dict], generation_p
         for kind, chunk in splitter.feed(piece):
             take(n, kind, chunk)
     for kind, chunk in splitter.flush():
-        take(n + 1, TOOL if kind == UNFINISHED_TOOL and finish == "stop" else kind, chunk)
+        take(n + 1, TOOL if kind == UNFINISHED_TOOL else kind, chunk)
     return reply
 
 

@@ -68,7 +68,8 @@ def test_markup_without_a_call_is_no_call():
 def test_a_reply_streamed_in_any_pieces_gives_its_reasoning_text_and_calls(tokenizer):
     reply = ("The user wants two things.</think>Let me check." + section(
         call("get_weather", {"city": "Paris", "days": 2}), call("add", EVERY_TYPE)))
-    expected = [{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, {"name": "add", "arguments": EVERY_TYPE}]
+    expected = [{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}},
+                {"name": "add", "arguments": EVERY_TYPE}]
     for pieces, got in every_way(tokenizer, reply, TOOLS, generation_prompt="<｜Assistant｜><think>"):
         assert (got.text("reasoning"), got.text()) == ("The user wants two things.", "Let me check."), pieces
         assert got.names() == ["get_weather", "add"] and got.found() == expected, pieces

@@ -12,8 +12,8 @@ TOOLS = [WEATHER, TYPED]
 PROMPT = "]~b]ai\n<think>\n"  # the template's generation prompt opens the think block
 PARIS = '<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n</invoke>\n'
 ROME = '<invoke name="get_weather">\n<parameter name="city">Rome</parameter>\n</invoke>\n'
-TYPED_INVOKE = ('<invoke name="book">\n<parameter name="title">Dune</parameter>\n<parameter name="copies">2</parameter>\n'
-                '<parameter name="price">9.5</parameter>\n<parameter name="gift">true</parameter>\n'
+TYPED_INVOKE = ('<invoke name="book">\n<parameter name="title">Dune</parameter>\n'
+                '<parameter name="copies">2</parameter>\n<parameter name="price">9.5</parameter>\n<parameter name="gift">true</parameter>\n'
                 '<parameter name="shelf">{"row": 3}</parameter>\n'
                 '<parameter name="tags">["sf", "classic"]</parameter>\n</invoke>\n')
 

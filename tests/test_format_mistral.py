@@ -36,7 +36,8 @@ def test_mlx_lm_infers_mistral_from_the_real_template(tokenizer):
 
 
 def test_the_parser_reads_both_ways_of_writing_calls():
-    assert FORMAT.parse(TYPED_CALL.removeprefix("[TOOL_CALLS]"), TOOLS) == [{"name": "book", "arguments": TYPED_ARGUMENTS}]
+    assert FORMAT.parse(TYPED_CALL.removeprefix("[TOOL_CALLS]"), TOOLS) == [
+        {"name": "book", "arguments": TYPED_ARGUMENTS}]
     assert FORMAT.parse(PARIS.removeprefix("[TOOL_CALLS]") + ROME, TOOLS) == [
         {"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_weather", "arguments": {"city": "Rome"}}]
     assert FORMAT.parse(LISTED.removeprefix("[TOOL_CALLS]"), TOOLS) == [

@@ -12,8 +12,8 @@ TOOLS = [WEATHER, TYPED]
 PARIS = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
 ROME = "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>"
 # As the templates write it: a boolean as Python's, lists and objects as JSON.
-TYPED_CALL = ("<tool_call>\n<function=book>\n<parameter=title>\nDune\n</parameter>\n<parameter=copies>\n2\n</parameter>\n"
-              "<parameter=price>\n9.5\n</parameter>\n<parameter=gift>\nTrue\n</parameter>\n"
+TYPED_CALL = ("<tool_call>\n<function=book>\n<parameter=title>\nDune\n</parameter>\n"
+              "<parameter=copies>\n2\n</parameter>\n<parameter=price>\n9.5\n</parameter>\n<parameter=gift>\nTrue\n</parameter>\n"
               '<parameter=shelf>\n{"row": 3}\n</parameter>\n<parameter=tags>\n["sf", "classic"]\n</parameter>\n'
               "</function>\n</tool_call>")
 

@@ -19,9 +19,9 @@ def grammar(lark, functions):
         properties = schema.get("properties") or {}
         parts = []
         for j, key in enumerate(sorted(k for k in properties if k in (schema.get("required") or ()))):
-            spec, value = properties[key] or {}, f"value{i}_{j}"
-            quote = lark.tag(QUOTE)
-            lines.append(f"{value}: " + (f"{quote} /[^<]*/ {quote}" if spec.get("type") == "string" else lark.json(spec)))
+            spec, value, quote = properties[key] or {}, f"value{i}_{j}", lark.tag(QUOTE)
+            string = spec.get("type") == "string"
+            lines.append(f"{value}: " + (f"{quote} /[^<]*/ {quote}" if string else lark.json(spec)))
             parts.append(f'{literal(key + ":")} {value}')
         params = ' "," '.join(parts)
         lines.append(f'call{i}: {literal("call:" + function["name"] + "{")} {params} "}}"')

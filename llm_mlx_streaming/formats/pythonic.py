@@ -9,9 +9,11 @@ STRING = r"""/"[^"\\<\n]*"/ | /'[^'\\<\n]*'/"""
 
 
 def grammar(lark, functions):
-    """Each call is a one-call list (the forced calls of a turn are a block each) with
-    its required parameters in the schema's order: a string quoted either way (text
-    without markup), a boolean as JSON or Python writes it, any other type as JSON."""
+    """Each call is a one-call list, with its required parameters in the schema's order:
+    a string quoted either way (text without markup), a boolean as JSON or Python writes
+    it, any other type as JSON. Forced parallel calls are a block each (the parser reads
+    each), as the grammar's composer joins calls in one block with line breaks, not a
+    list's commas."""
     lines = []
     for i, function in enumerate(functions):
         schema = function.get("parameters") or {}
@@ -20,7 +22,8 @@ def grammar(lark, functions):
         for j, key in enumerate(k for k in properties if k in (schema.get("required") or ())):
             spec, value = properties[key] or {}, f"value{i}_{j}"
             kind = spec.get("type")
-            lines.append(f"{value}: " + (STRING if kind == "string" else BOOLEAN if kind == "boolean" else lark.json(spec)))
+            lines.append(f"{value}: " + (STRING if kind == "string" else BOOLEAN if kind == "boolean"
+                                         else lark.json(spec)))
             parts.append(f"{literal(key + '=')} {value}")
         params = ' ", " '.join(parts)
         lines.append(f'call{i}: {literal("[" + function["name"] + "(")} {params} ")]"')
