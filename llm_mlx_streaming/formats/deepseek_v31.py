@@ -45,6 +45,8 @@ FORMAT = ToolFormat(
     reading=json_calls(_head.pattern, call_end=CALL_END, tail=r"\s*(?:```)?\s*", held=r"\s*`{0,3}\s*"),
     grammar=json_grammar(lambda lark, name, arguments: (
         f"{lark.tag(CALL_BEGIN)} {literal(name)} {lark.tag(SEP)} {arguments} {lark.tag(CALL_END)}")),
-    detect=lambda template, vocab: all(tag in template or tag in vocab for tag in (tool_call_start, SEP)),
+    # V3.2 keeps these tags in its vocabulary; its DSML token says it writes DSML (deepseek_v32)
+    detect=lambda template, vocab: (all(tag in template or tag in vocab for tag in (tool_call_start, SEP))
+                                    and not any("｜DSML｜" in tag for tag in (template, *vocab))),
     blocks=False,
 )

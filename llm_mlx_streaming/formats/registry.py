@@ -11,29 +11,23 @@ from __future__ import annotations
 
 import importlib
 import json
+import pkgutil
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
 from .base import ToolFormat
 
-# Ours, one module each (a FORMAT): where mlx-lm has a parser, what it lacks (streaming,
-# forcing, a detection); where it has none, the parser too. The order is detection's.
-MODULES = ("json_tools", "qwen3_coder", "glm47", "minimax_m2", "kimi_k2", "mistral", "gemma4", "pythonic",
-           "deepseek_v32", "deepseek_v31", "harmony")  # V3.2 before V3.1: it has V3.1's vocabulary
+NOT_FORMATS = {"base", "registry"}
 
 
 def formats() -> list[ToolFormat]:
-    out = []
-    for name in MODULES:
-        try:
-            module = importlib.import_module(f"{__package__}.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__package__}.{name}":
-                raise
-            continue
-        out.append(module.FORMAT)
-    return out
+    """Ours, one module each (its FORMAT), found in this package: where mlx-lm has a
+    parser, what it lacks (streaming, forcing, a detection); where it has none, the
+    parser too. A new format is its module and nothing else."""
+    package = Path(__file__).parent
+    names = sorted(m.name for m in pkgutil.iter_modules([str(package)]) if m.name not in NOT_FORMATS)
+    return [importlib.import_module(f"{__package__}.{name}").FORMAT for name in names]
 
 
 def by_name(name: str) -> ToolFormat:
@@ -52,7 +46,9 @@ def find_format(tokenizer) -> Optional[ToolFormat]:
     template = getattr(tokenizer, "chat_template", None)
     template = template if isinstance(template, str) else ""
     vocab = tokenizer.get_vocab()
-    return next((f for f in formats() if f.detect is not None and f.detect(template, vocab)), None)
+    found = [f for f in formats() if f.detect is not None and f.detect(template, vocab)]
+    assert len(found) <= 1, f"formats that claim the same checkpoint: {[f.name for f in found]}"
+    return found[0] if found else None
 
 
 def install(tokenizer) -> Optional[ToolFormat]:
