@@ -10,6 +10,7 @@ library moves), and changes nothing else in the wheel.
 
     python benchmarks/device_wheels.py            # download and repack into .whl/
     python benchmarks/device_wheels.py --check    # what device_check.sh --dry-run checks
+    python benchmarks/device_wheels.py --plan     # the pins against pyproject.toml and the run's imports: no .whl/
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import tomllib
 import zipfile
 from collections import Counter
 from pathlib import Path
@@ -44,14 +46,16 @@ IMAGE = {
     "hf-xet", "httpcore", "httpx", "huggingface-hub", "idna", "iniconfig", "jinja2", "markupsafe",
     "numpy", "nvidia-cublas", "nvidia-cuda-nvrtc", "nvidia-cuda-runtime", "nvidia-cudnn-cu13",
     "nvidia-cufft", "nvidia-cusolver", "nvidia-nccl-cu13", "packaging", "pip", "pluggy", "protobuf",
-    "pygments", "pytest", "python-dateutil", "pyyaml", "regex", "requests", "safetensors",
+    "prometheus-client", "pygments", "pytest", "python-dateutil", "pyyaml", "regex", "requests", "safetensors",
     "sentencepiece", "setuptools", "six", "sortedcontainers", "tabulate", "tokenizers", "tqdm", "transformers",
     "typing-extensions", "urllib3",
 }
 # Where this machine has a package that the device has another one for.
 STANDS_IN = {"mlx-cpu": PRUNED}
 NOT_USED = {"llguidance"}  # the project's schema decoding: no device check runs it
-OPTIONAL = {"trio", "outcome"}  # httpcore2 imports trio where it is installed, and does without
+# Imported where installed, and done without: httpcore2 imports trio, sqlite-utils pandas
+# (and pandas pyarrow), transformers pillow, starlette python-multipart.
+OPTIONAL = {"trio", "outcome", "pandas", "pyarrow", "pillow", "python-multipart"}
 # What the device run imports: the benchmark, the three test files and the server it starts.
 RUN_MODULES = ["device_bench", "conftest", "test_exactness", "test_batch", "test_syncs",
                "llm_mlx_streaming.server.app", "uvicorn"]
@@ -65,6 +69,29 @@ CUBIN = 2  # a fat binary entry's kind: 1 is PTX, 2 an ELF cubin
 
 def canonical(name: str) -> str:
     return name.lower().replace("_", "-").replace(".", "-")
+
+
+def project_needs() -> list[str]:
+    """The project's dependencies as pyproject.toml declares them, markers included (the
+    installed metadata may predate the checkout)."""
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+
+
+def unmet(needs: dict[str, str], carried: set[str]) -> list[str]:
+    """Each need (requirement -> who needs it) that applies to Python 3.12 on Linux and is
+    neither carried nor in the image."""
+    from packaging.requirements import Requirement
+
+    env = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
+           "platform_system": "Linux", "platform_machine": "x86_64", "extra": ""}
+    out = []
+    for line, who in needs.items():
+        need = Requirement(line)
+        name = STANDS_IN.get(canonical(need.name), canonical(need.name))
+        if need.marker and not need.marker.evaluate(env) or name in carried | IMAGE | NOT_USED:
+            continue
+        out.append(f"{need} (for {who})")
+    return out
 
 
 def pins() -> dict[str, tuple[str, str]]:
@@ -210,11 +237,6 @@ def check_set(dest: Path) -> list[Path]:
 def requirements(wheels: list[Path]) -> None:
     """Every need (for Python 3.12 on Linux) of every wheel and of the project is carried
     or in the image."""
-    from packaging.requirements import Requirement
-
-    carried = {wheel_name(w)[0] for w in wheels}
-    env = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
-           "platform_system": "Linux", "platform_machine": "x86_64", "extra": ""}
     needs = {}
     for wheel in wheels:
         with zipfile.ZipFile(wheel) as z:
@@ -222,23 +244,17 @@ def requirements(wheels: list[Path]) -> None:
             for line in z.read(meta).decode().splitlines():
                 if line.startswith("Requires-Dist:"):
                     needs.setdefault(line.split(":", 1)[1].strip(), wheel.name)
-    for line in metadata.requires("llm-mlx-streaming") or []:
+    for line in project_needs():
         needs.setdefault(line, "llm-mlx-streaming")
-    unmet = []
-    for line, who in needs.items():
-        need = Requirement(line)
-        name = STANDS_IN.get(canonical(need.name), canonical(need.name))
-        if need.marker and not need.marker.evaluate(env) or name in carried | IMAGE | NOT_USED:
-            continue
-        unmet.append(f"{need} (for {who})")
-    assert not unmet, f"needed, neither carried nor in the image: {unmet}"
+    left = unmet(needs, {wheel_name(w)[0] for w in wheels})
+    assert not left, f"needed, neither carried nor in the image: {left}"
     print(f"requirements: the {len(needs)} listed are carried, in the image, or not for Python 3.12 on Linux")
 
 
-def imports(wheels: list[Path]) -> None:
+def imports(carried: set[str]) -> None:
     """Everything the device run imports, imported here: each module outside the stdlib
     and the repository comes from a carried wheel or the image."""
-    known = {wheel_name(w)[0] for w in wheels} | IMAGE | OPTIONAL | {"llm-mlx-streaming"}
+    known = carried | IMAGE | OPTIONAL | {"llm-mlx-streaming"}
     for folder in ("benchmarks", "tests", "."):
         sys.path.insert(0, str(ROOT / folder))
     for name in RUN_MODULES:
@@ -250,7 +266,9 @@ def imports(wheels: list[Path]) -> None:
         if "." in name or name in sys.stdlib_module_names or not path or path.startswith(str(ROOT)) \
                 or name.startswith(("_sysconfigdata", "__editable__")):
             continue
-        for dist in owners.get(name, [f"no distribution owns {path}"]):
+        roots = [p for p in sys.path if p and path.startswith(p.rstrip("/") + "/")]
+        top = Path(path).relative_to(max(roots, key=len)).parts[0].split(".")[0] if roots else name
+        for dist in owners.get(name) or owners.get(top) or [f"no distribution owns {path}"]:
             if STANDS_IN.get(canonical(dist), canonical(dist)) not in known:
                 missing.add(f"{dist} ({name})")
     assert not missing, f"imported by the run, neither carried nor in the image: {sorted(missing)}"
@@ -303,13 +321,22 @@ def travelling_bytes(carry: list[str]) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="check .whl/, the install and the size; download nothing")
+    parser.add_argument("--plan", action="store_true",
+                        help="check the pins against pyproject.toml and the run's imports; no .whl/ needed")
     parser.add_argument("--dest", type=Path, default=WHEELS)
     args = parser.parse_args()
+    if args.plan:
+        left = unmet(dict.fromkeys(project_needs(), "llm-mlx-streaming"), set(pins()))
+        assert not left, f"in pyproject.toml, neither pinned in {PINS.name} nor in the image: {left}"
+        print(f"plan: the {len(project_needs())} dependencies of pyproject.toml are pinned, in the image, "
+              f"or not for Python 3.12 on Linux")
+        imports(set(pins()))
+        return
     if not args.check:
         download(args.dest)
     wheels = check_set(args.dest)
     requirements(wheels)
-    imports(wheels)
+    imports({wheel_name(w)[0] for w in wheels})
     install(wheels)
     size = travelling_bytes([os.path.relpath(args.dest, ROOT)])
     carried = sum(w.stat().st_size for w in wheels)

@@ -195,6 +195,16 @@ def stop(value):
     return items
 
 
+EFFORTS = ("none", "minimal", "low", "medium", "high")  # OpenAI's levels; none and minimal: no thinking
+
+
+def effort(value):
+    """A reasoning effort level, as OpenAI names them."""
+    if not isinstance(value, str) or value.strip().lower() not in EFFORTS:
+        raise ValueError(f"use one of {', '.join(EFFORTS)}")
+    return value.strip().lower()
+
+
 def tool_choice(value):
     """auto, none, required, or a tool's name (checked against the tools when they are known)."""
     if isinstance(value, str) and not value.strip():

@@ -78,6 +78,27 @@ def assert_llm_option_error(result, option):
     assert len(result.stderr.strip().splitlines()) <= 2, result.stderr
 
 
+def tagged_tokenizer(think: bool = True, tools: bool = False):
+    """What the reply splitter reads of a tokenizer, for one with <think> tags (the
+    test checkpoints') and, with `tools`, Qwen's <tool_call> markup."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        has_thinking=think, think_start="<think>" if think else None, think_end="</think>" if think else None,
+        has_tool_calling=tools, tool_call_start="<tool_call>" if tools else None,
+        tool_call_end="</tool_call>" if tools else None, response_transitions={}, structural_markers=(),
+        tool_format=None)
+
+
+def split_reply(text: str, tokenizer=None) -> tuple[str, str]:
+    """(answer text, reasoning) of a reply, the way the plugin splits it."""
+    from llm_mlx_streaming.prompt.split import ReplySplitter
+
+    s = ReplySplitter(tokenizer or tagged_tokenizer())
+    pieces = s.feed(text) + s.flush()
+    return "".join(c for k, c in pieces if k == "text"), "".join(c for k, c in pieces if k == "reasoning")
+
+
 @lru_cache(maxsize=4)
 def _stock(path: str):
     from mlx_lm import load

@@ -3,6 +3,7 @@ to compare with, and one request without any client library."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -55,6 +56,18 @@ def call(served, method, path, body=None, headers=None, raw=None):
             return resp.status, resp.headers, json.loads(resp.read() or b"null")
     except urllib.error.HTTPError as e:
         return e.code, e.headers, json.loads(e.read() or b"null")
+
+
+def send(served, method, path, body: bytes | None = None, headers=None) -> tuple[int, dict, bytes]:
+    """(status, headers, body) of one request with exactly `headers` (http.client adds
+    Host, Content-Length and Accept-Encoding where not given; urllib would add a Content-Type)."""
+    conn = http.client.HTTPConnection("127.0.0.1", served.server.port, timeout=60)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
 
 
 def wait_for(predicate, timeout=30.0):

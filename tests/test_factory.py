@@ -447,3 +447,45 @@ def test_bpe32k_checkpoint_with_the_tool_template(tmp_path):
     assert set(ids.values()) - {ids["size"]} <= unused
     out = [r.token for r in mlx_lm.stream_generate(model, tokenizer, "Hello", max_tokens=24)]
     assert len(out) == 24 and not set(out) & unused
+
+
+# -- another family's chat format ------------------------------------------------------
+
+CHAT_FORMAT = {
+    "tokens": [["<s>", True], ["</s>", True], ["<call>", False], ["</call>", False]],
+    "tokenizer_config": {"bos_token": "<s>", "eos_token": "</s>",
+                         "chat_template": "{{ bos_token }}{% for m in messages %}{{ m.content }}"
+                                          "{% endfor %}"},
+    "eos_tokens": ["</s>", "</call>"],
+}
+
+
+def test_a_chat_format_replaces_the_added_tokens_and_is_part_of_the_reuse_marker(tmp_path):
+    path = build_checkpoint(tmp_path, "qwen3_moe", chat_format=CHAT_FORMAT)
+    model, tokenizer = mlx_lm.load(str(path))
+    first = tok_module.token_ids()["size"] - len(sum(tok_module.added_tokens(), ()))
+    ids = {token: first + i for i, (token, _) in enumerate(CHAT_FORMAT["tokens"])}
+    for token, i in ids.items():
+        assert tokenizer.encode(token, add_special_tokens=False) == [i]
+    assert tokenizer.encode("<|im_start|>", add_special_tokens=False) != [first]  # ChatML's gone
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<s>hi"
+    config = json.loads((path / "config.json").read_text())
+    assert config["vocab_size"] % 64 == 0 and config["vocab_size"] >= first + 4
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (
+        ids["<s>"], ids["</s>"], None)
+    generation = json.loads((path / "generation_config.json").read_text())
+    assert generation == {"bos_token_id": ids["<s>"], "eos_token_id": [ids["</s>"], ids["</call>"]]}
+    assert tokenizer.eos_token_ids == {ids["</s>"], ids["</call>"]}
+    # the random model never writes them
+    assert not mx.any(model.lm_head.weight[first:first + 4]).item()
+
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert build_checkpoint(tmp_path, "qwen3_moe", chat_format=CHAT_FORMAT) == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == stamp
+    other = {**CHAT_FORMAT, "eos_tokens": ["</s>"]}
+    build_checkpoint(tmp_path, "qwen3_moe", chat_format=other)
+    assert json.loads((path / "factory.json").read_text())["arguments"]["chat_format"] == other
+    build_checkpoint(tmp_path, "qwen3_moe")  # a plain build leaves no generation config
+    assert not (path / "generation_config.json").exists()
+    with pytest.raises(ValueError):
+        build_checkpoint(tmp_path, "qwen3_moe", tool_template=True, chat_format=CHAT_FORMAT)

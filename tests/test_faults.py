@@ -120,17 +120,12 @@ PROMPT = "Name three file systems"
 TOKENS = 8
 
 
-def _split(text: str) -> str:
-    from llm_mlx_streaming.prompt.split import ReplySplitter
-
-    s = ReplySplitter("<think>", "</think>")
-    return "".join(c for k, c in s.feed(text) + s.flush() if k == "text")
-
-
 def _expected(checkpoint) -> str:
     from plugin_support import mlx_lm_text
 
-    return _split(mlx_lm_text(checkpoint, [{"role": "user", "content": PROMPT}], TOKENS)) + "\n"
+    from plugin_support import split_reply
+
+    return split_reply(mlx_lm_text(checkpoint, [{"role": "user", "content": PROMPT}], TOKENS))[0] + "\n"
 
 
 def _prompt(env, *extra):

@@ -24,7 +24,7 @@ LAYERS = [
     {"distributed"},
     {"engine"},
     {"speculation"},
-    {"experts", "checkpoints"},
+    {"experts", "checkpoints", "formats"},  # the expert pool and store | reading checkpoints | tool-call formats
     {"processors", "values", "stops", "errors", "sizes", "syncs", "activity"},
 ]
 

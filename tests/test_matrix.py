@@ -73,12 +73,12 @@ def test_each_architecture_through_llm_gives_stock_text_cold_from_disk_and_in_pr
     from mlx_lm import generate, load
 
     from llm_mlx_streaming.engine.manager import get_manager
-    from plugin_support import LlmEnv
+    from plugin_support import LlmEnv, split_reply
 
     path = build(arch, num_experts=EXPERTS, top_k=TOP_K)
     model, tokenizer = load(str(path))
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": CLI_PROMPT}], add_generation_prompt=True)
-    expected = reply_text(generate(model, tokenizer, prompt, max_tokens=12)) + "\n"
+    expected = split_reply(generate(model, tokenizer, prompt, max_tokens=12), tokenizer)[0] + "\n"
     monkeypatch.setenv("LLM_USER_PATH", str(tmp_path))
     env = LlmEnv(tmp_path, path)
     entry = {"path": str(path)} | ({"expert_slots": POOLS[pool]} if POOLS[pool] else {})
@@ -93,14 +93,6 @@ def test_each_architecture_through_llm_gives_stock_text_cold_from_disk_and_in_pr
     assert outs == [expected] * 3
     stats = [t["stats"] for t in env.turns()]
     assert not stats[0].get("disk_cache_tokens") and not stats[0].get("reused_tokens")
-
-
-def reply_text(text: str) -> str:
-    """The answer text, the way the plugin splits off <think> blocks."""
-    from llm_mlx_streaming.prompt.split import ReplySplitter
-
-    splitter = ReplySplitter("<think>", "</think>")
-    return "".join(c for kind, c in splitter.feed(text) + splitter.flush() if kind == "text")
 
 
 @pytest.mark.parametrize("arch,field", [("ernie4_5_moe", "moe_k"), ("step3p5", "moe_top_k"),

@@ -10,19 +10,7 @@ from pathlib import Path
 import llm
 import pytest
 
-from plugin_support import assert_ok, mlx_lm_text
-
-
-def _split(text: str) -> tuple[str, str]:
-    """(answer text, reasoning) the way the plugin splits <think> blocks."""
-    from llm_mlx_streaming.prompt.split import ReplySplitter
-
-    s = ReplySplitter("<think>", "</think>")
-    pieces = s.feed(text) + s.flush()
-    return (
-        "".join(c for k, c in pieces if k == "text"),
-        "".join(c for k, c in pieces if k == "reasoning"),
-    )
+from plugin_support import assert_ok, mlx_lm_text, split_reply as _split
 
 
 def test_prompt_matches_mlx_lm_and_is_logged(llm_env):

@@ -8,21 +8,13 @@ import shutil
 
 import pytest
 
-from plugin_support import assert_ok, assert_one_line_error, mlx_lm_text
+from plugin_support import assert_ok, assert_one_line_error, mlx_lm_text, split_reply
 
 PROMPT = "Tell me about tea"
 
 
-def _split(text: str) -> str:
-    """The answer text, the way the plugin splits off <think> blocks."""
-    from llm_mlx_streaming.prompt.split import ReplySplitter
-
-    s = ReplySplitter("<think>", "</think>")
-    return "".join(c for k, c in s.feed(text) + s.flush() if k == "text")
-
-
 def _expected(env, n: int) -> str:
-    return _split(mlx_lm_text(env.checkpoint, [{"role": "user", "content": PROMPT}], n)) + "\n"
+    return split_reply(mlx_lm_text(env.checkpoint, [{"role": "user", "content": PROMPT}], n))[0] + "\n"
 
 
 def _budget(path, slots_total: int, max_context: int = 4096) -> int:

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from llm_mlx_streaming.prompt.split import ReplySplitter, opens_thinking
+from plugin_support import tagged_tokenizer
 
 
 def _run(splitter, segments):
@@ -28,16 +29,16 @@ def _run(splitter, segments):
 @pytest.mark.parametrize("cut", range(1, 30))
 def test_reply_splitter_handles_tags_split_anywhere(cut):
     text = "<think>plan it</think>\n\nThe answer <b>ok"
-    got = _run(ReplySplitter("<think>", "</think>"), [text[:cut], text[cut:]])
+    got = _run(ReplySplitter(tagged_tokenizer()), [text[:cut], text[cut:]])
     assert got == [("reasoning", "plan it"), ("text", "\n\nThe answer <b>ok")]
 
 
 def test_reply_splitter_modes():
-    assert _run(ReplySplitter(None, None), ["<think>x</think>y"]) == [("text", "<think>x</think>y")]
-    assert _run(ReplySplitter("<think>", "</think>", reasoning=True), ["a</th", "ink>b"]) == [
+    assert _run(ReplySplitter(tagged_tokenizer(think=False)), ["<think>x</think>y"]) == [("text", "<think>x</think>y")]
+    assert _run(ReplySplitter(tagged_tokenizer(), "reasoning"), ["a</th", "ink>b"]) == [
         ("reasoning", "a"), ("text", "b"),
     ]
-    assert _run(ReplySplitter("<think>", "</think>"), ["x <thi"]) == [("text", "x <thi")]
+    assert _run(ReplySplitter(tagged_tokenizer()), ["x <thi"]) == [("text", "x <thi")]
     assert opens_thinking("<|im_start|>assistant\n<think>\n", "<think>", "</think>")
     assert not opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n", "<think>", "</think>")
     assert not opens_thinking("<|im_start|>assistant\n", "<think>", "</think>")

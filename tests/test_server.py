@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 
 from plugin_support import LlmEnv, assert_ok, assert_one_line_error
-from server_support import call, in_process, served, wait_for  # noqa: F401 (served: a fixture)
+from server_support import call, in_process, send, served, wait_for  # noqa: F401 (served: a fixture)
 
 PROMPTS = ["hello there", "tell me a story", "what is a disk", "name three colours"]
 
@@ -491,6 +491,9 @@ def test_malformed_and_oversized_bodies(served):
     assert status == 400 and body["error"]["param"] == "messages"
     status, _, body = call(served, "POST", "/v1/chat/completions", chat_body("hi", model="gpt-4"))
     assert status == 404 and body["error"]["code"] == "model_not_found"
+    status, _, body = call(served, "GET", "/v1/chat/completions")
+    assert status == 405 and body["error"]["message"] == "Method Not Allowed"
+    assert call(served, "GET", "/api/chat")[2] == {"error": "Method Not Allowed"}
     from llm_mlx_streaming.server.errors import max_body_bytes
 
     cap = max_body_bytes()
@@ -506,6 +509,52 @@ def test_malformed_and_oversized_bodies(served):
     long_prompt = " ".join(["word"] * 400)  # longer than max_context 96: one line, not a 500
     status, _, body = call(served, "POST", "/v1/chat/completions", chat_body(long_prompt))
     assert status == 400 and "longer than" in body["error"]["message"]
+
+
+CURL_D = {"Content-Type": "application/x-www-form-urlencoded", "User-Agent": "curl/8.5.0", "Accept": "*/*"}
+POSTS = [("/v1/chat/completions", "openai"), ("/v1/completions", "openai"), ("/v1/responses", "openai"),
+         ("/api/engine/config", "openai"), ("/v1/messages", "anthropic"), ("/v1/messages/count_tokens", "anthropic"),
+         ("/api/chat", "ollama"), ("/api/generate", "ollama"), ("/api/show", "ollama")]
+
+
+def error_message(api: str, reply: dict) -> str:
+    """The message of an error object, asserted to be in `api`'s shape."""
+    if api == "ollama":
+        assert set(reply) == {"error"}, reply
+        return reply["error"]
+    if api == "anthropic":
+        assert reply["type"] == "error" and reply["error"]["type"] == "invalid_request_error", reply
+        return reply["error"]["message"]
+    assert set(reply["error"]) == {"message", "type", "param", "code"}, reply
+    return reply["error"]["message"]
+
+
+def test_a_chat_completion_posted_with_curl_d_is_answered_whole_and_streamed(served):
+    """`curl -d` labels its body a form: a body is JSON because it parses as JSON."""
+    expected = client(served).chat.completions.create(**chat_body("hello there")).choices[0].message.content
+    body = json.dumps(chat_body("hello there")).encode()
+    status, _, whole = send(served, "POST", "/v1/chat/completions", body, CURL_D)
+    assert status == 200 and json.loads(whole)["choices"][0]["message"]["content"] == expected, whole
+    body = json.dumps(chat_body("hello there", stream=True)).encode()
+    status, head, streamed = send(served, "POST", "/v1/chat/completions", body, CURL_D)
+    chunks = [json.loads(line[6:]) for line in streamed.decode().splitlines() if line.startswith("data: {")]
+    assert status == 200 and head["content-type"].startswith("text/event-stream")
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == expected
+
+
+@pytest.mark.parametrize("label", [None, "application/json", "application/x-www-form-urlencoded", "text/plain"])
+def test_a_body_that_is_not_json_is_one_400_line_in_the_shape_of_each_api(served, label):
+    headers = {"Content-Type": label} if label else {}
+    for path, api in POSTS:
+        for body in (b"{not json", b"model=mlx-stream&prompt=hi", b'{"model": "\xff"}'):
+            status, _, reply = send(served, "POST", path, body, headers)
+            message = error_message(api, json.loads(reply))
+            assert status == 400 and message.startswith("the request body is not JSON: "), (path, body, reply)
+            assert "\n" not in message
+    for body, said in ((b"", "the request has no body: send a JSON object"),
+                       (b"[1]", "the request body is not a JSON object")):
+        status, _, reply = send(served, "POST", "/api/chat", body, headers)
+        assert status == 400 and json.loads(reply) == {"error": said}
 
 
 def _no_server_error(url: str, operations: list, examples: int) -> None:

@@ -6,12 +6,15 @@ request that misses, the request-in-flight panel shows prefill progress during a
 prompt, a wrong key gets a clear message, a foreign Origin (and Host) gets 403, and
 /docs renders its operations with nothing from the internet. Screenshots of the page
 before and after a request are kept in the run's tmp path (printed with -s).
+
+Without a browser they skip, but under CI=true (.ci/run installs one) they fail.
 """
 
 from __future__ import annotations
 
 import http.server
 import json
+import os
 import shutil
 import threading
 
@@ -27,11 +30,21 @@ try:
 except ImportError:  # pragma: no cover
     selenium = None
 
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None or CHROMEDRIVER is None or selenium is None,
-    reason="no headless Chromium here (Debian: apt-get install chromium chromium-driver; pip install selenium)")
+MISSING = ", ".join(name for name, found in (("chromium", CHROMIUM), ("chromedriver", CHROMEDRIVER),
+                                             ("selenium", selenium)) if not found)
+NO_BROWSER = f"no headless Chromium here ({MISSING} missing; Debian: apt-get install chromium chromium-driver)"
+IN_CI = os.environ.get("CI", "").lower() in ("true", "1")
+
+pytestmark = pytest.mark.skipif(bool(MISSING) and not IN_CI, reason=NO_BROWSER)
 
 FOREIGN = "evil.example"  # resolved to 127.0.0.1 by the browser: a page on another site
+
+
+@pytest.fixture(scope="module", autouse=True)
+def chromium_in_ci():
+    """Under CI=true a missing browser fails these tests (before any server starts)."""
+    if MISSING:
+        pytest.fail(f"CI=true, and {NO_BROWSER}", pytrace=False)
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,15 @@ import time
 
 import pytest
 
-from server_support import call, in_process, served, small_server, wait_for  # noqa: F401 (served: a fixture)
+from server_support import call, in_process, send, served, small_server, wait_for  # noqa: F401 (served: a fixture)
 from test_server_tools import ADD, ASK, CALL, tooled  # noqa: F401 (tooled: a fixture)
 
 HELLO = [{"role": "user", "content": "hello there"}]
+CURL = {"User-Agent": "curl/8.5.0", "Accept": "*/*"}
+# The headers of litellm 1.110.2's ollama_chat/ and ollama/ providers, recorded from a real
+# run: their bodies carry no Content-Type (only its /api/show sends application/json).
+LITELLM = {"User-Agent": "litellm/1.110.2", "Accept": "*/*", "Accept-Encoding": "gzip, deflate",
+           "Connection": "keep-alive"}
 
 
 def client(served, **kwargs):
@@ -98,6 +103,61 @@ def test_a_follow_up_reuses_the_kv_cache(served):
     assert follow["reused_tokens"] >= first.prompt_eval_count + 5
 
 
+def ndjson(data: bytes) -> list[dict]:
+    return [json.loads(line) for line in data.splitlines()]
+
+
+@pytest.mark.parametrize("label", [None, "application/x-www-form-urlencoded", "text/plain"])
+def test_ollamas_documented_curl_requests_are_answered_however_the_body_is_labelled(served, label):
+    """Ollama's docs post with `curl -d` (the form type) or send no Content-Type: a body is
+    JSON because it parses, and a request without `stream` streams NDJSON."""
+    headers = {**CURL, **({"Content-Type": label} if label else {})}
+    options = {"num_predict": 4}
+    expected = client(served).chat(model="mlx-stream", messages=HELLO, options=options).message.content
+
+    def post(path: str, body: dict) -> tuple[int, dict, bytes]:
+        return send(served, "POST", path, json.dumps({"model": "mlx-stream", "options": options, **body}).encode(),
+                    headers)
+
+    status, _, whole = post("/api/chat", {"messages": HELLO, "stream": False})
+    assert status == 200 and json.loads(whole)["message"]["content"] == expected, whole
+    status, head, streamed = post("/api/chat", {"messages": HELLO})
+    lines = ndjson(streamed)
+    assert status == 200 and head["content-type"].startswith("application/x-ndjson")
+    assert "".join(line["message"]["content"] for line in lines) == expected and lines[-1]["done"]
+    status, _, generated = post("/api/generate", {"prompt": "hello there"})
+    assert status == 200 and ndjson(generated)[-1]["done"] and len(ndjson(generated)) > 1
+    status, _, shown = post("/api/show", {})
+    assert status == 200 and "completion" in json.loads(shown)["capabilities"]
+    status, _, tags = send(served, "GET", "/api/tags", headers=CURL)
+    assert status == 200 and json.loads(tags)["models"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_litellms_ollama_requests_are_answered_whole_and_streamed(served, stream):
+    """The requests litellm's ollama_chat/ (/api/chat) and ollama/ (/api/generate) providers
+    send, byte for byte, and the /api/show with Ollama's older `name` they ask first."""
+    labelled = {**LITELLM, "Content-Type": "application/json"}
+    status, _, shown = send(served, "POST", "/api/show", b'{"name":"sm"}', labelled)
+    assert status == 200 and "completion" in json.loads(shown)["capabilities"], shown
+    prompt = "### User:\nhello there\n\n"
+    c = client(served)
+    chat = {"model": "sm", "messages": [{"role": "user", "content": "hello there", "images": []}],
+            "options": {"num_predict": 8}, "stream": stream}
+    generate = {"model": "sm", "prompt": prompt, "options": {"num_predict": 8}, "stream": stream, "images": []}
+    requests = [("/api/chat", chat, lambda line: line["message"]["content"],
+                 c.chat(model="sm", messages=HELLO, options={"num_predict": 8}).message.content),
+                ("/api/generate", generate, lambda line: line["response"],
+                 c.generate(model="sm", prompt=prompt, options={"num_predict": 8}).response)]
+    for path, body, text, expected in requests:
+        status, head, reply = send(served, "POST", path, json.dumps(body).encode(), LITELLM)
+        lines = ndjson(reply)
+        assert status == 200, reply
+        assert head["content-type"].startswith("application/x-ndjson" if stream else "application/json")
+        assert (len(lines) > 1) == stream and lines[-1]["done"] and lines[-1]["eval_count"] == 8
+        assert "".join(text(line) for line in lines) == expected
+
+
 @pytest.mark.parametrize("body,needle", [
     ({"messages": HELLO, "options": {"mirostat": 2}}, "mirostat"),
     ({"messages": HELLO, "options": {"repeat_penalty": 0.5}}, "options.repeat_penalty"),
@@ -105,7 +165,7 @@ def test_a_follow_up_reuses_the_kv_cache(served):
     ({"messages": HELLO, "options": {"num_ctx": 8192}}, "max_context 8192 is above the 96 tokens the KV cache is planned for"),
     ({"messages": HELLO, "options": {"max_tokens": 3}}, "max_tokens: this API's field is options.num_predict"),
     ({"messages": HELLO, "keep_alive": "a while"}, "keep_alive"),
-    ({"messages": HELLO, "think": "high"}, "think"),
+    ({"messages": HELLO, "think": "extreme"}, "think"),
     ({"messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]}, "mlx-stream takes no images: it is a text-only model"),
     ({"messages": [{"role": "tool", "content": "5"}]}, "messages.0"),
     ({"messages": HELLO, "model": "llama3"}, "llama3"),

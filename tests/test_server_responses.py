@@ -37,6 +37,70 @@ def test_the_same_greedy_request_gives_the_same_tokens_through_every_door(served
     assert responses.status == "incomplete" and responses.incomplete_details.reason == "max_output_tokens"
 
 
+@pytest.fixture
+def session_cache_only(served):
+    """`served` with the conversation cache on disk off: a turn reuses only what the turn
+    before it left in the KV cache (not a longer prefix another API's turn saved)."""
+    settings = served.read_settings()
+    served.write_settings(**settings, conversation_cache=False)
+    yield served
+    served.write_settings(**settings)
+
+
+def test_cached_tokens_are_the_same_number_through_every_door(session_cache_only):
+    """One two-turn conversation through each API (turn 2 extends turn 1): each reports the
+    prompt tokens turn 2 took from the KV cache in its own field, the engine's one figure."""
+    import anthropic
+
+    env = session_cache_only
+    c, claude = client(env), anthropic.Anthropic(base_url=env.server.url, api_key="x", max_retries=0)
+    one = [{"role": "user", "content": "one"}]
+    first = c.chat.completions.create(model="mlx-stream", messages=one, max_tokens=6)
+    two = [*one, {"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "two"}]
+
+    def chat(messages):
+        reply = c.chat.completions.create(model="mlx-stream", messages=messages, max_tokens=6)
+        cached = reply.usage.prompt_tokens_details.cached_tokens  # the openai client's own type
+        assert cached == reply.model_extra["mlx_stream"]["stats"]["reused_tokens"]
+        return cached
+
+    def chat_streamed(messages):
+        chunks = list(c.chat.completions.create(model="mlx-stream", messages=messages, max_tokens=6, stream=True,
+                                                stream_options={"include_usage": True}))
+        return chunks[-1].usage.prompt_tokens_details.cached_tokens
+
+    def responses(messages):
+        reply = c.responses.create(model="mlx-stream", input=messages, max_output_tokens=6)
+        return reply.usage.input_tokens_details.cached_tokens
+
+    def messages_api(messages):
+        return claude.messages.create(model="mlx-stream", messages=messages, max_tokens=6).usage.cache_read_input_tokens
+
+    def ollama(messages):
+        body = {"model": "mlx-stream", "messages": messages, "stream": False, "options": {"num_predict": 6}}
+        return call(env, "POST", "/api/chat", body)[2]["prompt_eval_cached_count"]
+
+    cached = {}
+    for ask in (chat, chat_streamed, responses, messages_api, ollama):
+        ask(one)
+        cached[ask.__name__] = ask(two)
+    assert set(cached.values()) == {cached["chat"]}, cached
+    assert cached["chat"] >= first.usage.prompt_tokens + 5  # turn 1's prompt and its reply
+
+
+def test_a_text_completion_reports_its_cached_tokens_whole_and_streamed(session_cache_only):
+    c = client(session_cache_only)
+    first = c.completions.create(model="mlx-stream", prompt="one two three", max_tokens=6)
+    more = "one two three" + first.choices[0].text + " four"
+    whole = c.completions.create(model="mlx-stream", prompt=more, max_tokens=6)
+    c.completions.create(model="mlx-stream", prompt="one two three", max_tokens=6)
+    chunks = list(c.completions.create(model="mlx-stream", prompt=more, max_tokens=6, stream=True,
+                                       stream_options={"include_usage": True}))
+    cached = whole.usage.prompt_tokens_details.cached_tokens
+    assert cached == whole.model_extra["mlx_stream"]["stats"]["reused_tokens"] >= first.usage.prompt_tokens - 1
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+
+
 def test_a_streamed_response_is_the_event_sequence_the_client_parses(served):
     with client(served).responses.stream(model="mlx-stream", input="tell me a story", max_output_tokens=8) as s:
         kinds = [e.type for e in s]

@@ -128,7 +128,7 @@ def test_a_text_only_model_refuses_an_image_in_one_line(build):
     from llm_mlx_streaming.reply.build import Ask, prepare
 
     _, tokenizer = load(str(build("qwen3_moe")))
-    options = SimpleNamespace(tool_choice=None, thinking=None, thinking_budget=None, parallel_tool_calls=None)
+    options = SimpleNamespace(tool_choice=None, thinking=None, reasoning_effort=None, thinking_budget=None, parallel_tool_calls=None)
     ask = Ask(model="small", messages=[_user("What is this?", _png(0))], options=options)
     with pytest.raises(PromptError) as e:
         prepare(tokenizer, SimpleNamespace(name="small", repetition_penalty=1.0), ask, None)

@@ -49,6 +49,7 @@ def _model_rows(settings: Settings) -> list[dict]:
             "size_bytes": None,
             "expert_slots": registry.effective_slots(name, entry, settings),
             "packed": False,
+            "tool_calls": None,
             "problem": None,
         }
         if name == BUNDLED_NAME and not is_built():
@@ -59,6 +60,7 @@ def _model_rows(settings: Settings) -> list[dict]:
                 row.update({k: info[k] for k in ("architecture", "experts", "layers", "top_k")})
                 row["size_bytes"] = registry.dir_size(path)
                 row["packed"] = has_packed(path)
+                row["tool_calls"] = tool_call_format(path)
             except CheckpointError as exc:
                 row["problem"] = "missing" if not path.exists() else str(exc)
         rows.append(row)
@@ -85,10 +87,11 @@ def models(json_):
                 r["architecture"] or "-",
                 shape,
                 str(r["expert_slots"] or "plan"),
+                r["tool_calls"] or "-",
                 (format_size(r["size_bytes"]) + (" +packed" if r["packed"] else "")) if not r["problem"] else r["problem"],
             ]
         )
-    table(["  model", "aliases", "architecture", "experts x layers", "slots", "size"], listing)
+    table(["  model", "aliases", "architecture", "experts x layers", "slots", "tool calls", "size"], listing)
     click.echo("* = default, served by -m mlx-stream; slots 'plan' = sized by memory_budget (llm mlxs plan)")
 
 
@@ -136,8 +139,16 @@ def add(source, aliases, name, expert_slots, hash_):
         shape += ", an MTP head for -o draft mtp"
     click.echo(
         f"Added {registry.MODEL_PREFIX}/{name} ({info['architecture']}, {shape}, "
-        f"{format_size(registry.dir_size(path))})"
+        f"{format_size(registry.dir_size(path))}; tool calls: {tool_call_format(path) or 'none'})"
     )
+
+
+def tool_call_format(path: Path) -> str | None:
+    """The name of the checkpoint's tool-call format (formats/), or None."""
+    from ..formats.registry import checkpoint_format  # imports mlx-lm: not at `llm --help`
+
+    found = checkpoint_format(path)
+    return found.name if found is not None else None
 
 
 def _record_hashes(path: Path) -> None:

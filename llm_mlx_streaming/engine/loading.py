@@ -102,6 +102,8 @@ def load_streaming(
     """
     from mlx_lm.utils import load_tokenizer
 
+    from ..formats.registry import install as install_format
+
     if packed_check not in CHECK_MODES:
         raise ValueError(f"packed_check must be one of {', '.join(CHECK_MODES)}, got {packed_check!r}")
     path = Path(path).expanduser()
@@ -111,6 +113,7 @@ def load_streaming(
     if prepare is not None:
         prepare(model)
     tokenizer = load_tokenizer(path, eos_token_ids=config_field(config, ("eos_token_id",)))
+    install_format(tokenizer)
     if processor is not None:
         from .vision import Vision
 

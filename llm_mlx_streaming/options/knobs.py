@@ -80,7 +80,14 @@ KNOBS: tuple[Knob, ...] = (
     ),
     _option_only(
         name="thinking", type=bool, check=values.parse_switch,
-        description="on/off: the chat template's thinking switch (enable_thinking), where the template has one",
+        description="on/off: the chat template's thinking switch (enable_thinking, DeepSeek's thinking; "
+        "for gpt-oss, off is its low reasoning effort), where the template has one",
+    ),
+    _option_only(
+        name="reasoning_effort", type=str, check=values.effort,
+        description="none, minimal, low, medium or high: gpt-oss's reasoning effort (its template's "
+        "reasoning_effort; none and minimal are its low); for a template with an on/off switch, none and "
+        "minimal turn thinking off and the others on",
     ),
     _option_only(
         name="thinking_budget", type=int, bounds={"ge": 1},

@@ -41,7 +41,8 @@ def template_messages(messages, think_start=None, think_end=None,
     """Template dicts for the chain, and {message index: stored token ids}.
 
     Earlier replies keep their reasoning inside the think tags, so the
-    rendered conversation is what the model generated. With `images` (a list), each
+    rendered conversation is what the model generated; a model with no think tags
+    gets it as the message's `thinking`, where its template looks for it. With `images` (a list), each
     image attachment is appended to it and its message says how many it has
     (`"images"`; the vision model's own format places them, prompt/images.py);
     without, an image is a NoImages error.
@@ -59,6 +60,8 @@ def template_messages(messages, think_start=None, think_end=None,
                           for kind, text in pieces if kind == "text" or (kind == "reasoning" and text and tagged))
         attached = [part for kind, part in pieces if kind == "image"]
         item = {"role": message.role, "content": content}
+        if not tagged and (reasoning := "".join(text for kind, text in pieces if kind == "reasoning")):
+            item["thinking"] = reasoning  # a model with no think tags (harmony's analysis channel)
         if attached:
             images.extend(attached)
             item["images"] = len(attached)

@@ -19,6 +19,7 @@ import re
 from typing import Optional
 
 from .messages import METADATA_KEY, PromptError, template_messages
+from .polyfills import fitted
 from .tools import check_tool_support
 
 
@@ -29,11 +30,11 @@ def raw_text(messages) -> Optional[str]:
     return None
 
 
-def render_prompt(tokenizer, messages, *, thinking: Optional[bool] = None,
+def render_prompt(tokenizer, messages, *, thinking: Optional[bool] = None, effort: Optional[str] = None,
                   tools: Optional[list[dict]] = None) -> tuple[list[int], str]:
     """Token ids for the conversation (llm's `Message`s), plus the text of the generation prompt.
 
-    `thinking` sets the template's thinking switch (None: the template's default);
+    `thinking` and `effort` set the template's thinking switch (None: the template's default);
     `tools` are function specs for the template (tools.py)."""
     raw = raw_text(messages)
     if raw is not None:
@@ -45,19 +46,19 @@ def render_prompt(tokenizer, messages, *, thinking: Optional[bool] = None,
     if uses_tools:
         check_tool_support(tokenizer)
     if not getattr(tokenizer, "has_chat_template", False):
-        if thinking is not None:
+        if thinking is not None or effort is not None:
             raise PromptError("-o thinking: this model has no chat template, so no thinking switch")
         text = "\n\n".join(m["content"] for m in messages)
         return encode_text(tokenizer, text), ""
-    extra = template_switches(tokenizer, thinking)
-    if tools:
-        extra["tools"] = tools
+    extra = template_switches(tokenizer, thinking, effort)
 
-    def render(msgs, generation=True):
+    def rendered(msgs, shown, generation=True):
         return tokenizer.apply_chat_template(
-            msgs, add_generation_prompt=generation, tokenize=False, **extra
+            msgs, add_generation_prompt=generation, tokenize=False, **extra, **({"tools": shown} if shown else {})
         )
 
+    messages, tools = fitted(tokenizer, messages, tools, rendered)
+    render = lambda msgs, generation=True: rendered(msgs, tools, generation)  # noqa: E731
     text = render(messages)
     try:
         head = render(messages, generation=False)
@@ -86,16 +87,38 @@ def with_stored_replies(tokenizer, render, messages: list[dict], stored: dict[in
     return _spliced(tokenizer, render, messages, stored, text, overhang) if stored else None
 
 
-def template_switches(tokenizer, thinking: Optional[bool]) -> dict:
-    """Keyword arguments for the chat template: `enable_thinking` (Qwen3, GLM and the
-    like) when asked for; a template that never reads it cannot honour it, so that is
-    an error rather than silence."""
-    if thinking is None:
+def template_switches(tokenizer, thinking: Optional[bool], effort: Optional[str] = None) -> dict:
+    """Keyword arguments for the chat template's thinking switch, when asked for:
+    `enable_thinking` (Qwen3, GLM, Gemma 4 and the like), `thinking` (DeepSeek-V3.1) or
+    `reasoning_effort` (gpt-oss's harmony, whose reasoning cannot be turned off: off is
+    its lowest effort). An effort level turns a plain switch on. A template that reads
+    none cannot honour either, so that is an error rather than silence."""
+    if thinking is None and effort is None:
         return {}
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, str) and "enable_thinking" not in template:
-        raise PromptError("-o thinking: this model's chat template has no thinking switch (enable_thinking)")
-    return {"enable_thinking": bool(thinking)}
+    switch = thinking_switch(getattr(tokenizer, "chat_template", None))
+    if switch is None:
+        raise PromptError(f"-o {'thinking' if effort is None else 'reasoning_effort'}: this model's chat template "
+                          "has no thinking switch (enable_thinking, thinking or reasoning_effort)")
+    off = thinking is False or (thinking is None and effort in NO_EFFORT)
+    if switch == "reasoning_effort":
+        return {switch: "low" if off or effort in NO_EFFORT else effort or "medium"}
+    return {switch: not off}
+
+
+NO_EFFORT = ("none", "minimal")
+
+
+def thinking_switch(template) -> Optional[str]:
+    """The variable a chat template turns its reasoning on or off with, or None."""
+    if not isinstance(template, str):
+        return None
+    if "enable_thinking" in template:
+        return "enable_thinking"
+    if "reasoning_effort" in template:
+        return "reasoning_effort"
+    if re.search(r"(?<![\w.'\"\[])thinking\s+is\s+(?:not\s+)?defined|\{%-?\s*if\s+(?:not\s+)?thinking\b", template):
+        return "thinking"
+    return None
 
 
 # Fill-in-the-middle markers of the code models that have them: (prefix, suffix, middle)

@@ -1,97 +1,87 @@
-"""Split a reply's streamed text into answer text, reasoning and tool calls.
-
-A reply can hold ``<think>...</think>`` reasoning (shown by llm on stderr, hidden by
-``-R``) and tool-call markup (``<tool_call>...</tool_call>`` or whatever the model's
-tool parser in mlx-lm names): the markup is not text for the user, it is parsed
-into a tool call once its closing tag has arrived. The detokenizer hands out
-arbitrary text segments, so a tag can arrive split across segments; the splitter
-holds back a possible partial tag until the next segment decides it. Tags are never
-emitted. Inside reasoning, tool-call tags are just reasoning.
+"""Split a reply's streamed text into answer text, reasoning and tool-call blocks, with
+mlx-lm's own text state machine (`make_text_state_machine`): think tags, the format's
+tool markup (an empty end tag: the turn's end closes the block), a call begun inside
+reasoning, structural markers and multi-channel response formats (harmony's channels,
+formats/harmony.py). Tags and markup are never emitted as text; a tag split across
+the detokenizer's segments is held back until the next one decides it.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from ..stops import partial_suffix
+from ..formats.registry import format_of
 
 TEXT, REASONING, TOOL = "text", "reasoning", "tool_call"
 TOOL_TEXT = "tool_call_text"  # a piece of tool-call markup as it arrives (the block follows whole)
 UNFINISHED_TOOL = "tool_call_unfinished"  # markup cut off by the end of the reply
+KINDS = {"normal": TEXT, "reasoning": REASONING}  # mlx-lm's states that are the reply's; others are markup
 
 
 class ReplySplitter:
     """`feed(text)` -> [(kind, chunk)]: "text" and "reasoning" pieces as they become
     certain, the pieces of a tool-call block ("tool_call_text") as they do, and
-    ("tool_call", inner markup) once the block is closed."""
+    ("tool_call", its markup) once the block is closed. With `thinking` off, what the
+    model writes in a think block is answer text."""
 
-    def __init__(self, think_start: Optional[str], think_end: Optional[str], reasoning: bool = False,
-                 tool_start: Optional[str] = None, tool_end: Optional[str] = None):
-        self.closing: dict[str, str] = {}
-        self.opening: dict[str, str] = {}
-        if think_start and think_end:
-            self.opening[think_start] = REASONING
-            self.closing[REASONING] = think_end
-        if tool_start and tool_end:
-            self.opening[tool_start] = TOOL
-            self.closing[TOOL] = tool_end
-        self.state = REASONING if reasoning and REASONING in self.closing else TEXT
-        self._pending = ""
+    def __init__(self, tokenizer, initial: str = "normal", thinking: bool = True):
+        from mlx_lm.generate import make_text_state_machine
+
+        format_of(tokenizer)  # the format's markup on the tokenizer, wherever it was loaded
+        self.state = make_text_state_machine(tokenizer).make_state(initial)
+        self.kinds = KINDS if thinking else {**KINDS, "reasoning": TEXT}
         self._tool = ""
+        self._fresh = initial == "reasoning"  # a reasoning block has just opened
 
     def feed(self, text: str) -> list[tuple[str, str]]:
+        from mlx_lm.generate import TextStateMachine
+
+        self.state, segments = TextStateMachine.split(self.state, text)
         out: list[tuple[str, str]] = []
-        buf = self._pending + text
-        self._pending = ""
-        while buf:
-            if self.state == TEXT:
-                found = min(((buf.find(tag), tag) for tag in self.opening if tag in buf), default=None)
-                if found is not None:
-                    at, tag = found
-                    if at:
-                        out.append((TEXT, buf[:at]))
-                    self.state = self.opening[tag]
-                    buf = buf[at + len(tag):]
-                    continue
-                keep = max((partial_suffix(buf, tag) for tag in self.opening), default=0)
-            else:
-                tag = self.closing[self.state]
-                at = buf.find(tag)
-                if at >= 0:
-                    self._inside(buf[:at], out)
-                    if self.state == TOOL:
-                        out.append((TOOL, self._tool))
-                        self._tool = ""
-                    self.state = TEXT
-                    buf = buf[at + len(tag):]
-                    continue
-                keep = partial_suffix(buf, tag)
-            certain = buf[: len(buf) - keep]
-            if self.state == TEXT:
-                if certain:
-                    out.append((TEXT, certain))
-            else:
-                self._inside(certain, out)
-            self._pending = buf[len(buf) - keep:]
-            break
+        for i, (state, chunk) in enumerate(segments):
+            left = i + 1 < len(segments)  # the machine moved on from this state
+            self._emit(state, chunk, out)
+            if left and state == "tool":
+                out.append((TOOL, self._tool))
+                self._tool = ""
+            if left:
+                self._fresh = segments[i + 1][0] == "reasoning"
         return out
 
-    def _inside(self, chunk: str, out: list) -> None:
-        if self.state == TOOL:
+    def _emit(self, state: Optional[str], chunk: str, out: list) -> None:
+        if state == "tool":
             self._tool += chunk
             if chunk:
                 out.append((TOOL_TEXT, chunk))
-        elif chunk:
-            out.append((REASONING, chunk))
+            return
+        if state == "reasoning" and self._fresh:
+            chunk = chunk.lstrip("\n")  # the line break after the opening tag is layout
+            self._fresh = not chunk
+        kind = self.kinds.get(state)
+        if kind and chunk:
+            out.append((kind, chunk))
 
     def flush(self) -> list[tuple[str, str]]:
         """What is left at the end of the reply; an unclosed tool call comes back as
         ("tool_call_unfinished", its markup so far)."""
-        pending, self._pending = self._pending, ""
-        if self.state == TOOL:
-            markup, self._tool = self._tool + pending, ""
+        from mlx_lm.generate import TextStateMachine
+
+        self.state, held, state = TextStateMachine.flush(self.state)
+        if state == "tool":
+            markup, self._tool = self._tool + held, ""
             return [(UNFINISHED_TOOL, markup)]
-        return [(self.state, pending)] if pending else []
+        out: list[tuple[str, str]] = []
+        self._emit(state, held, out)
+        return out
+
+
+def initial_state(tokenizer, generation_prompt: str) -> str:
+    """Where the reply starts: inside a think block the generation prompt opened, in
+    the response format's first state, or in plain text."""
+    start, end = getattr(tokenizer, "think_start", None), getattr(tokenizer, "think_end", None)
+    if opens_thinking(generation_prompt, start, end):
+        return "reasoning"
+    return getattr(tokenizer, "response_initial_state", None) or "normal"
 
 
 def opens_thinking(generation_prompt: str, start: Optional[str], end: Optional[str]) -> bool:

@@ -3,14 +3,13 @@
 llm's tools go to the template as OpenAI-style function specs (`tools=`), earlier
 tool calls as the assistant message's `tool_calls`, and tool results as `tool`
 messages, which is what Hugging Face chat templates with tool support read. The
-model's tool-call markup (`tokenizer.tool_call_start` ... `tool_call_end`, found by
-mlx-lm from the template) is cut out of the reply by `split.ReplySplitter` and
-parsed by the tokenizer's `tool_parser`, the same parser `mlx_lm.server` uses.
+model's tool-call markup is in its family's format (formats/: found from the checkpoint
+when it loads), cut out of the reply by `split.ReplySplitter` and read by the format's
+parser as it is written.
 
 `tool_choice` (auto, none, required or a tool's name) decides what the model may do:
 none shows it no tools; required and a name are enforced by constrained decoding
-(constrained.py) of the call markup, for the formats whose call is a JSON object
-between the markup tags.
+(constrained.py) of the call markup, in the format's own grammar.
 """
 
 from __future__ import annotations
@@ -18,16 +17,13 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from typing import Any, Optional
+from typing import Optional
 
 from .constrained import COMPILE_OPTIONS, checked_grammar
+from ..formats.base import literal
+from ..formats.registry import format_of
 
 AUTO, NONE, REQUIRED = "auto", "none", "required"
-# mlx-lm tool parsers whose call is {"name": ..., "arguments": {...}} between the tags
-JSON_CALL_PARSERS = ("mlx_lm.tool_parsers.json_tools",)
-CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\S)')
-HELD_BACK = re.compile(r"\}?\s*$")  # what may still turn out to close the call, not its arguments
-CALL_END = re.compile(r"\}\s*$")
 
 
 class ToolError(ValueError):
@@ -80,51 +76,57 @@ def check_tool_choice(choice: Optional[str], tools: list[dict]) -> None:
 def forced_call_grammar(tokenizer, tools: list[dict], choice: str, parallel: Optional[bool] = None,
                         thinking: bool = False) -> str:
     """The llguidance grammar that makes the reply tool calls (one, or one or more when
-    `parallel` is not off): for `choice` required any of `tools`, else the one it names.
-    `thinking`: the reply starts inside a think block, which it closes before the calls.
-    ToolError for a format it cannot force."""
+    `parallel` is not off), in the model's own format: for `choice` required any of
+    `tools`, else the one it names. `thinking`: the reply starts inside a think block,
+    which it closes before the calls. ToolError for a format that cannot be forced."""
     import llguidance
 
     check_tool_support(tokenizer)
-    parser = _parser(tokenizer)
-    if parser not in JSON_CALL_PARSERS:
-        raise ToolError(f"tool_choice {choice}: this model's tool-call format ({parser}) cannot be "
+    fmt = format_of(tokenizer)
+    if fmt.grammar is None:
+        raise ToolError(f"tool_choice {choice}: this model's tool-call format ({fmt.name}) cannot be "
                         "enforced; use tool_choice auto")
+    lark = _Lark(tokenizer)
     picked = [t["function"] for t in tools if choice == REQUIRED or t["function"]["name"] == choice]
-    schema = {
-        "x-guidance": COMPILE_OPTIONS,
-        "anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                   "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]}}
-                  for f in picked],
-    }
-    start, end = _markup(tokenizer, tokenizer.tool_call_start), _markup(tokenizer, tokenizer.tool_call_end)
     several = parallel is not False and choice == REQUIRED
-    lines = [
-        'calls: call ("\\n"? call)*' if several else "calls: call",
-        f'call: {start} "\\n" arguments "\\n" {end}',
-        f"arguments: %json {json.dumps(schema, ensure_ascii=False)}",
-    ]
+    start, end = lark.tag(fmt.start), lark.tag(fmt.end) if fmt.end else ""
+    lead = lark.text(fmt.lead) if fmt.lead else ""
+    lines = [*fmt.grammar(lark, picked), "call: " + " | ".join(f"call{i}" for i in range(len(picked)))]
+    if fmt.blocks:
+        lines += [f"block: {lead} {start} call {end}", 'calls: block ("\\n"? block)*' if several else "calls: block"]
+    else:
+        more = "(/\\n?/ call)*" if several else ""
+        lines.append(f"calls: {lead} {start} call {more} {end}")
     if thinking:
         think_end = tokenizer.think_end
         never = re.escape(think_end).replace("/", "\\/")
-        lines += [f"start: THOUGHT {_markup(tokenizer, think_end)} /\\n{{0,2}}/ calls",
+        lines += [f"start: THOUGHT {lark.tag(think_end)} /\\n{{0,2}}/ calls",
                   f"THOUGHT: /(?s:.*)/ & ~/(?s:.*{never}.*)/"]
     else:
         lines.append("start: calls")
-    lark = "\n".join(lines)
-    return checked_grammar(lambda: llguidance.grammar_from("lark", lark), "the tools' parameters")
+    text = "\n".join(lines)
+    return checked_grammar(lambda: llguidance.grammar_from("lark", text), "the tools' parameters")
 
 
-def _parser(tokenizer) -> Optional[str]:
-    """The module of the tokenizer's mlx-lm tool parser."""
-    return getattr(getattr(tokenizer, "tool_parser", None), "__module__", None)
+class _Lark:
+    """A format's grammar written for this tokenizer: a tag that is one token is that
+    token (a special token no text spells), JSON compact as --schema writes it."""
 
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
 
-def _markup(tokenizer, tag: str) -> str:
-    """A markup tag in the grammar: the token it is, when it is one (it may be a special
-    token, which no text spells), else its text."""
-    ids = tokenizer.encode(tag, add_special_tokens=False)
-    return f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(tag, ensure_ascii=False)
+    def tag(self, text: str) -> str:
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return f"<[{ids[0]}]>" if len(ids) == 1 else literal(text)
+
+    def text(self, text: str) -> str:
+        """Text that may hold special tokens (a channel header): each one as its token."""
+        added = sorted(self.tokenizer.get_added_vocab(), key=len, reverse=True)
+        parts = re.split("(" + "|".join(map(re.escape, added)) + ")", text) if added else [text]
+        return " ".join(self.tag(p) if p in added else literal(p) for p in parts if p)
+
+    def json(self, schema: dict) -> str:
+        return f"%json {json.dumps({'x-guidance': COMPILE_OPTIONS, **schema}, ensure_ascii=False)}"
 
 
 def assistant_tool_calls(parts) -> list[dict]:
@@ -157,28 +159,14 @@ def tool_result_messages(message) -> list[dict]:
 
 def parse_tool_calls(tokenizer, markup: str, tools: list[dict]) -> Optional[list[dict]]:
     """[{"id", "name", "arguments"}] from one tool-call block; None if it does not parse."""
-    parser = getattr(tokenizer, "tool_parser", None)
-    if parser is None:
+    fmt = format_of(tokenizer)
+    if fmt is None:
         return None
     try:
-        parsed: Any = parser(markup, tools)
+        calls = fmt.parse(markup, tools)
     except Exception:  # the model wrote markup its parser cannot read
         return None
-    calls = parsed if isinstance(parsed, list) else [parsed]
-    out = []
-    for call in calls:
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return None
-        arguments = call.get("arguments") or {}
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                return None
-        if not isinstance(arguments, dict):
-            return None
-        out.append({"id": new_call_id(), "name": call["name"], "arguments": arguments})
-    return out
+    return [{"id": new_call_id(), **call} for call in calls]
 
 
 def new_call_id() -> str:
@@ -186,56 +174,58 @@ def new_call_id() -> str:
 
 
 class CallReader:
-    """A reply's tool-call blocks, read as they arrive. Where the call is
-    {"name": ..., "arguments": ...} (JSON_CALL_PARSERS) the name is given as soon as it
-    is written and the arguments' text as it is generated (what may be the call's own
-    closing brace held back); other formats give each call when its block is closed.
+    """A reply's tool-call blocks, read as they arrive: each call's name as soon as it
+    is written and its arguments' JSON in pieces (formats/base.py), where the format
+    can be read so; else each call when its block closes.
     Events: ("name", id, name) and ("arguments", id, JSON text)."""
 
     def __init__(self, tokenizer, tools: list[dict]):
         self.tokenizer, self.tools = tokenizer, tools
-        self.streams = _parser(tokenizer) in JSON_CALL_PARSERS
+        fmt = format_of(tokenizer)
+        self.reading = fmt.reading if fmt is not None else None
         self._begin()
 
     def _begin(self) -> None:
-        self.text, self.id, self.name, self.start, self.sent = "", None, "", 0, 0
+        self.text = ""
+        self.given: list[list[str]] = []  # [id, name, arguments' text given] of each call begun
 
     def piece(self, chunk: str) -> list[tuple]:
         """Events for a piece of the open block."""
-        if not self.streams:
+        if self.reading is None:
             return []
         self.text += chunk
+        return self._news(self.reading(self.text, False, self.tools))
+
+    def _news(self, written: list[tuple[str, str]]) -> list[tuple]:
         out = []
-        if self.id is None:
-            head = CALL_HEAD.match(self.text)
-            if head is None:
-                return []
-            self.id, self.name, self.start = new_call_id(), json.loads(head.group(1)), head.end()
-            out.append(("name", self.id, self.name))
-        body = self.text[self.start:]
-        certain = HELD_BACK.search(body).start()
-        if certain > self.sent:
-            out.append(("arguments", self.id, body[self.sent:certain]))
-            self.sent = certain
+        for i, (name, arguments) in enumerate(written):
+            if i == len(self.given):
+                self.given.append([new_call_id(), name, ""])
+                out.append(("name", self.given[i][0], name))
+            call_id, _, given = self.given[i]
+            if len(arguments) > len(given) and arguments.startswith(given):
+                out.append(("arguments", call_id, arguments[len(given):]))
+                self.given[i][2] = arguments
         return out
 
     def close(self, inner: str, finished: bool = True) -> Optional[tuple[list[tuple], list[dict]]]:
-        """At the end of a block (`finished`: by its end tag, else cut off by the end of
-        the reply): the events still due and its calls [{"id", "name", "arguments"}], or
-        None when nothing of it was given as a call and it does not parse (it is text)."""
+        """At the end of a block (`finished`: by its end tag or the end of the turn, else
+        cut off by the token limit): the events still due and its calls [{"id", "name",
+        "arguments"}], or None when nothing of it was given as a call and it does not
+        parse (it is text). A call begun but unreadable keeps its text under `_raw`."""
         try:
-            if self.id is not None:
-                body = inner[self.start:]
-                text = CALL_END.sub("", body, count=1) if finished else body
-                parsed = parse_tool_calls(self.tokenizer, inner, self.tools) if finished else None
-                arguments = parsed[0]["arguments"] if parsed and len(parsed) == 1 else {"_raw": text}
-                return ([("arguments", self.id, text[self.sent:])],
-                        [{"id": self.id, "name": self.name, "arguments": arguments}])
-            calls = parse_tool_calls(self.tokenizer, inner, self.tools) if finished else None
-            if not calls:
+            parsed = parse_tool_calls(self.tokenizer, inner, self.tools) if finished else None
+            if parsed is None and not self.given:
                 return None
-            events = [e for c in calls for e in (("name", c["id"], c["name"]),
-                                                  ("arguments", c["id"], json.dumps(c["arguments"])))]
+            events = self._news(self.reading(inner, True, self.tools)) if self.reading else []
+            calls = []
+            for i, (call_id, name, given) in enumerate(self.given):
+                arguments = parsed[i]["arguments"] if parsed and i < len(parsed) else {"_raw": given}
+                calls.append({"id": call_id, "name": name, "arguments": arguments})
+            for call in (parsed or [])[len(self.given):]:
+                events += [("name", call["id"], call["name"]),
+                           ("arguments", call["id"], json.dumps(call["arguments"], ensure_ascii=False))]
+                calls.append(call)
             return events, calls
         finally:
             self._begin()

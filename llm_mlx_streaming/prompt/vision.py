@@ -20,7 +20,7 @@ def has_images(messages) -> bool:
     return any(isinstance(part, AttachmentPart) for m in messages for part in m.parts)
 
 
-def render_with_images(tokenizer, messages, *, thinking: Optional[bool] = None
+def render_with_images(tokenizer, messages, *, thinking: Optional[bool] = None, effort: Optional[str] = None
                        ) -> tuple[list[int], str, VisionInput]:
     """(token ids, the generation prompt's text, the images' pixel inputs) for a
     conversation with images, rendered with the processor and model config that
@@ -35,7 +35,7 @@ def render_with_images(tokenizer, messages, *, thinking: Optional[bool] = None
     dicts, stored = template_messages(messages, getattr(tokenizer, "think_start", None),
                                  getattr(tokenizer, "think_end", None), images=attached)
     pictures, digests = zip(*(_picture(i + 1, a) for i, a in enumerate(attached)))
-    switches = template_switches(tokenizer, thinking)
+    switches = template_switches(tokenizer, thinking, effort)
     model_type = config["model_type"]
     # each message with images in the model's own format: where its images go, how many
     dicts = [get_message_json(model_type, d["content"], d["role"], num_images=d.pop("images"))

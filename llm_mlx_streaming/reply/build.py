@@ -39,7 +39,6 @@ class Prepared:
     request: Request
     generation_prompt: str  # the template's text after the last message (it may open a thinking block)
     tools: list[dict]  # the function specs the template was shown
-    one_call: bool  # the reply ends with its first tool call (parallel_tool_calls off)
     schema_check: tuple = ()  # the --schema processor, asked at the end whether the document closed
 
 
@@ -66,10 +65,12 @@ def prepare(tokenizer, run: RunConfig, ask: Ask, grammar: Optional[str]) -> Prep
     elif _with_images(tokenizer, ask):
         if tools:
             raise PromptError("tools and images in one prompt are not supported yet")
-        tokens, generation_prompt, vision = render_with_images(tokenizer, ask.messages, thinking=options.thinking)
+        tokens, generation_prompt, vision = render_with_images(tokenizer, ask.messages, thinking=options.thinking,
+                                                              effort=options.reasoning_effort)
     else:
         try:
             tokens, generation_prompt = render_prompt(tokenizer, ask.messages, thinking=options.thinking,
+                                                      effort=options.reasoning_effort,
                                                       tools=tools)
         except NoImages as e:
             raise PromptError(f"{run.name} {e}") from None
@@ -82,10 +83,9 @@ def prepare(tokenizer, run: RunConfig, ask: Ask, grammar: Optional[str]) -> Prep
     request = run.request(tokens, [*processors, *budget_aware], budget_aware)
     request.vision = vision
     end_tag = tokenizer.tool_call_end if tools else None
-    one_call = bool(end_tag) and options.parallel_tool_calls is False
-    if one_call:
+    if end_tag and options.parallel_tool_calls is False:  # the reply ends with its first call
         request.stop = (*request.stop, end_tag)
-    return Prepared(request, generation_prompt, tools, one_call, budget_aware if ask.schema is not None else ())
+    return Prepared(request, generation_prompt, tools, budget_aware if ask.schema is not None else ())
 
 
 def _with_images(tokenizer, ask: Ask) -> bool:
@@ -98,8 +98,10 @@ def count(tokenizer, ask: Ask) -> int:
     """The prompt's tokens, rendered as a generation would render them."""
     tools = shown_tools(list(ask.tools), ask.options.tool_choice)
     if _with_images(tokenizer, ask):
-        return len(render_with_images(tokenizer, ask.messages, thinking=ask.options.thinking)[0])
-    tokens, _ = render_prompt(tokenizer, ask.messages, thinking=ask.options.thinking, tools=tools or None)
+        return len(render_with_images(tokenizer, ask.messages, thinking=ask.options.thinking,
+                                      effort=ask.options.reasoning_effort)[0])
+    tokens, _ = render_prompt(tokenizer, ask.messages, thinking=ask.options.thinking,
+                              effort=ask.options.reasoning_effort, tools=tools or None)
     return len(tokens)
 
 

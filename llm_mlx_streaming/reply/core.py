@@ -22,7 +22,7 @@ from ..options.settings import load_settings
 from ..prompt.constrained import SchemaError
 from ..prompt.messages import PromptError
 from ..prompt.render import encode_text
-from ..prompt.split import TOOL, TOOL_TEXT, UNFINISHED_TOOL, ReplySplitter, opens_thinking
+from ..prompt.split import TOOL, TOOL_TEXT, UNFINISHED_TOOL, ReplySplitter, initial_state
 from ..prompt.tools import CallReader, ToolError
 from .build import Ask, Prepared, count, grammar_of, prepare
 from .events import CallArguments, CallBegins, Chunk, Event, Finished, Outcome, ToolCall, plain
@@ -121,13 +121,9 @@ class Replier:
     def start(self, tokenizer) -> None:
         """Once the engine has the tokenizer: the splitter and the tool-call reader."""
         self.tokenizer = tokenizer
-        start, end = getattr(tokenizer, "think_start", None), getattr(tokenizer, "think_end", None)
-        if self.ask.options.thinking is False:  # thinking off: no reasoning events, whatever the model writes
-            start = end = None
-        tools = self.prepared.tools
-        self.splitter = ReplySplitter(start, end, opens_thinking(self.prepared.generation_prompt, start, end),
-                                      *((tokenizer.tool_call_start, tokenizer.tool_call_end) if tools else ()))
-        self.reader = CallReader(tokenizer, tools)
+        self.splitter = ReplySplitter(tokenizer, initial_state(tokenizer, self.prepared.generation_prompt),
+                                      thinking=self.ask.options.thinking is not False)
+        self.reader = CallReader(tokenizer, self.prepared.tools)
         self.eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
 
     def feed(self, result) -> list[Event]:
@@ -147,8 +143,8 @@ class Replier:
         """The held-back events and the outcome."""
         out = []
         for kind, chunk in self.splitter.flush():
-            if kind == UNFINISHED_TOOL and self.prepared.one_call and self.finish_reason == "stop":
-                kind = TOOL  # stopped at the call's end tag
+            if kind == UNFINISHED_TOOL and self.finish_reason == "stop":
+                kind = TOOL  # the turn's end (or the call's end tag as a stop) closed the block
             out.extend(self._events(kind, chunk))
         figures = plain({**self.run.plan_figures, **generation.stats})
         if self.logprobs is not None:
@@ -161,11 +157,13 @@ class Replier:
 
     def _events(self, kind: str, chunk: str) -> list[Event]:
         """Events for one piece of the split reply. A tool call streams as the reader
-        reads it; a block that is no call is the text the model wrote."""
+        reads it; a block that is no call (or comes with no tools given) is the text
+        the model wrote."""
+        tools = bool(self.prepared.tools)
         if kind == TOOL_TEXT:
-            return [_call_event(*e) for e in self.reader.piece(chunk)]
+            return [_call_event(*e) for e in self.reader.piece(chunk)] if tools else []
         if kind in (TOOL, UNFINISHED_TOOL):
-            closed = self.reader.close(chunk, finished=kind == TOOL)
+            closed = self.reader.close(chunk, finished=kind == TOOL) if tools else None
             if closed is None:
                 end = self.tokenizer.tool_call_end if kind == TOOL else ""
                 return [Chunk("text", f"{self.tokenizer.tool_call_start}{chunk}{end}")]

@@ -66,6 +66,11 @@ class Outcome:
         return int(self.figures.get("prompt_tokens") or 0)
 
     @property
+    def cached_tokens(self) -> int:
+        """The prompt tokens reused from the KV cache rather than prefilled."""
+        return int(self.figures.get("reused_tokens") or 0)
+
+    @property
     def completion_tokens(self) -> int:
         return int(self.figures.get("generated_tokens") or 0)
 

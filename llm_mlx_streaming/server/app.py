@@ -1,5 +1,5 @@
-"""The ASGI app: the guard and the body limit, errors in each API's shape, the server's
-own routes (health, figures, runtime parameters) and each API's router.
+"""The ASGI app: the guard, the body limit, bodies read as JSON, errors in each API's
+shape, the server's own routes (health, figures, runtime parameters) and each API's router.
 
 FastAPI, because its routes are typed by pydantic models (the same pydantic llm and the
 plugin's Options use), which gives request validation and an OpenAPI schema for free;
@@ -13,11 +13,13 @@ from typing import Any
 
 from fastapi import APIRouter, Body, Depends, FastAPI
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
 
 from ..discovery import public_id
+from ..errors import one_line
 from . import dashboard
 from .anthropic import routes as anthropic
-from .errors import ApiError, BodyLimit, api_routes, error_for
+from .errors import ApiError, BodyLimit, JsonBody, api_routes, error_for, not_json, refusal
 from .fields import IgnoredHeader
 from .guard import Guard
 from .ollama import routes as ollama
@@ -38,6 +40,7 @@ def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="llm-mlx-streaming", summary="OpenAI-compatible API of `llm mlxs serve`",
                   lifespan=lifespan, docs_url=None, redoc_url=None)  # /docs: served offline by dashboard.attach
     app.state.service = service
+    app.add_middleware(JsonBody)
     app.add_middleware(IgnoredHeader)
     app.add_middleware(BodyLimit)
     app.add_middleware(Guard, hosts=service.hosts, origins=service.origins)  # outermost
@@ -48,12 +51,13 @@ def create_app(service: Service) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
-        err = (exc.errors() or [{}])[0]
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        where = ".".join(loc)
-        message = err.get("msg", "invalid request").removeprefix("Value error, ")
-        refusal = ApiError(400, f"{where}: {message}" if where else message, param=where or None)
-        return refusal.response(request.scope)
+        return refusal((exc.errors() or [{}])[0]).response(request.scope)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request, exc: HTTPException):
+        if isinstance(exc.__cause__, ValueError):  # FastAPI could not decode the body
+            return not_json(one_line(exc.__cause__)).response(request.scope)
+        return ApiError(exc.status_code, str(exc.detail), headers=exc.headers).response(request.scope)
 
     @app.exception_handler(Exception)
     async def _unexpected(request, exc: Exception):

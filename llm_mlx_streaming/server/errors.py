@@ -1,4 +1,5 @@
-"""HTTP-level pieces: errors in each API's own shape, the body size limit.
+"""HTTP-level pieces: errors in each API's own shape, the body size limit, bodies read
+as JSON whatever their label.
 
 Every error the server answers has a one-line message, never a traceback, in the shape
 of the API whose route it is: each API's router declares its name and shape (`api_routes`),
@@ -116,6 +117,51 @@ class BodyLimit:
             return await receive()  # after the body: the disconnect, for streaming responses
 
         await self.app(scope, replay, send)
+
+
+def _labelled_json(content_type: bytes) -> bool:
+    media = content_type.partition(b";")[0].strip().lower()
+    return media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json"))
+
+
+class JsonBody:
+    """ASGI middleware: a body is JSON because it parses as JSON, as Ollama and mlx-lm's
+    server read theirs. One labelled otherwise or not at all (`curl -d` sends the form
+    type; Ollama's docs and litellm's Ollama providers send none) is labelled JSON for the
+    routes; one that does not parse is a 400 (`refusal`). What keeps other sites' pages
+    out is the guard, not the label: a browser's cross-site POST carries its Origin."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        headers = scope.get("headers") or []
+        if scope["type"] == "http" and not _labelled_json(dict(headers).get(b"content-type", b"")):
+            kept = [(k, v) for k, v in headers if k != b"content-type"]
+            scope = {**scope, "headers": [*kept, (b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
+
+
+NOT_AN_OBJECT = ("model_attributes_type", "model_type", "dict_type")  # pydantic's, for a body that is no object
+
+
+def not_json(reason: str) -> ApiError:
+    return ApiError(400, f"the request body is not JSON: {reason}", code="invalid_json")
+
+
+def refusal(error: dict) -> ApiError:
+    """The first of a request's validation errors (pydantic's, as FastAPI reports them)
+    as a 400 naming the field, or the body when it is not a JSON object."""
+    loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+    if error.get("type") == "json_invalid":  # loc: the character where parsing failed
+        return not_json(f"{error.get('ctx', {}).get('error', 'invalid')} at character {loc[0] if loc else 0}")
+    if not loc and error.get("type") == "missing":
+        return ApiError(400, "the request has no body: send a JSON object")
+    if not loc and error.get("type") in NOT_AN_OBJECT:
+        return ApiError(400, "the request body is not a JSON object")
+    where = ".".join(loc)
+    message = error.get("msg", "invalid request").removeprefix("Value error, ")
+    return ApiError(400, f"{where}: {message}" if where else message, param=where or None)
 
 
 def error_for(exc: BaseException) -> ApiError:

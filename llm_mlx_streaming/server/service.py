@@ -17,6 +17,7 @@ from ..errors import MlxStreamError, SettingsError, one_line
 from ..options import registry
 from ..options.run_config import configure
 from ..options.settings import Options, load_settings
+from ..prompt.render import thinking_switch
 from .catalog import checkpoint
 from .errors import ApiError
 from .fields import unused
@@ -118,10 +119,10 @@ class Service:
         return run.max_context
 
     def thinks(self, model_id: str) -> bool:
-        """Whether the model's chat template has a thinking switch (enable_thinking)."""
+        """Whether the model's chat template has a thinking switch (prompt/render.thinking_switch)."""
         if model_id not in self._thinks:
             found = checkpoint(model_id)
-            self._thinks[model_id] = found is not None and "enable_thinking" in found.template
+            self._thinks[model_id] = found is not None and thinking_switch(found.template) is not None
         return self._thinks[model_id]
 
     def takes_images(self, model_id: str) -> bool:

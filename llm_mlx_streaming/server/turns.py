@@ -98,16 +98,24 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def unswitched(service, request: Request, model_id: str, fields: dict) -> None:
+    """A thinking field for a model whose template cannot think is accepted as off (and
+    named), as clients send it to every model."""
+    if not service.thinks(model_id):
+        if fields.pop("thinking", None):
+            service.ignore(request, ["thinking"])
+        if fields.pop("reasoning_effort", None) not in (None, "none", "minimal"):
+            service.ignore(request, ["reasoning_effort"])
+        fields.pop("thinking_budget", None)
+
+
 async def answer(service, request: Request, shape, model_id: str, messages: list, fields: dict,
                  schema: Optional[dict], stream: bool, tools: Sequence[dict] = (),
                  grammar: Optional[tuple[str, str]] = None, suffix: Optional[str] = None):
     """Answer `messages` (llm's) on `model_id` with the request's engine `fields` (the
     plugin's options), `tools` (function specs), the `schema` or `grammar` the reply
     must follow and the `suffix` it fills up to, in `shape`."""
-    if fields.get("thinking") is not None and not service.thinks(model_id):
-        if fields.pop("thinking"):  # the template cannot think: accepted as off
-            service.ignore(request, ["thinking"])
-        fields.pop("thinking_budget", None)
+    unswitched(service, request, model_id, fields)
     await take_turn(service, request=request)
     service.keep_loaded()
     try:

@@ -20,7 +20,7 @@ from ..errors import ApiError, error_for, api_routes
 from ..images import read_images
 from ..openai.schemas import ChatMessage, ImageContent, ImageUrl, TextContent, engine_values
 from ..openai.tools import CalledFunction, ToolCall
-from ..turns import answer
+from ..turns import answer, unswitched
 from .schemas import AnthropicEngineOptions, AnthropicError, CountTokensRequest, MessagesRequest
 from .shapes import MessageShape, error_body
 
@@ -118,8 +118,10 @@ def router(service) -> APIRouter:
         chat = chat_messages(body)
         await read_images(service, model_id, chat)
         chain = llm_messages(chat, service.replies.known)
+        fields = engine_options(body)
+        unswitched(service, request, model_id, fields)
         try:
-            options = Options.model_validate(service.runtime.for_request(engine_options(body)))
+            options = Options.model_validate(service.runtime.for_request(fields))
             count = await counted(Ask(service.name_of(model_id), chain, options, function_specs(body)))
         except Exception as e:
             raise error_for(e) from None

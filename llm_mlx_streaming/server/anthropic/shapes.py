@@ -42,9 +42,9 @@ def stop_reason(outcome: Outcome) -> tuple[str, Optional[str]]:
 
 
 def usage(outcome: Outcome) -> dict:
-    reused = int(outcome.figures.get("reused_tokens") or 0)
-    return {"input_tokens": outcome.prompt_tokens - reused, "output_tokens": outcome.completion_tokens,
-            "cache_read_input_tokens": reused, "cache_creation_input_tokens": 0}
+    cached = outcome.cached_tokens
+    return {"input_tokens": outcome.prompt_tokens - cached, "output_tokens": outcome.completion_tokens,
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
 def tool_use(call: ToolCall) -> dict:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from ...options.knobs import BY_NAME, REPETITION_CONTEXT
 from ..openai.tools import ToolSpec
@@ -24,7 +24,8 @@ from ..openai.schemas import engine_fields
 # is repeat_penalty, max_context is num_ctx, thinking and top_logprobs are top-level fields;
 # tool_choice has no Ollama spelling.
 RENAMED = {"max_tokens": "options.num_predict", "repetition_penalty": "options.repeat_penalty",
-           "max_context": "options.num_ctx", "thinking": "think", "top_logprobs": "top_logprobs at the top level",
+           "max_context": "options.num_ctx", "thinking": "think", "reasoning_effort": "think",
+           "top_logprobs": "top_logprobs at the top level",
            "tool_choice": "no Ollama field (every tool may be called)",
            "parallel_tool_calls": "no Ollama field (calls may be parallel)"}
 IMAGES = "Base64 images (PNG, JPEG, WebP, GIF), for a model that takes images; they come before the text"
@@ -114,8 +115,9 @@ class _Generation(RequestModel):
     keep_alive: Optional[KeepAlive] = Field(None, description="How long the model stays loaded after this "
                                             "request (seconds, or a duration like 5m): 0 unloads it now; negative, "
                                             "or left out: until told (another request cancels a pending unload)")
-    think: Optional[bool] = Field(None, description="The chat template's thinking switch; the reasoning "
-                                  "comes as `thinking`")
+    think: Union[bool, Literal["low", "medium", "high"], None] = Field(
+        None, description="The chat template's thinking switch, or gpt-oss's reasoning effort; the reasoning "
+        "comes as `thinking`")
     logprobs: Optional[bool] = Field(None, description="true: each generated token's log-probability "
                                      "(`logprobs`; streamed: in the last line)")
     top_logprobs: Optional[int] = Field(None, ge=0, le=20, description="With logprobs: this many most likely "
@@ -150,8 +152,10 @@ class _Generation(RequestModel):
 
     def engine(self) -> dict:
         fields = self.options.engine() if self.options else {}
-        if self.think is not None:
+        if isinstance(self.think, bool):
             fields["thinking"] = self.think
+        elif self.think is not None:
+            fields["reasoning_effort"] = self.think
         if self.logprobs:
             fields["top_logprobs"] = self.top_logprobs or 0
         return fields
@@ -208,7 +212,8 @@ class GenerateRequest(_Generation):
 
 
 class ShowRequest(RequestModel):
-    model: str = Field(min_length=1)
+    model: str = Field(min_length=1, validation_alias=AliasChoices("model", "name"),
+                       description="The model (`name`, Ollama's older spelling, as litellm sends it, too)")
     verbose: Optional[bool] = Field(None, description="Accepted; the answer is the same (no tensor list)")
 
 

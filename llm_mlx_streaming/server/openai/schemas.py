@@ -180,7 +180,6 @@ class _GenerationRequest(Options):
     service_tier: Optional[str] = hint("one tier here")
     prompt_cache_key: Optional[str] = hint("the KV cache is reused for any matching prefix")
     safety_identifier: Optional[str] = hint("an end-user id")
-    reasoning_effort: Optional[str] = hint("the template's thinking switch is the `thinking` field")
     verbosity: Optional[str] = hint("the model's own length")
     prediction: Optional[dict[str, Any]] = hint("a latency hint for predicted outputs")
     presence_penalty: Optional[float] = Field(None, description="Only 0")
@@ -260,10 +259,15 @@ class CompletionRequest(_GenerationRequest):
 
 
 # -- responses (documented in the OpenAPI schema; streamed ones are SSE chunks) ----
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="The prompt tokens reused from the KV cache rather than prefilled")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class AssistantMessage(BaseModel):

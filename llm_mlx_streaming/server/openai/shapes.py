@@ -41,7 +41,8 @@ class Shape:
     @staticmethod
     def usage(outcome: Outcome) -> dict:
         return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens,
-                "total_tokens": outcome.prompt_tokens + outcome.completion_tokens}
+                "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens}}
 
     def closing(self, transcript: Transcript) -> list[str]:
         outcome = transcript.outcome

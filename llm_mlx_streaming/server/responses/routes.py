@@ -16,21 +16,24 @@ from typing import Optional
 
 from fastapi import APIRouter, Depends, Request
 
+from ...options.settings import Options
 from ...prompt.messages import llm_messages
+from ...values import EFFORTS
 from ...prompt.tools import function_spec
-from ..errors import ApiError, api_routes
+from ...reply.build import Ask
+from ...reply.core import count_tokens as counted
+from ..errors import ApiError, api_routes, error_for
 from ..images import read_images
 from ..openai.schemas import ChatMessage, ErrorResponse, ImageContent, ImageUrl, TextContent, engine_values
 from ..openai.tools import CalledFunction, ToolCall
 from ..transcript import Transcript
-from ..turns import answer
+from ..turns import answer, unswitched
 from .schemas import (CustomTool, FilePart, ImagePart, TextPart, CustomToolCallItem, CustomToolCallOutputItem, FunctionCallItem,
                       FunctionCallOutputItem, FunctionTool, JsonObjectFormat, JsonSchemaFormat, MessageItem,
                       NamedToolChoice, NamespaceTool, ReasoningItem, ResponseRequest, ResponsesEngineOptions)
 from .shapes import ResponseShape
 from ..response_store import Kept
 
-NO_THINKING = ("none", "minimal")  # reasoning efforts that turn the thinking switch off
 CUSTOM_INPUT = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
 
 
@@ -151,8 +154,9 @@ def router(service) -> APIRouter:
                            param=param)
         return found
 
-    @api.post("/v1/responses", description="OpenAI's Responses API; with stream: true its event stream")
-    async def create(body: ResponseRequest, request: Request):
+    def read(body: ResponseRequest, request: Request):
+        """The request in the core's terms: (model id, the chat so far, llm's messages,
+        engine fields, tools, the custom tool forced, its grammar)."""
         service.accept(request, body)
         model_id = service.model_for(body.model)
         earlier = kept(body.previous_response_id, request, "previous_response_id").messages \
@@ -165,12 +169,17 @@ def router(service) -> APIRouter:
         forced_custom, grammar = _choice(body, tools, fields)
         effort = body.reasoning.effort if body.reasoning is not None else None
         if effort is not None and forced_custom is None:
-            if service.thinks(model_id):
-                fields["thinking"] = effort not in NO_THINKING
+            if service.thinks(model_id) and effort in EFFORTS:
+                fields["reasoning_effort"] = effort
             else:
                 service.ignore(request, ["reasoning.effort"])
         system = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
         chat = [*earlier, *conversation(body)]
+        return model_id, system, chat, fields, tools, forced_custom, grammar
+
+    @api.post("/v1/responses", description="OpenAI's Responses API; with stream: true its event stream")
+    async def create(body: ResponseRequest, request: Request):
+        model_id, system, chat, fields, tools, forced_custom, grammar = read(body, request)
         await read_images(service, model_id, chat)
         messages = llm_messages(_one_system_message([*system, *chat]), service.replies.known)
         store = body.store is not False
@@ -186,6 +195,20 @@ def router(service) -> APIRouter:
         specs = [] if forced_custom is not None else tools.specs
         return await answer(service, request, shape, model_id, messages, fields, _schema(body), body.stream,
                             specs, grammar=grammar)
+
+    @api.post("/v1/responses/input_tokens", description="The input's tokens, rendered as /v1/responses would")
+    async def input_tokens(body: ResponseRequest, request: Request) -> dict:
+        model_id, system, chat, fields, tools, forced_custom, _ = read(body, request)
+        await read_images(service, model_id, chat)
+        messages = llm_messages(_one_system_message([*system, *chat]), service.replies.known)
+        specs = [] if forced_custom is not None else tools.specs
+        unswitched(service, request, model_id, fields)
+        try:
+            options = Options.model_validate(service.runtime.for_request(fields))
+            count = await counted(Ask(service.name_of(model_id), messages, options, specs))
+        except Exception as e:
+            raise error_for(e) from None
+        return {"object": "response.input_tokens", "input_tokens": count}
 
     @api.get("/v1/responses/{response_id}", description="A stored response")
     async def retrieve(response_id: str, request: Request) -> dict:

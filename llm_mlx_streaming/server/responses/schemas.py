@@ -224,13 +224,13 @@ class TextConfig(RequestModel):
 
 class Reasoning(RequestModel):
     effort: Optional[str] = Field(None, description="none or minimal: the template's thinking switch off; "
-                                  "low to high: on (when the template has one)")
+                                  "low to high: on, or gpt-oss's reasoning effort (when the template has one)")
     summary: Optional[str] = hint("the reasoning comes whole, as the summary text of a reasoning item")
     generate_summary: Optional[str] = hint("the reasoning comes whole, as the summary text of a reasoning item")
 
 
 # The plugin's options this API has under its own name.
-RENAMED = {"max_tokens": "max_output_tokens", "thinking": "reasoning.effort"}
+RENAMED = {"max_tokens": "max_output_tokens", "thinking": "reasoning.effort", "reasoning_effort": "reasoning.effort"}
 
 ResponsesEngineOptions = engine_fields("ResponsesEngineOptions", exclude=(*RENAMED, "tool_choice",
                                                                           "parallel_tool_calls"))

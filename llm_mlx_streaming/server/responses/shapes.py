@@ -216,8 +216,7 @@ class ResponseShape:
 
 
 def usage(outcome: Outcome) -> dict:
-    reused = int(outcome.figures.get("reused_tokens") or 0)
-    return {"input_tokens": outcome.prompt_tokens, "input_tokens_details": {"cached_tokens": reused,
+    return {"input_tokens": outcome.prompt_tokens, "input_tokens_details": {"cached_tokens": outcome.cached_tokens,
                                                                              "cache_write_tokens": 0},
             "output_tokens": outcome.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": outcome.prompt_tokens + outcome.completion_tokens}

@@ -1,0 +1,52 @@
+"""DeepSeek-V3.1's calls: one <｜tool▁calls▁begin｜> section holds them all, each
+<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}<｜tool▁call▁end｜>. DeepSeek-V3 (0324) and R1
+wrote <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME, then the JSON in a ```json fence;
+the parser reads both. mlx-lm has no parser for them: the parsing part of this module
+is one, in mlx-lm's tool_parsers/ shape. The format is recognised by its tags, in the
+template or the vocabulary. DeepSeek-V3.1 thinks in <think> tags, which mlx-lm's
+thinking inference finds in its vocabulary.
+"""
+
+import json
+import re
+from typing import Any
+
+from .base import ToolFormat, json_calls, json_grammar, literal
+
+tool_call_start = "<｜tool▁calls▁begin｜>"
+tool_call_end = "<｜tool▁calls▁end｜>"
+
+CALL_BEGIN, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+
+# V3's "function<｜tool▁sep｜>NAME ```json" or V3.1's "NAME<｜tool▁sep｜>", up to the arguments' "{"
+_head = re.compile(rf"{CALL_BEGIN}\s*(?:function\s*{SEP}\s*)?(?P<name>[^\s<`{{]+)\s*"
+                   rf"(?:{SEP}|```(?:json)?)\s*(?=\{{)")
+_fence = re.compile(r"\s*(?:```)?\s*\Z")
+
+
+def parse_tool_call(text: str, tools: Any = None):
+    heads = list(_head.finditer(text))
+    if not heads:
+        raise ValueError("No tool call found.")
+    calls = []
+    for i, head in enumerate(heads):
+        stop = heads[i + 1].start() if i + 1 < len(heads) else len(text)
+        body = text[head.end():stop]
+        if CALL_END in body:
+            body = body[: body.index(CALL_END)]
+        arguments = json.loads(_fence.sub("", body))
+        calls.append(dict(name=head.group("name"), arguments=arguments))
+    return calls
+
+
+FORMAT = ToolFormat(
+    name="deepseek_v31",
+    parser=__name__,
+    reading=json_calls(_head.pattern, call_end=CALL_END, tail=r"\s*(?:```)?\s*", held=r"\s*`{0,3}\s*"),
+    grammar=json_grammar(lambda lark, name, arguments: (
+        f"{lark.tag(CALL_BEGIN)} {literal(name)} {lark.tag(SEP)} {arguments} {lark.tag(CALL_END)}")),
+    # V3.2 keeps these tags in its vocabulary; its DSML token says it writes DSML (deepseek_v32)
+    detect=lambda template, vocab: (all(tag in template or tag in vocab for tag in (tool_call_start, SEP))
+                                    and not any("｜DSML｜" in tag for tag in (template, *vocab))),
+    blocks=False,
+)

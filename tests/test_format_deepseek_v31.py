@@ -1,0 +1,117 @@
+"""DeepSeek-V3.1's tool calls (formats/deepseek_v31.py): parsed, streamed, forced and
+recognised from the real template, on a tiny tokenizer with DeepSeek's added tokens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from format_support import accepts, every_way, family_tokenizer
+from llm_mlx_streaming.formats import deepseek_v31
+from llm_mlx_streaming.formats.registry import format_of
+from llm_mlx_streaming.prompt.split import initial_state
+from llm_mlx_streaming.prompt.tools import forced_call_grammar, function_spec
+
+TEMPLATE = Path(__file__).parent / "data" / "templates" / "deepseek-ai-DeepSeek-V3.1.jinja"
+ADDED = ("<｜User｜>", "<｜Assistant｜>", "<think>", "</think>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
+         "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>",
+         "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>")
+
+WEATHER = function_spec("get_weather", "The weather in a city", {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]})
+ADD = function_spec("add", "Add two numbers", {
+    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]})
+TOOLS = [WEATHER, ADD]
+EVERY_TYPE = {"text": "Paris, \"France\" <b>", "count": 3, "ratio": -0.5, "flag": True, "none": None,
+              "list": [1, "two", [3]], "object": {"nested": {"deep": False}}}
+
+
+def call(name: str, arguments: dict) -> str:
+    return f"<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{json.dumps(arguments, ensure_ascii=False)}<｜tool▁call▁end｜>"
+
+
+def section(*calls: str) -> str:
+    return "<｜tool▁calls▁begin｜>" + "".join(calls) + "<｜tool▁calls▁end｜>"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return family_tokenizer("deepseek_v31")
+
+
+def test_the_parser_reads_one_call_and_parallel_calls():
+    assert deepseek_v31.parse_tool_call(call("get_weather", {"city": "Paris"})) == [
+        {"name": "get_weather", "arguments": {"city": "Paris"}}]
+    two = call("get_weather", {"city": "Paris", "days": 2}) + call("add", {"a": 1, "b": 2.5})
+    assert deepseek_v31.parse_tool_call(two) == [{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}},
+                                                 {"name": "add", "arguments": {"a": 1, "b": 2.5}}]
+
+
+def test_the_parser_reads_arguments_of_every_json_type():
+    [parsed] = deepseek_v31.parse_tool_call(call("f", EVERY_TYPE))
+    assert parsed["arguments"] == EVERY_TYPE
+
+
+def test_the_parser_reads_deepseek_v3s_fenced_calls_and_a_function_named_function():
+    fenced = '<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜>'
+    assert deepseek_v31.parse_tool_call(fenced) == [{"name": "get_weather", "arguments": {"city": "Paris"}}]
+    assert deepseek_v31.parse_tool_call(call("function", {"x": 1})) == [{"name": "function", "arguments": {"x": 1}}]
+
+
+def test_markup_without_a_call_is_no_call():
+    with pytest.raises(ValueError):
+        deepseek_v31.parse_tool_call("just text")
+
+
+def test_a_reply_streamed_in_any_pieces_gives_its_reasoning_text_and_calls(tokenizer):
+    reply = ("The user wants two things.</think>Let me check." + section(
+        call("get_weather", {"city": "Paris", "days": 2}), call("add", EVERY_TYPE)))
+    expected = [{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}},
+                {"name": "add", "arguments": EVERY_TYPE}]
+    for pieces, got in every_way(tokenizer, reply, TOOLS, generation_prompt="<｜Assistant｜><think>"):
+        assert (got.text("reasoning"), got.text()) == ("The user wants two things.", "Let me check."), pieces
+        assert got.names() == ["get_weather", "add"] and got.found() == expected, pieces
+        assert got.arguments() == [call["arguments"] for call in expected], pieces
+
+
+def test_a_fenced_call_streams_its_arguments_without_the_fence(tokenizer):
+    reply = section('<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": "Paris"}\n```'
+                    '<｜tool▁call▁end｜>')
+    for pieces, got in every_way(tokenizer, reply, TOOLS, generation_prompt="<｜Assistant｜></think>"):
+        assert got.text() == "" and got.found() == [{"name": "get_weather", "arguments": {"city": "Paris"}}], pieces
+        assert got.arguments() == [{"city": "Paris"}], pieces
+
+
+def test_the_forced_grammar_accepts_native_calls_and_refuses_anything_else(tokenizer):
+    required = forced_call_grammar(tokenizer, TOOLS, "required")
+    one, two = call("get_weather", {"city": "Paris"}), call("add", {"a": 1, "b": 2})
+    assert accepts(tokenizer, required, section(one))
+    assert accepts(tokenizer, required, section(one, two))
+    assert not accepts(tokenizer, required, "It is sunny in Paris.")
+    assert not accepts(tokenizer, required, section(call("get_weather", {"town": "Paris"})))
+    named = forced_call_grammar(tokenizer, TOOLS, "add")
+    assert accepts(tokenizer, named, section(two))
+    assert not accepts(tokenizer, named, section(one))
+    thinking = forced_call_grammar(tokenizer, TOOLS, "required", thinking=True)
+    assert accepts(tokenizer, thinking, "A thought.</think>" + section(two))
+    assert not accepts(tokenizer, thinking, section(two))  # still inside the think block
+
+
+def test_it_is_found_from_the_real_template_and_thinks_in_think_tags(tokenizer):
+    assert "tool_parser_type" not in tokenizer.init_kwargs  # mlx-lm's inference finds no parser
+    assert format_of(tokenizer) is deepseek_v31.FORMAT and tokenizer.has_tool_calling
+    assert (tokenizer.think_start, tokenizer.think_end) == ("<think>", "</think>")
+    user = [{"role": "user", "content": "Hi"}]
+    thinking = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True, enable_thinking=True)
+    plain = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert initial_state(tokenizer, thinking) == "reasoning"
+    assert initial_state(tokenizer, plain) == "normal"
+
+
+def test_the_template_and_vocabulary_are_what_it_is_recognised_by():
+    template = TEMPLATE.read_text(encoding="utf-8")
+    assert deepseek_v31.FORMAT.detect(template, {})
+    assert deepseek_v31.FORMAT.detect("", {tag: i for i, tag in enumerate(ADDED)})
+    assert not deepseek_v31.FORMAT.detect("{{ messages }}", {"<think>": 1, "</think>": 2})
