@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import contextmanager
-from typing import AsyncIterator, Callable, Iterator, Optional
+from typing import AsyncIterator, Iterator, Optional
 
 from ..engine.generation import Cancelled, Generation
 from ..engine.manager import get_manager
@@ -28,20 +28,15 @@ from .build import Ask, Prepared, count, grammar_of, prepare
 from .events import CallArguments, CallBegins, Chunk, Event, Finished, Outcome, ToolCall, plain
 
 
-def reply(ask: Ask, on_handle: Optional[Callable[[Generation], None]] = None) -> Iterator[Event]:
-    """The events of one reply, read on this thread; `on_handle` is told each engine
-    handle as it is made (a caller cancels through it)."""
+def reply(ask: Ask) -> Iterator[Event]:
+    """The events of one reply, read on this thread (closing it cancels the generation)."""
     run = configure(ask.model, ask.options, load_settings())
     grammar = grammar_of(ask)
     engine = get_manager()
     with one_line_errors(run):
         ready = engine.tokenizer_for(run.load)
-        if on_handle is not None:
-            on_handle(ready)
         prepared = prepare(ready.tokenizer, run, ask, grammar)
     generation = engine.run(run.load, prepared.request)
-    if on_handle is not None:
-        on_handle(generation)
     replier = Replier(run, ask, prepared)
     with generation, one_line_errors(run):
         tokenizer = generation.tokenizer
