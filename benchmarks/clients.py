@@ -103,6 +103,7 @@ def llm_cli(model: str, extra_openai: bool):
         if extra_openai:
             (user_dir / "extra-openai-models.yaml").write_text(
                 f"- model_id: mlxs\n  model_name: {SERVED}\n  api_base: {setup.url}/v1\n")
+        # OLLAMA_HOST for both: llm-ollama, in the same venv, lists the models it finds there
         env = python_env(setup) | {"LLM_USER_PATH": str(user_dir), "OLLAMA_HOST": setup.url}
         llm = str(VENV / "bin" / "llm")
         return [([llm, "-m", model, PROMPTS[0]], env), ([llm, "-c", PROMPTS[1]], env)]
