@@ -10,9 +10,9 @@ nonessential traffic switched off.
 
 The model is the tool-template checkpoint (qwen3_moe, Qwen's tool template, the
 32k-token BPE tokenizer, 32,768 positions) built into benchmarks/.cache/agents-checkpoint;
-ScriptedServer serves it in this process with every reply forced to "Done." and the end
-of the turn (fixtures.scripted.Force), as a trained model would end it: random weights
-never end a turn, and agents take that as an error.
+ScriptedServer serves a checkpoint in this process with every reply forced (by default
+to "Done." and the end of the turn: fixtures.scripted.Force), as a trained model would
+end it: random weights never end a turn, and agents take that as an error.
 """
 
 from __future__ import annotations
@@ -149,25 +149,25 @@ def add_model(checkpoint: Path, max_tokens: int) -> None:
 
 
 class ScriptedServer:
-    """A server in this process whose every reply is SCRIPTED_REPLY, then the end of the turn."""
+    """A server in this process whose every reply is forced: `script(tokenizer, ask,
+    prepared)` gives its token ids from the request (reply.build.Ask) and what the
+    checkpoint's template made of it (reply.build.Prepared); by default SCRIPTED_REPLY,
+    then the end of the turn."""
 
-    def __init__(self, model_id: str):
-        from mlx_lm.utils import load_tokenizer
-
+    def __init__(self, model_id: str, script=None):
         from fixtures.scripted import Force
-        from llm_mlx_streaming.engine.manager import get_manager
+        from llm_mlx_streaming.reply import core
         from llm_mlx_streaming.server.process.run import Server
 
-        tokenizer = load_tokenizer(CHECKPOINT)
-        ids = tokenizer.encode(SCRIPTED_REPLY) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-        self.engine = get_manager()
-        real_run = self.engine.run
+        self.script = script or done
+        self.core, self.real_prepare = core, core.prepare
 
-        def run(load, request):
-            request.logits_processors.append(Force(ids))
-            return real_run(load, request)
+        def prepare(tokenizer, run, ask, grammar):  # the reply core renders each request with it
+            prepared = self.real_prepare(tokenizer, run, ask, grammar)
+            prepared.request.logits_processors.append(Force(self.script(tokenizer, ask, prepared)))
+            return prepared
 
-        self.engine.run = run
+        core.prepare = prepare
         self.server = Server(port=0, model=model_id, any_model=True).start()
 
     @property
@@ -176,7 +176,12 @@ class ScriptedServer:
 
     def close(self) -> None:
         self.server.stop()
-        del self.engine.run  # the class's own again
+        self.core.prepare = self.real_prepare
+
+
+def done(tokenizer, ask, prepared) -> list[int]:
+    """SCRIPTED_REPLY and the end of a turn in Qwen's template, whatever was asked."""
+    return tokenizer.encode(SCRIPTED_REPLY) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
 
 
 def launch_turns(client: str, sandbox: str) -> list[list[str]]:
