@@ -115,3 +115,36 @@ def test_the_template_and_vocabulary_are_what_it_is_recognised_by():
     assert deepseek_v31.FORMAT.detect(template, {})
     assert deepseek_v31.FORMAT.detect("", {tag: i for i, tag in enumerate(ADDED)})
     assert not deepseek_v31.FORMAT.detect("{{ messages }}", {"<think>": 1, "</think>": 2})
+
+
+# The model card's "ToolCall" section: the tools follow the system prompt, described so.
+DECLARED = (
+    "## Tools\nYou have access to the following tools:\n\n"
+    "### get_weather\nDescription: The weather in a city\n\nParameters: "
+    '{"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}\n\n'
+    "### add\nDescription: Add two numbers\n\nParameters: "
+    '{"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}\n\n'
+    "IMPORTANT: ALWAYS adhere to this exact format for tool use:\n"
+    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>tool_call_name<｜tool▁sep｜>tool_call_arguments<｜tool▁call▁end｜>"
+    "{{additional_tool_calls}}<｜tool▁calls▁end｜>\n\n"
+    "Where:\n\n"
+    "- `tool_call_name` must be an exact match to one of the available tools\n"
+    "- `tool_call_arguments` must be valid JSON that strictly follows the tool's Parameters Schema\n"
+    "- For multiple tool calls, chain them directly without separators or spaces\n")
+
+
+def test_the_tools_its_template_never_renders_are_described_after_the_system_prompt_as_its_card_says(tokenizer):
+    from llm.parts import Message, TextPart
+
+    from llm_mlx_streaming.prompt.render import render_prompt
+
+    def rendered(*messages, tools=TOOLS):
+        tokens, _ = render_prompt(tokenizer, [Message(role=role, parts=[TextPart(text=text)]) for role, text in messages],
+                                  thinking=False, tools=tools)  # the card's calls are in non-thinking mode
+        return tokenizer.decode(tokens)
+
+    asked = "<｜User｜>Weather in Paris?<｜Assistant｜></think>"
+    assert rendered(("system", "Be brief."), ("user", "Weather in Paris?")) == (
+        f"<｜begin▁of▁sentence｜>Be brief.\n\n{DECLARED}{asked}")
+    assert rendered(("user", "Weather in Paris?")) == f"<｜begin▁of▁sentence｜>{DECLARED}{asked}"
+    assert rendered(("user", "Weather in Paris?"), tools=None) == f"<｜begin▁of▁sentence｜>{asked}"

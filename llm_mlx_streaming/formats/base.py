@@ -35,7 +35,9 @@ class ToolFormat:
     where mlx-lm's inference does not. `response_format` is mlx-lm's text-state-machine
     spec for formats that write in channels (harmony). `blocks`: each call is its own
     block (start ... end), else all the turn's calls share one. `write`: calls in the
-    markup, start and end included, for a template that renders no `tool_calls`."""
+    markup, start and end included, for a template that renders no `tool_calls`.
+    `declare`: the tools described as the model's publishers have the system prompt
+    describe them, for a template that renders no `tools`."""
 
     name: str
     parser: str
@@ -46,6 +48,7 @@ class ToolFormat:
     blocks: bool = True
     lead: str = ""  # what the reply writes before a call's start tag (harmony's channel header)
     write: Optional[Callable[[list[tuple[str, dict]]], str]] = None  # calls as the model writes them
+    declare: Optional[Callable[[list[dict]], str]] = None  # function specs -> their description
 
     @property
     def module(self):

@@ -4,7 +4,8 @@ wrote <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME, then the JSON i
 the parser reads both. mlx-lm has no parser for them: the parsing part of this module
 is one, in mlx-lm's tool_parsers/ shape. The format is recognised by its tags, in the
 template or the vocabulary. DeepSeek-V3.1 thinks in <think> tags, which mlx-lm's
-thinking inference finds in its vocabulary.
+thinking inference finds in its vocabulary. Its template renders no tools: the model
+card has them described after the system prompt (`declare`).
 """
 
 import json
@@ -22,6 +23,22 @@ CALL_BEGIN, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>",
 _head = re.compile(rf"{CALL_BEGIN}\s*(?:function\s*{SEP}\s*)?(?P<name>[^\s<`{{]+)\s*"
                    rf"(?:{SEP}|```(?:json)?)\s*(?=\{{)")
 _fence = re.compile(r"\s*(?:```)?\s*\Z")
+
+
+def declare(tools: list[dict]) -> str:
+    """The tools as DeepSeek-V3.1's model card ("ToolCall") describes them after the
+    system prompt."""
+    described = "".join(f"### {f['name']}\nDescription: {f.get('description') or ''}\n\n"
+                        f"Parameters: {json.dumps(f.get('parameters') or {})}\n\n"
+                        for f in (spec.get("function", spec) for spec in tools))
+    return ("## Tools\nYou have access to the following tools:\n\n" + described
+            + "IMPORTANT: ALWAYS adhere to this exact format for tool use:\n"
+            f"{tool_call_start}{CALL_BEGIN}tool_call_name{SEP}tool_call_arguments{CALL_END}"
+            f"{{{{additional_tool_calls}}}}{tool_call_end}\n\n"
+            "Where:\n\n"
+            "- `tool_call_name` must be an exact match to one of the available tools\n"
+            "- `tool_call_arguments` must be valid JSON that strictly follows the tool's Parameters Schema\n"
+            "- For multiple tool calls, chain them directly without separators or spaces\n")
 
 
 def parse_tool_call(text: str, tools: Any = None):
@@ -49,4 +66,5 @@ FORMAT = ToolFormat(
     detect=lambda template, vocab: (all(tag in template or tag in vocab for tag in (tool_call_start, SEP))
                                     and not any("｜DSML｜" in tag for tag in (template, *vocab))),
     blocks=False,
+    declare=declare,
 )

@@ -7,6 +7,9 @@ the template needs it, so a template that renders the request as it is sees it a
   reads them there; as a `tool` turn it writes a role the model never saw);
 - earlier calls written into the turn's text in the model's own markup, where the
   template never renders `tool_calls` (Kimi-K2 Instruct's, as llama.cpp ships it);
+- the tools described in the system prompt as the model's publishers describe them,
+  where the template never renders `tools` (DeepSeek-V3.1's: its model card has the
+  caller write them there);
 then, only when rendering fails, in turn: a `type` for schema properties that have
 none (Gemma 4 reads `value['type']`; Claude Code's tools leave it out), the calls'
 arguments as JSON text (DeepSeek-V3.1's template concatenates them), call ids of nine
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import string
 from typing import Callable, Optional
 
@@ -37,6 +41,8 @@ def fitted(tokenizer, messages: list[dict], tools: Optional[list[dict]],
         messages = fold_tool_responses(messages)
     if "tool_calls" not in template:
         messages = inline_calls(tokenizer, messages)
+    if tools and not re.search(r"\btools\b", template):
+        messages = declared_tools(tokenizer, messages, tools)
     try:
         render(messages, tools)
         return messages, tools
@@ -102,6 +108,21 @@ def inline_calls(tokenizer, messages: list[dict]) -> list[dict]:
             message["content"] = (message.get("content") or "") + written
         out.append(message)
     return out
+
+
+def declared_tools(tokenizer, messages: list[dict], tools: list[dict]) -> list[dict]:
+    """The format's description of the tools after the first system message's text (a
+    system message of its own where there is none), for a template that renders no
+    `tools`; the same place every turn, so the prompt's start stays the same."""
+    from ..formats.registry import format_of
+
+    fmt = format_of(tokenizer)
+    if fmt is None or fmt.declare is None:
+        return messages
+    declaration = fmt.declare(tools)
+    if messages and messages[0]["role"] == "system" and isinstance(messages[0].get("content"), str):
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{declaration}"}, *messages[1:]]
+    return [{"role": "system", "content": declaration}, *messages]
 
 
 def _as_dict(arguments):
