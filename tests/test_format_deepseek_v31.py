@@ -148,3 +148,19 @@ def test_the_tools_its_template_never_renders_are_described_after_the_system_pro
         f"<｜begin▁of▁sentence｜>Be brief.\n\n{DECLARED}{asked}")
     assert rendered(("user", "Weather in Paris?")) == f"<｜begin▁of▁sentence｜>{DECLARED}{asked}"
     assert rendered(("user", "Weather in Paris?"), tools=None) == f"<｜begin▁of▁sentence｜>{asked}"
+
+
+def test_with_the_tools_declared_in_a_system_message_of_their_own_a_reply_keeps_its_token_ids(tokenizer):
+    from llm.parts import Message, TextPart
+
+    from llm_mlx_streaming.prompt.messages import assistant_message
+    from llm_mlx_streaming.prompt.render import render_prompt
+
+    answer = "Hello there."
+    spelled = [i for ch in answer for i in tokenizer.encode(ch, add_special_tokens=False)]  # not how it re-encodes
+    assert spelled != tokenizer.encode(answer, add_special_tokens=False)
+    turn = [Message(role="user", parts=[TextPart(text="Hi")]), assistant_message(answer, tokens=spelled),
+            Message(role="user", parts=[TextPart(text="Weather in Paris?")])]
+    tokens, _ = render_prompt(tokenizer, turn, thinking=False, tools=TOOLS)
+    assert DECLARED in tokenizer.decode(tokens)
+    assert any(tokens[i:i + len(spelled)] == spelled for i in range(len(tokens)))

@@ -89,3 +89,25 @@ def test_a_forced_call_may_first_close_the_thought_channel(tokenizer):
     assert accepts(tokenizer, grammar, f"Paris.<channel|>{PARIS}")
     reply = read_reply(tokenizer, [f"Paris.<channel|>{PARIS}"], [WEATHER], generation_prompt="<|channel>thought\n")
     assert reply.text("reasoning") == "Paris." and reply.names() == ["get_weather"]
+
+
+def test_a_reply_after_folded_tool_results_keeps_its_own_token_ids(tokenizer):
+    # The results fold into the calling turn (one message fewer): the later reply must
+    # still find its own ids, so the next turn reuses its KV (a Codex second turn).
+    from llm.parts import Message, TextPart
+
+    from llm_mlx_streaming.prompt.messages import assistant_message, tool_result_message
+    from llm_mlx_streaming.prompt.render import render_prompt
+
+    answer = "It is sunny."
+    spelled = [i for ch in answer for i in tokenizer.encode(ch, add_special_tokens=False)]  # not how it re-encodes
+    assert spelled != tokenizer.encode(answer, add_special_tokens=False)
+    call = {"id": "c1", "name": "get_weather", "arguments": {"city": "Paris"}}
+    user = [Message(role="user", parts=[TextPart(text=text)]) for text in ("Weather in Paris?", "And Rome?")]
+    for turn in ([user[0], assistant_message("", calls=[call]), tool_result_message("c1", "get_weather", "sunny"),
+                  assistant_message(answer, tokens=spelled), user[1]],
+                 [user[0], assistant_message("", calls=[call]), tool_result_message("c1", "get_weather", "sunny"),
+                  assistant_message(answer, tokens=spelled), user[1], assistant_message("", calls=[call]),
+                  tool_result_message("c1", "get_weather", "rainy")]):
+        tokens, _ = render_prompt(tokenizer, turn, tools=[WEATHER])
+        assert any(tokens[i:i + len(spelled)] == spelled for i in range(len(tokens))), tokenizer.decode(tokens)

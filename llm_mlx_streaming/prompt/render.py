@@ -19,7 +19,7 @@ import re
 from typing import Optional
 
 from .messages import METADATA_KEY, PromptError, template_messages
-from .polyfills import fitted
+from .polyfills import fitted, follow_replies
 from .tools import check_tool_support
 
 
@@ -57,7 +57,8 @@ def render_prompt(tokenizer, messages, *, thinking: Optional[bool] = None, effor
             msgs, add_generation_prompt=generation, tokenize=False, **extra, **({"tools": shown} if shown else {})
         )
 
-    messages, tools = fitted(tokenizer, messages, tools, rendered)
+    filled, tools = fitted(tokenizer, messages, tools, rendered)
+    messages, stored = filled, follow_replies(messages, filled, stored)
     render = lambda msgs, generation=True: rendered(msgs, tools, generation)  # noqa: E731
     text = render(messages)
     try:
