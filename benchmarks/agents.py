@@ -47,11 +47,12 @@ short reasoning block where the model reasons after that generation prompt; once
 results follow the last reply, the final answer "Done."; a request without the shell
 tool (Claude Code's titles and summaries) gets the plain answer. Each turn must exit 0,
 show the model the shell tool in every prompt that offers it (its name and the start of
-its description are in the rendered prompt: a forced call would succeed without) and
-run the tool: a request after the call carries `ls`'s output (the scratch project's
-hello.py). Prints per family, client and turn the exit status, whether the tools were in
-the prompt and the tool ran, the generations and the replies forced, then the table for
-docs/server.md ("Coding agents"); exits 1 on a FAIL.
+its description are in the rendered prompt: a forced call would succeed without), run
+the tool (a request after the call carries `ls`'s output: the scratch project's
+hello.py) and print the answer alone, "Done." (no markup of the format). Prints per
+family, client and turn the exit status, these checks, the generations and the replies
+forced, then the table for docs/server.md ("Coding agents"), with the prompt tokens of
+the turn's first request and those of them reused from the KV cache; exits 1 on a FAIL.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ def generations(server, after: int) -> list[dict]:
 class FamilyScript:
     """The replies of `family`'s model to an agent, decided per request from what it
     holds (see the module's doc); `log` keeps one entry per generation: the kind of
-    reply forced, the tool results the request carried, the text."""
+    reply forced and whether it reasons, the tool results the request carried, the
+    text, and whether the prompt declared the shell tool it offered."""
 
     def __init__(self, family: str):
         self.family = family
@@ -108,7 +110,7 @@ class FamilyScript:
             kind, calls, text = "answer" if results else "plain", [], SCRIPTED_REPLY
         reply = native_reply(self.family, reasoning=reasoning, calls=calls, text=text)
         prompt = tokenizer.decode(prepared.request.prompt)
-        self.log.append({"reply": kind, "results": results, "text": reply,
+        self.log.append({"reply": kind, "reasoning": reasoning is not None, "results": results, "text": reply,
                          "declared": all(declared(spec, prompt) for spec in shell)})
         return tokenizer.encode(reply, add_special_tokens=False) + [end_of_turn(self.family, tokenizer, bool(calls))]
 
@@ -217,11 +219,13 @@ def family_pass(family: str, args) -> list[dict]:
         called = any(entry["reply"] == "call" for entry in row["forced"])
         row["tool_ran"] = called and any(LISTED in output for entry in row["forced"] for output in entry["results"])
         row["declared"] = all(entry["declared"] for entry in row["forced"])
-        row["ok"] = row["rc"] == 0 and not row["timed_out"] and row["tool_ran"] and row["declared"]
-        kinds = ", ".join(entry["reply"] for entry in row["forced"])
+        row["answered"] = row["stdout"].strip() == SCRIPTED_REPLY  # the answer's text alone, no markup
+        row["ok"] = (row["rc"] == 0 and not row["timed_out"] and row["declared"] and row["tool_ran"]
+                     and row["answered"])
+        kinds = ", ".join(entry["reply"] + " after reasoning" * entry["reasoning"] for entry in row["forced"])
         output = next((out for entry in row["forced"] for out in entry["results"]), "")
         print(f"{family} {row['client']} turn {row['turn']}: exit {row['rc']}, tools in the prompt "
-              f"{row['declared']}, tool ran {row['tool_ran']}, "
+              f"{row['declared']}, tool ran {row['tool_ran']}, printed the answer {row['answered']}, "
               f"{len(row['forced'])} generations ({kinds}): {'ok' if row['ok'] else 'FAIL'}; "
               f"the tool's output {' '.join(output.split())[-80:]!r}", flush=True)
     return rows
@@ -250,13 +254,14 @@ def report(rows: list[dict]) -> dict:
 
 def family_report(rows: list[dict]) -> bool:
     """The table (markdown) of the family passes, and whether every turn is ok."""
-    print("\n| family | client | turn | exit | tools in the prompt | tool ran | generations | result |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| family | client | turn | exit | tools in the prompt | tool ran | printed the answer | generations "
+          "| prompt tokens | reused from the KV cache | result |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
         print(f"| {row['family']} | {'Claude Code' if row['client'] == 'claude' else 'Codex'} | {row['turn']} "
               f"| {'timeout' if row['timed_out'] else row['rc']} | {'yes' if row['declared'] else 'no'} "
-              f"| {'yes' if row['tool_ran'] else 'no'} "
-              f"| {len(row['forced'])} | {'ok' if row['ok'] else 'FAIL'} |")
+              f"| {'yes' if row['tool_ran'] else 'no'} | {'yes' if row['answered'] else 'no'} "
+              f"| {len(row['forced'])} | {_n(row['prompt'])} | {_n(row['reused'])} | {'ok' if row['ok'] else 'FAIL'} |")
     return all(row["ok"] for row in rows)
 
 
