@@ -19,7 +19,7 @@ from ...reply.core import count_tokens as counted
 from ..errors import ApiError, error_for, api_routes
 from ..images import read_images
 from ..openai.schemas import ChatMessage, ImageContent, ImageUrl, TextContent, engine_values
-from ..openai.tools import CalledFunction, ToolCall
+from ..openai.tools import OpenAICalledFunction, OpenAIToolCall
 from ..turns import answer, unswitched
 from .schemas import AnthropicEngineOptions, AnthropicError, CountTokensRequest, MessagesRequest
 from .shapes import MessageShape, error_body
@@ -42,7 +42,7 @@ def chat_messages(body) -> list[ChatMessage]:
             elif block.type == "thinking" and message.role == "assistant":
                 reasoning.append(block.thinking)
             elif block.type == "tool_use" and message.role == "assistant":
-                calls.append(ToolCall(id=block.id, function=CalledFunction(name=block.name,
+                calls.append(OpenAIToolCall(id=block.id, function=OpenAICalledFunction(name=block.name,
                                                                           arguments=json.dumps(block.input))))
             elif block.type == "tool_result" and message.role == "user" and not block.images():
                 results.append(ChatMessage(role="tool", tool_call_id=block.tool_use_id, content=block.text()))

@@ -41,7 +41,7 @@ def chat_messages(messages) -> list[ChatMessage]:
             open_calls.remove(call)
             out.append(ChatMessage(role="tool", tool_call_id=call.id, content=m.content))
             continue
-        calls = [openai_tools.ToolCall(id=f"call_{i}_{j}", function=openai_tools.CalledFunction(
+        calls = [openai_tools.OpenAIToolCall(id=f"call_{i}_{j}", function=openai_tools.OpenAICalledFunction(
             name=c.function.name, arguments=json.dumps(c.function.arguments))) for j, c in enumerate(m.tool_calls or [])]
         if m.role == "assistant":
             open_calls = list(calls)

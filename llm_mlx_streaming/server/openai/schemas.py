@@ -19,7 +19,7 @@ from ...options.knobs import build_options
 from ...options.settings import Options
 from ...prompt.images import Image
 from ..fields import RequestModel, hint
-from .tools import ToolCall, ToolChoice, ToolSpec, choice_option
+from .tools import OpenAIToolCall, ToolChoice, ToolSpec, choice_option
 
 # Options fields that mean nothing inside the server (it always runs in-process).
 SERVER_ONLY = ("server",)
@@ -86,7 +86,7 @@ class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[Content], None] = None
     reasoning_content: Optional[str] = Field(None, description="An assistant message's reasoning")
-    tool_calls: Optional[list[ToolCall]] = Field(None, description="An assistant message's tool calls")
+    tool_calls: Optional[list[OpenAIToolCall]] = Field(None, description="An assistant message's tool calls")
     tool_call_id: Optional[str] = Field(None, description="A tool message's call: the result is its answer")
     refusal: Optional[str] = Field(None, description="Only null")
     audio: Optional[dict[str, Any]] = Field(None, description="Only null")
@@ -274,7 +274,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str]
     reasoning_content: Optional[str] = None
-    tool_calls: Optional[list[ToolCall]] = None
+    tool_calls: Optional[list[OpenAIToolCall]] = None
 
 
 class BaseChoice(BaseModel):

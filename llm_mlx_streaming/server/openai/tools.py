@@ -52,7 +52,7 @@ class NamedToolChoice(RequestModel):
 ToolChoice = Union[Literal["auto", "none", "required"], NamedToolChoice]
 
 
-class CalledFunction(RequestModel):
+class OpenAICalledFunction(RequestModel):
 
     name: str
     arguments: str = Field(description="The arguments, a JSON object as text")
@@ -69,11 +69,11 @@ class CalledFunction(RequestModel):
         return value
 
 
-class ToolCall(RequestModel):
+class OpenAIToolCall(RequestModel):
 
     id: str
     type: Literal["function"] = "function"
-    function: CalledFunction
+    function: OpenAICalledFunction
 
     def call(self) -> dict:
         """The call as the plugin takes it: {"id", "name", "arguments": dict}."""

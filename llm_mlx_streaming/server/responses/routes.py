@@ -25,7 +25,7 @@ from ...reply.core import count_tokens as counted
 from ..errors import ApiError, api_routes, error_for
 from ..images import read_images
 from ..openai.schemas import ChatMessage, ErrorResponse, ImageContent, ImageUrl, TextContent, engine_values
-from ..openai.tools import CalledFunction, ToolCall
+from ..openai.tools import OpenAICalledFunction, OpenAIToolCall
 from ..transcript import Transcript
 from ..turns import answer, unswitched
 from .schemas import (CustomTool, FilePart, ImagePart, TextPart, CustomToolCallItem, CustomToolCallOutputItem, FunctionCallItem,
@@ -58,7 +58,7 @@ def conversation(body: ResponseRequest) -> list[ChatMessage]:
                 out.append(ChatMessage(role=role, content=_text(item.content, f"input.{i}.content")))
         elif isinstance(item, (FunctionCallItem, CustomToolCallItem)):
             arguments = item.arguments if isinstance(item, FunctionCallItem) else json.dumps({"input": item.input})
-            call = ToolCall(id=item.call_id, function=CalledFunction(name=item.name, arguments=arguments or "{}"))
+            call = OpenAIToolCall(id=item.call_id, function=OpenAICalledFunction(name=item.name, arguments=arguments or "{}"))
             last = out[-1] if out else None
             if last is not None and last.role == "assistant" and not reasoning:  # calls of one reply
                 last.tool_calls = [*(last.tool_calls or []), call]
@@ -280,7 +280,7 @@ def _one_system_message(messages: list[ChatMessage]) -> list[ChatMessage]:
 def _reply_message(transcript: Transcript) -> ChatMessage:
     """The reply as the next request's history: its text, reasoning, calls and token ids."""
     outcome = transcript.outcome
-    calls = [ToolCall(id=c.id, function=CalledFunction(name=c.name, arguments=json.dumps(c.arguments)))
+    calls = [OpenAIToolCall(id=c.id, function=OpenAICalledFunction(name=c.name, arguments=json.dumps(c.arguments)))
              for c in outcome.complete_calls()]
     return ChatMessage(role="assistant", content=transcript.text, reasoning_content=transcript.reasoning or None,
                        tool_calls=calls or None, tokens=outcome.tokens or None)
