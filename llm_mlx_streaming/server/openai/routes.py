@@ -1,7 +1,7 @@
 """OpenAI's routes: /v1/models, /v1/chat/completions and /v1/completions.
 
-A request becomes llm's messages and the plugin's options and runs the gated path
-(turns.py); shapes.py lays out the answer.
+A request becomes the server's conversation (conversation.py), llm's messages and the
+plugin's options, and runs the gated path (turns.py); shapes.py lays out the answer.
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ def router(service) -> APIRouter:
               "The reply, or with stream: true an SSE stream of chat.completion.chunk objects"}})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         service.accept(request, body)
-        await read_images(service, service.model_for(body.model), body.messages)
-        messages = llm_messages(body.messages, service.replies.known)
+        chat = [message.message() for message in body.messages]
+        await read_images(service, service.model_for(body.model), chat)
+        messages = llm_messages(chat, service.replies.known)
         return await generate(request, body, ChatCompletionShape, messages, function_specs(body.tools))
 
     @api.post("/v1/completions", responses={200: {"model": Completion, "description":
