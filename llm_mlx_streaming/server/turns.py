@@ -1,10 +1,10 @@
 """One generation request through the gate, answered in any API's shape.
 
-Every API (OpenAI, Anthropic, Ollama) runs the same path: wait for the turn, start the
+Every API (OpenAI's chat completions and completions, the Responses API, Anthropic's
+Messages, Ollama's chat and generate) runs the same path: wait for the turn, start the
 reply core with the runtime parameters of that moment, then give the whole reply or
-stream it. The API's shape (openai/shapes.py, anthropic/shapes.py, ollama/shapes.py)
-only lays out what the core said: `whole(transcript)` is the body, `opening()`,
-`delta(event)`, `closing(transcript)` and `failure(error)` are the stream's frames.
+stream it. The API's shape (a `shape.Shape`: openai/, responses/, anthropic/ and
+ollama/shapes.py) only lays out what the core said.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from ..reply.core import AsyncReply
 from ..reply.events import Finished
 from .errors import ApiError, error_for
 from .gate import QueueFull
+from .shape import Shape
 from .transcript import Transcript
 
 RETRY_AFTER_SECONDS = 2
@@ -109,7 +110,7 @@ def unswitched(service, request: Request, model_id: str, fields: dict) -> None:
         fields.pop("thinking_budget", None)
 
 
-async def answer(service, request: Request, shape, model_id: str, messages: list, fields: dict,
+async def answer(service, request: Request, shape: Shape, model_id: str, messages: list, fields: dict,
                  schema: Optional[dict], stream: bool, tools: Sequence[dict] = (),
                  grammar: Optional[tuple[str, str]] = None, suffix: Optional[str] = None):
     """Answer `messages` (llm's) on `model_id` with the request's engine `fields` (the
@@ -154,7 +155,7 @@ async def answer(service, request: Request, shape, model_id: str, messages: list
         watcher.cancel()
 
 
-async def _whole(service, turn: Turn, events, first, shape) -> dict:
+async def _whole(service, turn: Turn, events, first, shape: Shape) -> dict:
     transcript = Transcript()
     ended = False
     try:
@@ -169,7 +170,7 @@ async def _whole(service, turn: Turn, events, first, shape) -> dict:
     return shape.whole(transcript)
 
 
-async def _stream(service, turn: Turn, events, first: asyncio.Future, shape):
+async def _stream(service, turn: Turn, events, first: asyncio.Future, shape: Shape):
     """The stream's frames; until the first event comes, a keep-alive every
     KEEPALIVE_SECONDS, so that no client gives up during a long prefill."""
     transcript = Transcript()

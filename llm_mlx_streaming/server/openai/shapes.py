@@ -6,21 +6,14 @@ checkpoint) so `llm` can log exactly what an in-process run logs.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Optional
 
 from ...reply.events import CallArguments, CallBegins, Event, Outcome
+from ..shape import DONE, KEEPALIVE, sse
 from ..transcript import Transcript, extension
 from .tools import reply_calls
-
-
-def sse(data: dict) -> str:
-    return f"data: {json.dumps(data)}\n\n"
-
-
-DONE = "data: [DONE]\n\n"
 
 
 class Shape:
@@ -57,7 +50,7 @@ class Shape:
 
     @staticmethod
     def keepalive() -> str:
-        return ": waiting for the first token\n\n"  # an SSE comment: clients skip it
+        return KEEPALIVE
 
     @staticmethod
     def finish(outcome: Outcome) -> Optional[str]:

@@ -15,11 +15,8 @@ import uuid
 from typing import Callable, Optional
 
 from ...reply.events import CallArguments, CallBegins, Event, Outcome, ToolCall
+from ..shape import KEEPALIVE, sse_event
 from ..transcript import Transcript, extension
-
-
-def event(kind: str, data: dict) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
 
 
 def new_id(prefix: str) -> str:
@@ -80,7 +77,7 @@ class ResponseShape:
     # -- the stream -----------------------------------------------------------------
     def _event(self, kind: str, data: dict) -> str:
         self.sequence += 1
-        return event(kind, {"sequence_number": self.sequence - 1, **data})
+        return sse_event(kind, {"sequence_number": self.sequence - 1, **data})
 
     def opening(self) -> list[str]:
         start = self._response("in_progress", [])
@@ -89,7 +86,7 @@ class ResponseShape:
 
     @staticmethod
     def keepalive() -> str:
-        return ": waiting for the first token\n\n"  # an SSE comment: clients skip it
+        return KEEPALIVE
 
     def delta(self, ev: Event) -> list[str]:
         if isinstance(ev, CallBegins):
