@@ -47,8 +47,6 @@ class ToolCall:
 
     @property
     def arguments_text(self) -> str:
-        if not self.complete and set(self.arguments) == {"_raw"}:
-            return str(self.arguments["_raw"])
         return json.dumps(self.arguments)
 
 
@@ -79,7 +77,16 @@ class Outcome:
         return self.figures.get("finish_reason")
 
     def complete_calls(self) -> list[ToolCall]:
+        """The calls an API's reply gives: a call the token limit cut off is left out (its
+        arguments are no whole JSON, and an agent that ran it would break on them), and
+        the finish reason, `length`, says why the reply ended."""
         return [call for call in self.tool_calls if call.complete]
+
+    @property
+    def ended_for_calls(self) -> bool:
+        """Whether the reply ended to have its calls run (OpenAI's finish_reason
+        `tool_calls`, Anthropic's stop_reason `tool_use`)."""
+        return bool(self.complete_calls()) and self.finish_reason == "stop"
 
 
 @dataclass(frozen=True)

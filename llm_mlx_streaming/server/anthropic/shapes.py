@@ -30,7 +30,7 @@ def error_body(error) -> dict:
 def stop_reason(outcome: Outcome) -> tuple[str, Optional[str]]:
     """(stop_reason, stop_sequence) of a finished reply."""
     stop = outcome.figures.get("stop_sequence")
-    if outcome.complete_calls() and outcome.finish_reason == "stop":
+    if outcome.ended_for_calls:
         return "tool_use", None
     if stop is not None:
         return "stop_sequence", stop

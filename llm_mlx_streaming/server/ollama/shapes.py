@@ -120,7 +120,7 @@ class OllamaChatShape(_Shape):
             arguments = json.loads(call["arguments"] or "{}") if call else None
         except ValueError:
             arguments = None
-        if not isinstance(arguments, dict):  # none, or cut short (its markup comes as text)
+        if not isinstance(arguments, dict):  # none, or its markup came as text
             return []
         message = {"role": "assistant", "content": "",
                    "tool_calls": tool_calls([ToolCall(call["id"], call["name"], arguments)], self.calls)}
@@ -128,7 +128,9 @@ class OllamaChatShape(_Shape):
         return [line(self._base(message=message, done=False))]
 
     def closing(self, transcript: Transcript) -> list[str]:
-        return self._flush_call() + super().closing(transcript)
+        complete = {call.id for call in transcript.outcome.complete_calls()}
+        frames = self._flush_call() if self._call is not None and self._call["id"] in complete else []
+        return frames + super().closing(transcript)
 
     def whole(self, transcript: Transcript) -> dict:
         outcome = transcript.outcome

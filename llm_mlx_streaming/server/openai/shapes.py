@@ -86,11 +86,11 @@ class ChatCompletionShape(Shape):
     @staticmethod
     def finish(outcome: Outcome) -> Optional[str]:
         """OpenAI's finish_reason: a reply that ends in tool calls ends for them."""
-        return "tool_calls" if outcome.tool_calls and outcome.finish_reason == "stop" else outcome.finish_reason
+        return "tool_calls" if outcome.ended_for_calls else outcome.finish_reason
 
     def whole(self, transcript: Transcript) -> dict:
         outcome = transcript.outcome
-        calls = outcome.tool_calls
+        calls = outcome.complete_calls()
         message = {"role": "assistant", "content": transcript.text or (None if calls else "")}
         if transcript.reasoning:
             message["reasoning_content"] = transcript.reasoning
