@@ -76,6 +76,26 @@ class Outcome:
     def finish_reason(self) -> Optional[str]:
         return self.figures.get("finish_reason")
 
+    @property
+    def stop_sequence(self) -> Optional[str]:
+        """The stop sequence that ended the reply, if one did."""
+        return self.figures.get("stop_sequence")
+
+    @property
+    def seconds(self) -> float:
+        """The generation's wall time, start to end."""
+        return float(self.figures.get("seconds") or 0)
+
+    @property
+    def first_token_seconds(self) -> float:
+        """From the generation's start to its first token (the prefill)."""
+        return float(self.figures.get("ttft_seconds") or 0)
+
+    @property
+    def logprobs(self) -> Optional[list[dict]]:
+        """Each generated token's {token, logprob, top_logprobs}, when they were asked for."""
+        return self.figures.get("logprobs")
+
     def complete_calls(self) -> list[ToolCall]:
         """The calls an API's reply gives: a call the token limit cut off is left out (its
         arguments are no whole JSON, and an agent that ran it would break on them), and

@@ -29,11 +29,10 @@ def error_body(error) -> dict:
 
 def stop_reason(outcome: Outcome) -> tuple[str, Optional[str]]:
     """(stop_reason, stop_sequence) of a finished reply."""
-    stop = outcome.figures.get("stop_sequence")
     if outcome.ended_for_calls:
         return "tool_use", None
-    if stop is not None:
-        return "stop_sequence", stop
+    if outcome.stop_sequence is not None:
+        return "stop_sequence", outcome.stop_sequence
     return ("max_tokens" if outcome.finish_reason == "length" else "end_turn"), None
 
 

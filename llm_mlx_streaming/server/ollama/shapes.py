@@ -41,13 +41,13 @@ def figures(outcome: Outcome) -> dict:
     """Ollama's counts and durations (nanoseconds), from the engine's figures: as Ollama
     counts them, prompt_eval_count is the whole prompt and prompt_eval_cached_count the
     part of it the KV cache held."""
-    total = int(float(outcome.figures.get("seconds") or 0) * NS)
-    prompt = min(total, int(float(outcome.figures.get("ttft_seconds") or 0) * NS))
+    total = int(outcome.seconds * NS)
+    prompt = min(total, int(outcome.first_token_seconds * NS))
     out = {"total_duration": total, "load_duration": 0, "prompt_eval_count": outcome.prompt_tokens,
            "prompt_eval_cached_count": outcome.cached_tokens, "prompt_eval_duration": prompt,
            "eval_count": outcome.completion_tokens, "eval_duration": total - prompt, "mlx_stream": extension(outcome)}
-    if (logprobs := outcome.figures.get("logprobs")) is not None:  # {token, logprob, top_logprobs}, as Ollama's
-        out["logprobs"] = logprobs
+    if outcome.logprobs is not None:  # {token, logprob, top_logprobs}, as Ollama's
+        out["logprobs"] = outcome.logprobs
     return out
 
 

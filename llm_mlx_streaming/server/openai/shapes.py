@@ -127,7 +127,7 @@ class CompletionShape(Shape):
 
 def _chat_logprobs(outcome: Outcome) -> dict:
     """A chat choice's `logprobs`, when they were asked for."""
-    entries = outcome.figures.get("logprobs")
+    entries = outcome.logprobs
     if entries is None:
         return {}
     return {"logprobs": {"content": [{**_with_bytes(e), "top_logprobs": [_with_bytes(t) for t in e["top_logprobs"]]}
@@ -140,7 +140,7 @@ def _with_bytes(entry: dict) -> dict:
 
 def _text_logprobs(outcome: Outcome) -> dict:
     """A completion choice's `logprobs` (the legacy layout), when they were asked for."""
-    entries = outcome.figures.get("logprobs")
+    entries = outcome.logprobs
     if entries is None:
         return {}
     offsets, at = [], 0
