@@ -3,9 +3,10 @@
 The request models subclass the plugin's own `Options`, so every engine option the
 plugin has (expert_slots, policy, memory_budget, and each one added later) is a body
 field with the plugin's validation and its description in the OpenAPI schema, with no
-list to keep in step here. Nothing is dropped silently: a field not declared here is a
-400 naming it, and the OpenAI fields this server does not implement are accepted only
-at their no-op value (docs/server.md lists them).
+list to keep in step here. Nothing is dropped silently (fields.py): a field not declared
+here is accepted and named back (a 400 naming it with --strict), and the OpenAI fields
+this server does not implement are accepted only at their no-op value (docs/server.md
+lists them).
 """
 
 from __future__ import annotations
