@@ -151,7 +151,7 @@ def owner(request: Request) -> Optional[str]:
 def router(service) -> APIRouter:
     errors = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 422, 503)}
     api = APIRouter(dependencies=[Depends(service.check_api_key)], tags=["OpenAI Responses"], responses=errors,
-                    route_class=api_routes("openai"))
+                    route_class=api_routes("responses"))
 
     def kept(response_id: str, request: Request, param: Optional[str] = None) -> Kept:
         found = service.responses.find(response_id, owner(request) if service.api_key else None)
