@@ -1,8 +1,8 @@
 """The conversation as the server hands it to the reply core, whatever API it came in.
 
 Each API's routes turn their request's messages into these (OpenAI's messages,
-Anthropic's blocks, Ollama's messages, the Responses API's items); server/images.py
-reads their images, and prompt/messages.llm_messages makes llm's messages of them. A
+Anthropic's blocks, Ollama's messages, the Responses API's items); `llm_chain` reads their
+images (server/images.py) and makes llm's messages of them (prompt/messages.py). A
 call in an assistant message is the core's own `ToolCall` (reply/events.py), so a
 reply's calls go back into the next turn as they came out.
 """
@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from ..prompt.images import Image
+from ..prompt.messages import llm_messages
 from ..reply.events import ToolCall
+from .images import read_images
 
 
 @dataclass
@@ -49,6 +51,13 @@ class ChatMessage:
 
 def text_message(role: str, text: str) -> ChatMessage:
     return ChatMessage(role, [text])
+
+
+async def llm_chain(service, model_id: str, chat: list[ChatMessage]) -> list:
+    """`chat` as llm's messages for `model_id`: its images read, and the token ids of the
+    server's own replies in it found in the reply memory."""
+    await read_images(service, model_id, chat)
+    return llm_messages(chat, service.replies.known)
 
 
 def call_arguments(text: str) -> dict:

@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 
 from ..options.settings import Options
 from ..reply.build import Ask
-from ..reply.core import AsyncReply
+from ..reply.core import AsyncReply, count_tokens
 from ..reply.events import Finished
 from .errors import ApiError, error_for
 from .gate import QueueFull
@@ -123,6 +123,16 @@ def unswitched(service, request: Request, model_id: str, fields: dict) -> None:
         if fields.pop("reasoning_effort", None) not in (None, "none", "minimal"):
             service.ignore(request, ["reasoning_effort"])
         fields.pop("thinking_budget", None)
+
+
+async def count(service, request: Request, model_id: str, messages: list, fields: dict, tools: Sequence[dict]) -> int:
+    """The prompt's tokens as `answer` would render it, without a turn (nothing generates)."""
+    unswitched(service, request, model_id, fields)
+    try:
+        options = Options.model_validate(service.runtime.for_request(fields))
+        return await count_tokens(Ask(service.name_of(model_id), messages, options, tools))
+    except Exception as e:
+        raise error_for(e) from None
 
 
 async def answer(service, request: Request, shape: Shape, model_id: str, messages: list, fields: dict,

@@ -9,17 +9,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
-from ...options.settings import Options
-from ...prompt.messages import llm_messages
 from ...prompt.tools import function_spec
-from ...reply.build import Ask
-from ...reply.core import count_tokens as counted
 from ...reply.events import ToolCall
-from ..conversation import ChatMessage, ImagePart, text_message
-from ..errors import ApiError, error_for, api_routes
-from ..images import read_images
+from ..conversation import ChatMessage, ImagePart, llm_chain, text_message
+from ..errors import ApiError, api_routes
 from ..openai.schemas import engine_values
-from ..turns import answer, unswitched
+from ..turns import answer, count
 from .schemas import AnthropicEngineOptions, AnthropicError, CountTokensRequest, MessagesRequest
 from .shapes import MessageShape, error_body
 
@@ -92,9 +87,7 @@ def router(service) -> APIRouter:
     async def messages(body: MessagesRequest, request: Request):
         service.accept(request, body)
         model_id = service.model_for(body.model)
-        chat = chat_messages(body)
-        await read_images(service, model_id, chat)
-        chain = llm_messages(chat, service.replies.known)
+        chain = await llm_chain(service, model_id, chat_messages(body))
         return await answer(service, request, MessageShape(model_id), model_id, chain, engine_options(body),
                             body.schema_dict(), body.stream, function_specs(body))
 
@@ -102,16 +95,8 @@ def router(service) -> APIRouter:
     async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
         service.accept(request, body)
         model_id = service.model_for(body.model)
-        chat = chat_messages(body)
-        await read_images(service, model_id, chat)
-        chain = llm_messages(chat, service.replies.known)
-        fields = engine_options(body)
-        unswitched(service, request, model_id, fields)
-        try:
-            options = Options.model_validate(service.runtime.for_request(fields))
-            count = await counted(Ask(service.name_of(model_id), chain, options, function_specs(body)))
-        except Exception as e:
-            raise error_for(e) from None
-        return {"input_tokens": count}
+        chain = await llm_chain(service, model_id, chat_messages(body))
+        return {"input_tokens": await count(service, request, model_id, chain, engine_options(body),
+                                            function_specs(body))}
 
     return api

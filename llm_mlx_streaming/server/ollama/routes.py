@@ -14,12 +14,11 @@ from importlib.metadata import version
 from fastapi import APIRouter, Depends, Request
 
 from ...options.registry import model_ids
-from ...prompt.messages import llm_messages, raw_message
+from ...prompt.messages import raw_message
 from ...reply.events import ToolCall
 from ..catalog import Checkpoint, checkpoint
-from ..conversation import ChatMessage, ImagePart, text_message
+from ..conversation import ChatMessage, ImagePart, llm_chain, text_message
 from ..errors import ApiError, api_routes
-from ..images import read_images
 from ..openai.tools import function_specs
 from ..turns import answer
 from .schemas import ChatRequest, GenerateRequest, OllamaError, ShowRequest
@@ -98,9 +97,7 @@ def router(service) -> APIRouter:
     @api.post("/api/chat", description="Ollama's chat; NDJSON chunks unless stream is false")
     async def chat(body: ChatRequest, request: Request):
         service.accept(request, body)
-        chat = chat_messages(body.messages)
-        await read_images(service, service.model_for(body.model), chat)
-        messages = llm_messages(chat, service.replies.known)
+        messages = await llm_chain(service, service.model_for(body.model), chat_messages(body.messages))
         return await run(request, body, OllamaChatShape(body.model), messages, function_specs(body.tools))
 
     @api.post("/api/generate", description="Ollama's completion; NDJSON chunks unless stream is false")
@@ -113,8 +110,7 @@ def router(service) -> APIRouter:
         else:
             system = [text_message("system", body.system)] if body.system else []
             chat = [*system, ChatMessage("user", with_images(body.prompt, body.images))]
-            await read_images(service, service.model_for(body.model), chat)
-            messages = llm_messages(chat, service.replies.known)
+            messages = await llm_chain(service, service.model_for(body.model), chat)
         return await run(request, body, GenerateShape(body.model), messages)
 
     @api.get("/api/tags", description="The models served, as Ollama lists them")

@@ -11,9 +11,9 @@ import time
 from fastapi import APIRouter, Depends, Request
 
 from ...options.registry import model_ids
-from ...prompt.messages import llm_messages, raw_message
+from ...prompt.messages import raw_message
 from ..errors import api_routes
-from ..images import read_images
+from ..conversation import llm_chain
 from ..turns import answer
 from .schemas import (ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse, ModelList,
                       engine_option_names)
@@ -44,9 +44,7 @@ def router(service) -> APIRouter:
               "The reply, or with stream: true an SSE stream of chat.completion.chunk objects"}})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         service.accept(request, body)
-        chat = [message.message() for message in body.messages]
-        await read_images(service, service.model_for(body.model), chat)
-        messages = llm_messages(chat, service.replies.known)
+        messages = await llm_chain(service, service.model_for(body.model), [m.message() for m in body.messages])
         return await generate(request, body, ChatCompletionShape, messages, function_specs(body.tools))
 
     @api.post("/v1/completions", responses={200: {"model": Completion, "description":

@@ -16,20 +16,15 @@ from typing import Optional
 
 from fastapi import APIRouter, Depends, Request
 
-from ...options.settings import Options
-from ...prompt.messages import llm_messages
 from ...values import EFFORTS
 from ...prompt.tools import function_spec
-from ...reply.build import Ask
-from ...reply.core import count_tokens as counted
 from ...reply.events import ToolCall
-from ..conversation import ChatMessage, ImagePart, call_arguments, text_message
-from ..errors import ApiError, api_routes, error_for
-from ..images import read_images
+from ..conversation import ChatMessage, ImagePart, call_arguments, llm_chain, text_message
+from ..errors import ApiError, api_routes
 from ..openai.schemas import ErrorResponse, engine_values
 from ..response_store import Kept
 from ..transcript import Transcript
-from ..turns import answer, unswitched
+from ..turns import answer, count
 from .schemas import (CustomTool, CustomToolCallItem, CustomToolCallOutputItem, FilePart, FunctionCallItem,
                       FunctionCallOutputItem, FunctionTool, InputImage, JsonObjectFormat, JsonSchemaFormat, MessageItem,
                       NamedToolChoice, NamespaceTool, ReasoningItem, ResponseRequest, ResponsesEngineOptions, TextPart)
@@ -187,8 +182,7 @@ def router(service) -> APIRouter:
     @api.post("/v1/responses", description="OpenAI's Responses API; with stream: true its event stream")
     async def create(body: ResponseRequest, request: Request):
         model_id, system, chat, fields, tools, forced_custom, grammar = read(body, request)
-        await read_images(service, model_id, chat)
-        messages = llm_messages(_one_system_message([*system, *chat]), service.replies.known)
+        messages = await llm_chain(service, model_id, _one_system_message([*system, *chat]))
         store = body.store is not False
 
         def finish(transcript: Transcript, response: dict) -> None:
@@ -206,16 +200,10 @@ def router(service) -> APIRouter:
     @api.post("/v1/responses/input_tokens", description="The input's tokens, rendered as /v1/responses would")
     async def input_tokens(body: ResponseRequest, request: Request) -> dict:
         model_id, system, chat, fields, tools, forced_custom, _ = read(body, request)
-        await read_images(service, model_id, chat)
-        messages = llm_messages(_one_system_message([*system, *chat]), service.replies.known)
+        messages = await llm_chain(service, model_id, _one_system_message([*system, *chat]))
         specs = [] if forced_custom is not None else tools.specs
-        unswitched(service, request, model_id, fields)
-        try:
-            options = Options.model_validate(service.runtime.for_request(fields))
-            count = await counted(Ask(service.name_of(model_id), messages, options, specs))
-        except Exception as e:
-            raise error_for(e) from None
-        return {"object": "response.input_tokens", "input_tokens": count}
+        return {"object": "response.input_tokens",
+                "input_tokens": await count(service, request, model_id, messages, fields, specs)}
 
     @api.get("/v1/responses/{response_id}", description="A stored response")
     async def retrieve(response_id: str, request: Request) -> dict:
