@@ -60,7 +60,7 @@ def tool_calls(calls: list[ToolCall], first: int = 0) -> list[dict]:
     return [{"function": {"index": i, "name": c.name, "arguments": c.arguments}} for i, c in enumerate(calls, first)]
 
 
-class _Shape:
+class OllamaShape:
     media_type = "application/x-ndjson"
 
     def __init__(self, model: str) -> None:
@@ -89,7 +89,7 @@ class _Shape:
         return [line({"error": error.message})]
 
 
-class OllamaChatShape(_Shape):
+class OllamaChatShape(OllamaShape):
     """Ollama streams a call whole: it is held until its arguments have come."""
 
     def __init__(self, model: str) -> None:
@@ -142,7 +142,7 @@ class OllamaChatShape(_Shape):
         return self._base(message=message, done=True, done_reason=done_reason(outcome), **figures(outcome))
 
 
-class GenerateShape(_Shape):
+class GenerateShape(OllamaShape):
     def empty(self) -> dict:
         return {"response": ""}
 

@@ -16,7 +16,7 @@ from ..transcript import Transcript, extension
 from .tools import reply_calls
 
 
-class Shape:
+class OpenAIShape:
     """How one OpenAI route's chunks and bodies look."""
 
     media_type = "text/event-stream"
@@ -57,7 +57,7 @@ class Shape:
         return outcome.finish_reason
 
 
-class ChatCompletionShape(Shape):
+class ChatCompletionShape(OpenAIShape):
     prefix, chunk_object = "chatcmpl", "chat.completion.chunk"
     last_choice = {"delta": {}}
 
@@ -102,7 +102,7 @@ class ChatCompletionShape(Shape):
                 "usage": self.usage(outcome), "mlx_stream": extension(outcome)}
 
 
-class CompletionShape(Shape):
+class CompletionShape(OpenAIShape):
     prefix, chunk_object = "cmpl", "text_completion"
     last_choice = {"text": ""}
 
