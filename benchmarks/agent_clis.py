@@ -1,11 +1,18 @@
-"""Claude Code and Codex from the npm registry, run non-interactively in a scratch HOME:
-what benchmarks/record_agents.py and benchmarks/agents.py share.
+"""Claude Code and Codex from the npm registry, run non-interactively in a scratch HOME,
+and a served model that ends its turns: what benchmarks/record_agents.py,
+benchmarks/agents.py and benchmarks/clients.py share.
 
 The CLIs go into benchmarks/.cache/npm (an explicit tag: with an old node, a bare name
 makes npm pick an older release whose `engines` match; the CLIs ship native binaries,
 so node's version does not matter to them). Each run is in its own process group under
 a timeout, killed at the end, with the clients' telemetry, update checks and
 nonessential traffic switched off.
+
+The model is the tool-template checkpoint (qwen3_moe, Qwen's tool template, the
+32k-token BPE tokenizer, 32,768 positions) built into benchmarks/.cache/agents-checkpoint;
+ScriptedServer serves it in this process with every reply forced to "Done." and the end
+of the turn (fixtures.scripted.Force), as a trained model would end it: random weights
+never end a turn, and agents take that as an error.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,25 +32,34 @@ NPM = CACHE / "npm"
 BIN = NPM / "node_modules" / ".bin"  # `claude`, `codex`
 CLI_TIMEOUT = 240  # seconds per CLI invocation
 PACKAGES = {"claude_code": "@anthropic-ai/claude-code", "codex": "@openai/codex"}
+MODEL = "agents"
+CHECKPOINT = CACHE / "agents-checkpoint"
+MAX_CONTEXT = 32768
+PROMPTS = ("List the files in the current directory, then say done.", "Thanks. Now say goodbye in one word.")
+SCRIPTED_REPLY = "Done."
+LLM_TIMEOUT = 300  # seconds for an `llm mlxs add` or `config`
 
 
-def npm_install(claude: str, codex: str) -> dict:
+def npm_install(claude: str, codex: str, *others: str) -> dict:
+    """The CLIs, and `others` ("package@version") in the same command: npm removes from
+    the prefix whatever a later --no-save install does not name."""
     NPM.mkdir(parents=True, exist_ok=True)
     cmd = ["npm", "install", "--no-audit", "--no-fund", "--no-save", "--prefix", str(NPM),
-           f"{PACKAGES['claude_code']}@{claude}", f"{PACKAGES['codex']}@{codex}"]
+           f"{PACKAGES['claude_code']}@{claude}", f"{PACKAGES['codex']}@{codex}", *others]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, timeout=900)
     return versions()
 
 
 def versions() -> dict:
-    out = {}
-    for name, pkg in PACKAGES.items():
-        try:
-            out[name] = json.loads((NPM / "node_modules" / pkg / "package.json").read_text())["version"]
-        except OSError:
-            out[name] = None
-    return out
+    return {name: npm_version(pkg) for name, pkg in PACKAGES.items()}
+
+
+def npm_version(package: str) -> str | None:
+    try:
+        return json.loads((NPM / "node_modules" / package / "package.json").read_text())["version"]
+    except OSError:
+        return None
 
 
 def run(cmd: list[str], *, env: dict, cwd: Path, timeout: int = CLI_TIMEOUT, stdin: str = "") -> dict:
@@ -110,3 +127,72 @@ def make_scratch(prefix: str) -> dict:
     (paths["project"] / "README.md").write_text("# demo\n\nA tiny project for the recorder.\n")
     (paths["project"] / "hello.py").write_text('print("hello")\n')
     return paths
+
+
+def build_checkpoint() -> Path:
+    from fixtures.factory import build_checkpoint
+
+    return build_checkpoint(CHECKPOINT, "qwen3_moe", tool_template=True, tokenizer_kind="bpe32k",
+                            max_position_embeddings=MAX_CONTEXT)
+
+
+def llm(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "llm", *args], check=True, timeout=LLM_TIMEOUT)
+
+
+def add_model(checkpoint: Path, max_tokens: int) -> None:
+    """The checkpoint as MODEL in the current llm user dir (LLM_USER_PATH), with a context
+    that holds an agent's prompts and replies of at most `max_tokens`."""
+    llm("mlxs", "add", str(checkpoint), "--name", MODEL)
+    llm("mlxs", "config", "max_context", str(MAX_CONTEXT))
+    llm("mlxs", "config", "max_tokens", str(max_tokens))
+
+
+class ScriptedServer:
+    """A server in this process whose every reply is SCRIPTED_REPLY, then the end of the turn."""
+
+    def __init__(self, model_id: str):
+        from mlx_lm.utils import load_tokenizer
+
+        from fixtures.scripted import Force
+        from llm_mlx_streaming.engine.manager import get_manager
+        from llm_mlx_streaming.server.process.run import Server
+
+        tokenizer = load_tokenizer(CHECKPOINT)
+        ids = tokenizer.encode(SCRIPTED_REPLY) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+        self.engine = get_manager()
+        real_run = self.engine.run
+
+        def run(load, request):
+            request.logits_processors.append(Force(ids))
+            return real_run(load, request)
+
+        self.engine.run = run
+        self.server = Server(port=0, model=model_id, any_model=True).start()
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def close(self) -> None:
+        self.server.stop()
+        del self.engine.run  # the class's own again
+
+
+def launch_turns(client: str, sandbox: str) -> list[list[str]]:
+    """The agent's arguments for each of the two PROMPTS, after `llm mlxs launch CLIENT MODEL --`."""
+    if client == "claude":
+        first = ["-p", PROMPTS[0], "--dangerously-skip-permissions"]
+        return [first, ["-p", PROMPTS[1], "--continue", "--dangerously-skip-permissions"]]
+    flags, resume = codex_flags(sandbox)
+    return [["exec", *flags, PROMPTS[0]], ["exec", "resume", "--last", *resume, PROMPTS[1]]]
+
+
+def launch_env(client: str, home: Path, max_tokens: int) -> dict:
+    """What `llm mlxs launch CLIENT` runs under: the CLIs on PATH, this llm user dir and
+    this checkout's package."""
+    env = base_env(home) | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+                            "LLM_USER_PATH": os.environ["LLM_USER_PATH"], "PYTHONPATH": os.environ["PYTHONPATH"]}
+    if client == "claude":
+        env |= claude_quiet(home) | {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(max_tokens)}
+    return env

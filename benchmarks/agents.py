@@ -40,50 +40,15 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # agent_clis, beside it
-from agent_clis import (BIN, CACHE, ROOT, base_env, claude_quiet, codex_flags, make_scratch,  # noqa: E402
-                        npm_install, run, versions)
+from agent_clis import (MAX_CONTEXT, MODEL, ROOT, ScriptedServer, add_model, build_checkpoint,  # noqa: E402
+                        launch_env, launch_turns, make_scratch, npm_install, run, versions)
 
 sys.path.insert(0, str(ROOT))
-MODEL = "agents"
-CHECKPOINT = CACHE / "agents-checkpoint"
-MAX_CONTEXT = 32768
-PROMPTS = ("List the files in the current directory, then say done.", "Thanks. Now say goodbye in one word.")
-SCRIPTED_REPLY = "Done."
 TARGET_REUSE = 0.9
-LLM_TIMEOUT = 300  # seconds for an `llm mlxs add` or `config`
-
-
-def build():
-    from fixtures.factory import build_checkpoint
-
-    return build_checkpoint(CHECKPOINT, "qwen3_moe", tool_template=True, tokenizer_kind="bpe32k",
-                            max_position_embeddings=MAX_CONTEXT)
-
-
-def llm(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "llm", *args], check=True, timeout=LLM_TIMEOUT)
-
-
-def turns(client: str, sandbox: str) -> list[list[str]]:
-    """The agent's arguments for each turn, after `launch CLIENT agents --`."""
-    if client == "claude":
-        first = ["-p", PROMPTS[0], "--dangerously-skip-permissions"]
-        return [first, ["-p", PROMPTS[1], "--continue", "--dangerously-skip-permissions"]]
-    flags, resume = codex_flags(sandbox)
-    return [["exec", *flags, PROMPTS[0]], ["exec", "resume", "--last", *resume, PROMPTS[1]]]
-
-
-def agent_env(client: str, home: Path, max_tokens: int) -> dict:
-    env = base_env(home) | {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
-                            "LLM_USER_PATH": os.environ["LLM_USER_PATH"], "PYTHONPATH": os.environ["PYTHONPATH"]}
-    if client == "claude":
-        env |= claude_quiet(home) | {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(max_tokens)}
-    return env
 
 
 def generations(server, after: int) -> list[dict]:
@@ -93,8 +58,8 @@ def generations(server, after: int) -> list[dict]:
 
 def run_client(client: str, server, scratch: dict, args) -> list[dict]:
     rows = []
-    env = agent_env(client, scratch["home"], args.max_tokens)
-    for turn, agent_args in enumerate(turns(client, args.codex_sandbox), 1):
+    env = launch_env(client, scratch["home"], args.max_tokens)
+    for turn, agent_args in enumerate(launch_turns(client, args.codex_sandbox), 1):
         seen = max([r["n"] for r in generations(server, 0)], default=0)
         result = run([sys.executable, "-m", "llm", "mlxs", "launch", client, MODEL, "--", *agent_args],
                      env=env, cwd=scratch["project"], timeout=args.timeout)
@@ -107,33 +72,6 @@ def run_client(client: str, server, scratch: dict, args) -> list[dict]:
     return rows
 
 
-class ScriptedServer:
-    """A server in this process whose every reply is SCRIPTED_REPLY, then the end of the turn."""
-
-    def __init__(self, model_id: str):
-        from mlx_lm.utils import load_tokenizer
-
-        from fixtures.scripted import Force
-        from llm_mlx_streaming.engine.manager import get_manager
-        from llm_mlx_streaming.server.process.run import Server
-
-        tokenizer = load_tokenizer(CHECKPOINT)
-        ids = tokenizer.encode(SCRIPTED_REPLY) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-        self.engine = get_manager()
-        real_run = self.engine.run
-
-        def run(load, request):
-            request.logits_processors.append(Force(ids))
-            return real_run(load, request)
-
-        self.engine.run = run
-        self.server = Server(port=0, model=model_id, any_model=True).start()
-
-    def close(self) -> None:
-        self.server.stop()
-        del self.engine.run  # the class's own again
-
-
 def run_pass(replies: str, checkpoint: Path, args) -> list[dict]:
     """Both clients, two turns each, on a fresh llm user dir and server."""
     from llm_mlx_streaming import discovery
@@ -142,9 +80,7 @@ def run_pass(replies: str, checkpoint: Path, args) -> list[dict]:
 
     scratch = make_scratch("live-agents-")
     os.environ["LLM_USER_PATH"] = str(scratch["work"] / "llm")
-    llm("mlxs", "add", str(checkpoint), "--name", MODEL)
-    llm("mlxs", "config", "max_context", str(MAX_CONTEXT))
-    llm("mlxs", "config", "max_tokens", str(args.max_tokens))
+    add_model(checkpoint, args.max_tokens)
     print(f"\n{replies} replies, llm user dir {os.environ['LLM_USER_PATH']}", flush=True)
     server = ScriptedServer(model_id(MODEL)) if replies == "scripted" else serve(MODEL, wait=600)
     try:
@@ -202,7 +138,7 @@ def main() -> int:
 
     if not args.no_install:
         npm_install(args.claude_version, args.codex_version)
-    checkpoint = build()
+    checkpoint = build_checkpoint()
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     rows = [row for replies in args.replies.split(",") for row in run_pass(replies, checkpoint, args)]
     print(f"\nclients: {versions()}; replies at most {args.max_tokens} tokens; max_context {MAX_CONTEXT}")

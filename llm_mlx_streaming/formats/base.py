@@ -35,7 +35,9 @@ class ToolFormat:
     where mlx-lm's inference does not. `response_format` is mlx-lm's text-state-machine
     spec for formats that write in channels (harmony). `blocks`: each call is its own
     block (start ... end), else all the turn's calls share one. `write`: calls in the
-    markup, start and end included, for a template that renders no `tool_calls`."""
+    markup, start and end included, for a template that renders no `tool_calls`.
+    `call_id`: where the model names its calls itself (Kimi's functions.NAME:i), the id
+    its template expects back for the conversation's i-th call."""
 
     name: str
     parser: str
@@ -45,7 +47,8 @@ class ToolFormat:
     response_format: Optional[dict] = None
     blocks: bool = True
     lead: str = ""  # what the reply writes before a call's start tag (harmony's channel header)
-    write: Optional[Callable[[list[tuple[str, dict]]], str]] = None  # calls as the model writes them
+    write: Optional[Callable[[list[tuple[str, str, dict]]], str]] = None  # calls (id, name, arguments) as written
+    call_id: Optional[Callable[[str, int], str]] = None  # the id the model gives the conversation's i-th call
 
     @property
     def module(self):
