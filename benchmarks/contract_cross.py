@@ -269,7 +269,7 @@ def through_llm(path, arch, cell, root):
 
     model, tokenizer = load(str(path))
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
-    splitter = ReplySplitter("<think>", "</think>")
+    splitter = ReplySplitter(tokenizer)
     text = generate(model, tokenizer, prompt, max_tokens=N)
     expected = "".join(c for k, c in splitter.feed(text) + splitter.flush() if k == "text") + "\n"
     user_dir = Path(root) / f"{arch}-llm"

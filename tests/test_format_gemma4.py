@@ -98,11 +98,12 @@ def test_a_reply_after_folded_tool_results_keeps_its_own_token_ids(tokenizer):
 
     from llm_mlx_streaming.prompt.messages import assistant_message, tool_result_message
     from llm_mlx_streaming.prompt.render import render_prompt
+    from llm_mlx_streaming.reply.events import ToolCall
 
     answer = "It is sunny."
     spelled = [i for ch in answer for i in tokenizer.encode(ch, add_special_tokens=False)]  # not how it re-encodes
     assert spelled != tokenizer.encode(answer, add_special_tokens=False)
-    call = {"id": "c1", "name": "get_weather", "arguments": {"city": "Paris"}}
+    call = ToolCall("c1", "get_weather", {"city": "Paris"})
     user = [Message(role="user", parts=[TextPart(text=text)]) for text in ("Weather in Paris?", "And Rome?")]
     for turn in ([user[0], assistant_message("", calls=[call]), tool_result_message("c1", "get_weather", "sunny"),
                   assistant_message(answer, tokens=spelled), user[1]],

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
+
 from plugin_support import assert_ok, assert_one_line_error
 
 
@@ -130,6 +132,19 @@ def test_models_add_remove_default(llm_env, tmp_path):
     assert "Other-MoE" not in llm_env.read_settings()["models"]
     assert "default_model" not in llm_env.read_settings()  # back to the bundled demo
     assert copy.exists()  # files are left alone
+
+
+@pytest.mark.parametrize("family,found", [("gpt_oss", "harmony"), ("kimi_k2", "kimi_k2"),
+                                          ("deepseek_v32", "deepseek_v32"), ("qwen3", "json_tools")])
+def test_add_and_models_name_the_tool_call_format_found_in_the_checkpoint(llm_env, tmp_path, family, found):
+    from fixtures.families import build_family_checkpoint
+
+    path = build_family_checkpoint(tmp_path / family, family)
+    added = assert_ok(llm_env.run("mlxs", "add", str(path), "--name", family))
+    assert f"tool calls: {found})" in added.stdout
+    rows = json.loads(assert_ok(llm_env.run("mlxs", "models", "--json")).stdout)
+    assert {r["name"]: r["tool_calls"] for r in rows}[family] == found
+    assert {r["name"]: r["tool_calls"] for r in rows}["small"] is None  # its template has no tools
 
 
 def test_add_rejects_bad_sources(llm_env, tmp_path):

@@ -62,6 +62,10 @@ def test_metrics_equal_the_stats_after_a_known_sequence_of_requests(dash):
                                              "messages": [{"role": "user", "content": "an ollama turn"}]})
     assert status == 200, reply
     prompt_in, tokens_out = prompt_in + reply["prompt_eval_count"], tokens_out + reply["eval_count"]
+    status, reply = post(dash, "/v1/responses", {"model": "mlx-stream", "input": "a responses turn",
+                                                 "max_output_tokens": 2})
+    assert status == 200, reply
+    prompt_in, tokens_out = prompt_in + reply["usage"]["input_tokens"], tokens_out + reply["usage"]["output_tokens"]
     assert post(dash, "/v1/chat/completions", {"model": "mlx-stream", "messages": []})[0] == 400
 
     after = stats(dash)  # a runtime request too, counted before /metrics is read
@@ -72,6 +76,7 @@ def test_metrics_equal_the_stats_after_a_known_sequence_of_requests(dash):
     assert d("mlxs_http_requests_total", api="openai", status="400") == 1
     assert d("mlxs_http_requests_total", api="anthropic", status="200") == 1
     assert d("mlxs_http_requests_total", api="ollama", status="200") == 1
+    assert d("mlxs_http_requests_total", api="responses", status="200") == 1  # the Responses API as itself
     assert d("mlxs_http_requests_total", api="runtime", status="200") == 2
     assert d("mlxs_http_requests_total", api="metrics", status="200") == 1  # the first /metrics
     # the engine's counters: /metrics and /api/stats read the same figures
@@ -91,7 +96,7 @@ def test_metrics_equal_the_stats_after_a_known_sequence_of_requests(dash):
         assert value(m, f"mlxs_{name}_total") == after[key], name
     assert value(m, "mlxs_host_syncs_total") == after["syncs"]
     # what this sequence added, against what the replies said
-    assert t["generated_tokens"] - before["totals"]["generated_tokens"] == tokens_out == 5 + 5 + 4 + 3 + 3
+    assert t["generated_tokens"] - before["totals"]["generated_tokens"] == tokens_out == 5 + 5 + 4 + 3 + 3 + 2
     assert t["prompt_tokens"] - before["totals"]["prompt_tokens"] == prompt_in
     assert value(m, "mlxs_time_to_first_token_seconds_count") == t["responses"]
     assert value(m, "mlxs_time_to_first_token_seconds_bucket", le="+Inf") == t["responses"]

@@ -297,10 +297,11 @@ def test_a_fetched_image_is_read_as_its_bytes(served, pictures):
     write_settings(served, image_urls="on")
     try:
         body = ChatCompletionRequest.model_validate(openai_body("seer", pictures + "/red.png")[1])
-        asyncio.run(read_images(Seeing(), "mlx-stream/seer", body.messages))
+        chat = [message.message() for message in body.messages]
+        asyncio.run(read_images(Seeing(), "mlx-stream/seer", chat))
     finally:
         write_settings(served)
-    (image,) = [part.image() for part in body.messages[0].images()]
+    (image,) = [part.image() for part in chat[0].images()]
     assert image.data == PNG and image.media_type == "image/png"
 
 
@@ -318,20 +319,21 @@ def llm_chain(api: str, url: str) -> list:
     from llm_mlx_streaming.prompt.messages import llm_messages
     from llm_mlx_streaming.server.anthropic.routes import chat_messages as anthropic_chat
     from llm_mlx_streaming.server.anthropic.schemas import MessagesRequest
+    from llm_mlx_streaming.server.conversation import ChatMessage
     from llm_mlx_streaming.server.images import read_images
     from llm_mlx_streaming.server.ollama.routes import chat_messages as ollama_chat, with_images
     from llm_mlx_streaming.server.ollama.schemas import ChatRequest, GenerateRequest
-    from llm_mlx_streaming.server.openai.schemas import ChatCompletionRequest, ChatMessage
-    from llm_mlx_streaming.server.responses.routes import conversation
+    from llm_mlx_streaming.server.openai.schemas import ChatCompletionRequest
+    from llm_mlx_streaming.server.responses.routes import chat_messages as responses_chat
     from llm_mlx_streaming.server.responses.schemas import ResponseRequest
 
     body = APIS[api][0]("seer", url)[1]
     chat = {
-        "openai": lambda: ChatCompletionRequest.model_validate(body).messages,
-        "responses": lambda: conversation(ResponseRequest.model_validate(body)),
+        "openai": lambda: [m.message() for m in ChatCompletionRequest.model_validate(body).messages],
+        "responses": lambda: responses_chat(ResponseRequest.model_validate(body)),
         "anthropic": lambda: anthropic_chat(MessagesRequest.model_validate(body)),
         "ollama": lambda: ollama_chat(ChatRequest.model_validate(body).messages),
-        "ollama-generate": lambda: [ChatMessage(role="user", content=with_images(
+        "ollama-generate": lambda: [ChatMessage("user", with_images(
             (g := GenerateRequest.model_validate(body)).prompt, g.images))],
     }[api]()
     asyncio.run(read_images(Seeing(), "mlx-stream/seer", chat))
@@ -367,10 +369,10 @@ def test_text_alone_is_one_text_part_as_before(served):
     from llm.parts import TextPart
 
     from llm_mlx_streaming.prompt.messages import llm_messages
-    from llm_mlx_streaming.server.openai.schemas import ChatMessage
+    from llm_mlx_streaming.server.openai.schemas import OpenAIMessage
 
-    (message,) = llm_messages([ChatMessage(role="user", content=[{"type": "text", "text": "a"},
-                                                                  {"type": "text", "text": "b"}])])
+    (message,) = llm_messages([OpenAIMessage(role="user", content=[{"type": "text", "text": "a"},
+                                                                    {"type": "text", "text": "b"}]).message()])
     assert [type(p) for p in message.parts] == [TextPart] and message.parts[0].text == "ab"
 
 

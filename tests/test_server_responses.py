@@ -179,6 +179,7 @@ def test_a_forced_custom_tool_follows_its_grammar_for_every_seed(served, syntax,
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "tool_choice": {"type": "custom", "name": "nope"}}, "tool_choice"),
     ({"input": "hi", "previous_response_id": "resp_nope"}, "resp_nope"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "add", "arguments": "[1]"}]}, "input.0.arguments"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "schema"),
 ])
 def test_what_cannot_be_honoured_is_an_openai_error_naming_it(served, body, needle):

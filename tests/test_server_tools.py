@@ -265,13 +265,99 @@ def test_llm_t_is_routed_to_the_running_server_and_reuses_its_kv(tooled):
 
 @pytest.mark.parametrize("max_tokens", [20, 50])
 def test_a_call_cut_by_max_tokens_ends_with_length(tooled, max_tokens):
-    """Cut before its arguments began, the markup is text; after, it is a call whose
-    arguments are what was generated (as OpenAI gives a call cut short)."""
+    """Cut before its arguments began, the markup is text; after, the call is left out of
+    the reply (its arguments are no whole JSON: an agent that ran it would break) and the
+    reply ends with length. Streamed, the call's pieces went out as they were generated:
+    they are not taken back, and the stream ends with length too."""
     c = client(tooled)
     body = dict(model="mlx-stream", messages=ASK, tools=[SHOUT], tool_choice="required", max_tokens=max_tokens)
     reply = c.chat.completions.create(**body)
     text, calls, finish = streamed(c.chat.completions.create(**body, stream=True))
     assert reply.choices[0].finish_reason == finish == "length"
-    whole = [(t.function.name, t.function.arguments) for t in reply.choices[0].message.tool_calls or []]
-    assert whole == [(x["name"], x["arguments"]) for x in calls] and (reply.choices[0].message.content or "") == text
-    assert bool(whole) == (max_tokens == 50) and (text.startswith("<tool_call>") or whole)
+    assert reply.choices[0].message.tool_calls is None and (reply.choices[0].message.content or "") == text
+    assert bool(calls) == (max_tokens == 50) and (text.startswith("<tool_call>") or calls)
+
+
+def openai_cut(env, limit: int, stream: bool) -> tuple:
+    c = client(env)
+    body = dict(model="mlx-stream", messages=ASK, tools=[ADD], max_tokens=limit)
+    if stream:
+        text, calls, finish = streamed(c.chat.completions.create(**body, stream=True))
+        return text, [], finish, [(x["name"], None) for x in calls]
+    reply = c.chat.completions.create(**body)
+    message = reply.choices[0].message
+    return message.content or "", [t.function.name for t in message.tool_calls or []], \
+        reply.choices[0].finish_reason, []
+
+
+def anthropic_cut(env, limit: int, stream: bool) -> tuple:
+    import anthropic
+
+    c = anthropic.Anthropic(base_url=env.server.url, api_key="unused", max_retries=0, timeout=60)
+    body = dict(model="mlx-stream", messages=ASK, max_tokens=limit,
+                tools=[{"name": "add", "input_schema": ADD["function"]["parameters"]}])
+    if stream:
+        with c.messages.stream(**body) as events:
+            reply = events.get_final_message()
+        sent = [(b.name, None) for b in reply.content if b.type == "tool_use"]
+        return "".join(b.text for b in reply.content if b.type == "text"), [], reply.stop_reason, sent
+    reply = c.messages.create(**body)
+    return "".join(b.text for b in reply.content if b.type == "text"), \
+        [b.name for b in reply.content if b.type == "tool_use"], reply.stop_reason, []
+
+
+def responses_cut(env, limit: int, stream: bool) -> tuple:
+    import openai
+
+    c = openai.OpenAI(base_url=env.server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    body = dict(model="mlx-stream", input=ASK[0]["content"], max_output_tokens=limit,
+                tools=[{"type": "function", **ADD["function"], "strict": False}])
+    sent = []
+    if stream:
+        with c.responses.stream(**body) as events:
+            sent = [(e.item.name, e.item.status) for e in events
+                    if e.type == "response.output_item.done" and e.item.type == "function_call"]
+            reply = events.get_final_response()
+    else:
+        reply = c.responses.create(**body)
+    ending = (reply.status, reply.incomplete_details.reason if reply.incomplete_details else None)
+    return reply.output_text, [o.name for o in reply.output if o.type == "function_call"], ending, sent
+
+
+def ollama_cut(env, limit: int, stream: bool) -> tuple:
+    import ollama
+
+    c = ollama.Client(host=env.server.url, timeout=60)
+    body = dict(model="mlx-stream", messages=ASK, tools=[ADD], options={"num_predict": limit})
+    lines = list(c.chat(**body, stream=True)) if stream else [c.chat(**body)]
+    calls = [t.function.name for line in lines for t in line.message.tool_calls or []]
+    text = "".join(line.message.content or "" for line in lines)
+    return text, [] if stream else calls, lines[-1].done_reason, [(name, None) for name in calls] if stream else []
+
+
+CUT = {"openai": (openai_cut, "length"), "anthropic": (anthropic_cut, "max_tokens"),
+       "responses": (responses_cut, ("incomplete", "max_output_tokens")), "ollama": (ollama_cut, "length")}
+# What a stream has sent of a call the limit cut once it had begun: OpenAI's and Anthropic's
+# pieces went out as they came; the Responses API's item ends marked incomplete (and is left
+# out of the response); Ollama sends a call whole, so none of it.
+SENT = {"openai": [("add", None)], "anthropic": [("add", None)], "responses": [("add", "incomplete")], "ollama": []}
+
+
+@pytest.mark.parametrize("api", CUT)
+@pytest.mark.parametrize("where", ["in its markup", "in its arguments"])
+def test_a_call_cut_by_the_token_limit_is_left_out_in_every_api_and_the_reply_ends_for_the_limit(
+        tooled, api, where):
+    """The one policy of every API: a call the token limit cut is no call of the reply, and
+    the reply ends for the limit in the API's own words (OpenAI's and Ollama's length,
+    Anthropic's max_tokens, the Responses API's incomplete for max_output_tokens)."""
+    before = CALL.index('"add"') if where == "in its markup" else CALL.index('{"a"')
+    limit = len(tooled.tokenizer.encode(CALL[:before])) + 2  # a piece of the name, or of the arguments
+    assert limit < len(tooled.tokenizer.encode(CALL))
+    run, ending = CUT[api]
+    tooled.script = [CALL, CALL]
+    text, calls, whole_ending, sent = run(tooled, limit, False)
+    assert (calls, whole_ending, sent) == ([], ending, [])
+    assert text.startswith("<tool_call>") == (where == "in its markup")
+    streamed_text, calls, streamed_ending, sent = run(tooled, limit, True)
+    assert (streamed_text, calls, streamed_ending) == (text, [], ending)
+    assert sent == (SENT[api] if where == "in its arguments" else [])

@@ -1,4 +1,5 @@
-"""`llm mlxs serve`: keep the engine warm behind the OpenAI, Anthropic and Ollama APIs (docs/server.md)."""
+"""`llm mlxs serve`: keep the engine warm behind the OpenAI (chat completions and Responses), Anthropic and
+Ollama APIs (docs/server.md)."""
 
 from __future__ import annotations
 
@@ -109,7 +110,7 @@ def serve(ctx, host, port, model, api_key, max_queue, hosts, origins, strict, al
 
 def _supervise(ctx, pipeline, hostfile, backend, ring_port) -> None:
     """Run this command on every host through mlx.launch, each as one rank, and start
-    them again when the pipeline fails (server/supervisor.py)."""
+    them again when the pipeline fails (server/process/supervisor.py)."""
     from ..errors import MlxStreamError
     from ..server.process.run import check_exposure
     from ..server.process.supervisor import Supervisor

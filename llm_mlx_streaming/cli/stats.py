@@ -278,7 +278,7 @@ def _live(json_: bool, plot: Path | None = None) -> None:
     if json_:
         click.echo(json.dumps(st, indent=2))
         return
-    if st.get("pipeline_state"):  # a pipeline's stand-in (server/standin.py)
+    if st.get("pipeline_state"):  # a pipeline's stand-in (server/process/standin.py)
         click.echo(f"Server {server.url}  state: {st['pipeline_state']} (restart {st.get('pipeline_restarts')}) "
                    f"after: {st.get('pipeline_error')}")
         return

@@ -52,7 +52,7 @@ class ServerClient:
         """Whether the mlx-stream server of the discovery file answers at its address
         (ServerGone when nothing does); a file whose pid and port now belong to some
         other program is removed. A pipeline's stand-in answers 503 with its id: it is
-        ours, and its refusals say why (server/standin.py)."""
+        ours, and its refusals say why (server/process/standin.py)."""
         status, data = self._json("GET", "/health", timeout=IDENTIFY_TIMEOUT)
         if status in (200, 503) and data.get("id") == discovery.public_id(self.info.secret):
             return True

@@ -36,8 +36,10 @@ class ToolFormat:
     spec for formats that write in channels (harmony). `blocks`: each call is its own
     block (start ... end), else all the turn's calls share one. `write`: calls in the
     markup, start and end included, for a template that renders no `tool_calls`.
-    `declare`: the tools described as the model's publishers have the system prompt
-    describe them, for a template that renders no `tools`."""
+    `call_id`: where the model names its calls itself (Kimi's functions.NAME:i), the id
+    its template expects back for the conversation's i-th call. `declare`: the tools
+    described as the model's publishers have the system prompt describe them, for a
+    template that renders no `tools`."""
 
     name: str
     parser: str
@@ -47,7 +49,8 @@ class ToolFormat:
     response_format: Optional[dict] = None
     blocks: bool = True
     lead: str = ""  # what the reply writes before a call's start tag (harmony's channel header)
-    write: Optional[Callable[[list[tuple[str, dict]]], str]] = None  # calls as the model writes them
+    write: Optional[Callable[[list[tuple[str, str, dict]]], str]] = None  # calls (id, name, arguments) as written
+    call_id: Optional[Callable[[str, int], str]] = None  # the id the model gives the conversation's i-th call
     declare: Optional[Callable[[list[dict]], str]] = None  # function specs -> their description
 
     @property

@@ -8,12 +8,13 @@ import json
 
 from .base import ToolFormat, json_calls, json_grammar, literal
 
-def write(calls: list[tuple[str, dict]]) -> str:
-    """A turn's calls as Kimi-K2 writes them."""
+
+def write(calls: list[tuple[str, str, dict]]) -> str:
+    """A turn's calls (id, name, arguments) as Kimi-K2 writes them."""
     return "<|tool_calls_section_begin|>" + "".join(
-        f"<|tool_call_begin|>functions.{name}:{i}<|tool_call_argument_begin|>"
+        f"<|tool_call_begin|>{call_id}<|tool_call_argument_begin|>"
         f"{json.dumps(arguments, ensure_ascii=False)}<|tool_call_end|>"
-        for i, (name, arguments) in enumerate(calls)) + "<|tool_calls_section_end|>"
+        for call_id, name, arguments in calls) + "<|tool_calls_section_end|>"
 
 
 SECTION = ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>")
@@ -29,4 +30,5 @@ FORMAT = ToolFormat(
     detect=lambda template, vocab: all(tag in vocab for tag in SECTION),
     blocks=False,
     write=write,
+    call_id=lambda name, index: f"functions.{name}:{index}",
 )

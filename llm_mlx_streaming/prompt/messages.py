@@ -1,7 +1,8 @@
 """Messages in each direction: llm's chain to chat-template dicts (the engine's prompt)
-and to OpenAI messages (a prompt sent to `llm mlxs serve`), and OpenAI messages back to
-llm's (a server request). Each reply carries the token ids it was generated as, in its
-`provider_metadata` under METADATA_KEY, so every path can reuse the KV cache exactly.
+and to OpenAI messages (a prompt sent to `llm mlxs serve`), and the server's
+conversation back to llm's (a server request). Each reply carries the token ids it was
+generated as, in its `provider_metadata` under METADATA_KEY, so every path can reuse
+the KV cache exactly.
 """
 
 from __future__ import annotations
@@ -134,52 +135,49 @@ def _pieces(message) -> list[tuple[str, Any]]:
 
 
 def llm_messages(messages, known=lambda text, calls=(): None) -> list:
-    """OpenAI chat messages (the server's bodies) as llm's; an assistant reply without
-    its `tokens` gets them from `known(text, calls)` -> (reasoning, tokens) or None.
-    A message's tool calls come from its `calls()`: [{"id", "name", "arguments"}]; its
-    content from `parts()`: text (str) and images (images.Image, read by the server)."""
+    """The server's conversation (server/conversation.py's messages) as llm's; an
+    assistant reply without its `tokens` gets them from `known(text, calls)` ->
+    (reasoning, tokens) or None. A message's `parts` are text (str) and images (their
+    `image()`, read by the server); its `calls` have an `id`, a `name` and `arguments` (a dict)."""
     from llm.parts import Message
 
     out, called = [], {}
     for i, m in enumerate(messages):
         text = m.text()
-        role = "system" if m.role == "developer" else m.role
-        if role == "tool":
+        if m.role == "tool":
             if m.tool_call_id not in called:
                 raise PromptError(f"messages.{i}.tool_call_id: no earlier assistant message made the call "
                                   f"{m.tool_call_id!r}")
             out.append(tool_result_message(m.tool_call_id, called[m.tool_call_id], text))
-        elif role == "assistant":
-            calls = m.calls()
-            called.update((c["id"], c["name"]) for c in calls)
-            reasoning, tokens = m.reasoning_content or "", m.tokens
-            if tokens is None and (found := known(text, calls)) is not None:
+        elif m.role == "assistant":
+            called.update((c.id, c.name) for c in m.calls)
+            reasoning, tokens = m.reasoning, m.tokens
+            if tokens is None and (found := known(text, m.calls)) is not None:
                 reasoning, tokens = reasoning or found[0], found[1]
-            out.append(assistant_message(text, reasoning, tokens, calls))
+            out.append(assistant_message(text, reasoning, tokens, m.calls))
         else:
-            out.append(Message(role=role, parts=_user_parts(m)))
+            out.append(Message(role=m.role, parts=_user_parts(m.parts)))
     return out
 
 
-def _user_parts(message) -> list:
+def _user_parts(pieces: list) -> list:
     """A (system or user) message's text, with its images in order among it: a message
     without images is one text part."""
     from llm.parts import TextPart
 
-    pieces = message.parts()
     if all(isinstance(p, str) for p in pieces):
         return [TextPart(text="".join(pieces))]
-    return [TextPart(text=p) if isinstance(p, str) else attachment_part(p) for p in pieces]
+    return [TextPart(text=p) if isinstance(p, str) else attachment_part(p.image()) for p in pieces]
 
 
 def assistant_message(text: str, reasoning: str = "", tokens: Optional[list[int]] = None, calls=()):
-    """An earlier reply as llm's message: its reasoning, text and tool calls
-    ({"id", "name", "arguments": dict}), with the token ids it was generated as."""
+    """An earlier reply as llm's message: its reasoning, text and tool calls (each with an
+    `id`, a `name` and `arguments`, a dict), with the token ids it was generated as."""
     from llm.parts import Message, ReasoningPart, TextPart, ToolCallPart
 
     parts = [ReasoningPart(text=reasoning)] if reasoning else []
     parts.append(TextPart(text=text, provider_metadata=reply_metadata(tokens) if tokens else None))
-    parts.extend(ToolCallPart(name=c["name"], arguments=c["arguments"], tool_call_id=c["id"]) for c in calls)
+    parts.extend(ToolCallPart(name=c.name, arguments=c.arguments, tool_call_id=c.id) for c in calls)
     return Message(role="assistant", parts=parts)
 
 

@@ -5,6 +5,8 @@ the template needs it, so a template that renders the request as it is sees it a
 
 - tool results folded into the calling turn as `tool_responses` (Gemma 4's template
   reads them there; as a `tool` turn it writes a role the model never saw);
+- call ids as the model writes them, where it names its calls itself (Kimi-K2's
+  `functions.NAME:i`, which its template writes back), the results' ids with them;
 - earlier calls written into the turn's text in the model's own markup, where the
   template never renders `tool_calls` (Kimi-K2 Instruct's, as llama.cpp ships it);
 - the tools described in the system prompt as the model's publishers describe them,
@@ -39,6 +41,7 @@ def fitted(tokenizer, messages: list[dict], tools: Optional[list[dict]],
     template = template if isinstance(template, str) else ""
     if "tool_responses" in template:
         messages = fold_tool_responses(messages)
+    messages = model_call_ids(tokenizer, messages)
     if "tool_calls" not in template:
         messages = inline_calls(tokenizer, messages)
     if tools and not re.search(r"\btools\b", template):
@@ -115,9 +118,33 @@ def inline_calls(tokenizer, messages: list[dict]) -> list[dict]:
     out = []
     for message in messages:
         if calls := message.get("tool_calls"):
-            written = fmt.write([(c["function"]["name"], _as_dict(c["function"]["arguments"])) for c in calls])
+            written = fmt.write([(c.get("id"), c["function"]["name"], _as_dict(c["function"]["arguments"]))
+                                 for c in calls])
             message = {k: v for k, v in message.items() if k != "tool_calls"}
             message["content"] = (message.get("content") or "") + written
+        out.append(message)
+    return out
+
+
+def model_call_ids(tokenizer, messages: list[dict]) -> list[dict]:
+    """Each call's id as the model would have written it (numbered through the
+    conversation), and its result's id with it, for a format that names its calls."""
+    from ..formats.registry import format_of
+
+    fmt = format_of(tokenizer)
+    if fmt is None or fmt.call_id is None or not any(m.get("tool_calls") for m in messages):
+        return messages
+    ids: dict = {}
+    out = []
+    for message in messages:
+        if calls := message.get("tool_calls"):
+            renamed = []
+            for call in calls:
+                ids[call.get("id")] = fmt.call_id(call["function"]["name"], len(ids))
+                renamed.append({**call, "id": ids[call.get("id")]})
+            message = {**message, "tool_calls": renamed}
+        if message.get("tool_call_id") in ids:
+            message = {**message, "tool_call_id": ids[message["tool_call_id"]]}
         out.append(message)
     return out
 

@@ -47,8 +47,6 @@ class ToolCall:
 
     @property
     def arguments_text(self) -> str:
-        if not self.complete and set(self.arguments) == {"_raw"}:
-            return str(self.arguments["_raw"])
         return json.dumps(self.arguments)
 
 
@@ -78,8 +76,37 @@ class Outcome:
     def finish_reason(self) -> Optional[str]:
         return self.figures.get("finish_reason")
 
+    @property
+    def stop_sequence(self) -> Optional[str]:
+        """The stop sequence that ended the reply, if one did."""
+        return self.figures.get("stop_sequence")
+
+    @property
+    def seconds(self) -> float:
+        """The generation's wall time, start to end."""
+        return float(self.figures.get("seconds") or 0)
+
+    @property
+    def first_token_seconds(self) -> float:
+        """From the generation's start to its first token (the prefill)."""
+        return float(self.figures.get("ttft_seconds") or 0)
+
+    @property
+    def logprobs(self) -> Optional[list[dict]]:
+        """Each generated token's {token, logprob, top_logprobs}, when they were asked for."""
+        return self.figures.get("logprobs")
+
     def complete_calls(self) -> list[ToolCall]:
+        """The calls an API's reply gives: a call the token limit cut off is left out (its
+        arguments are no whole JSON, and an agent that ran it would break on them), and
+        the finish reason, `length`, says why the reply ended."""
         return [call for call in self.tool_calls if call.complete]
+
+    @property
+    def ended_for_calls(self) -> bool:
+        """Whether the reply ended to have its calls run (OpenAI's finish_reason
+        `tool_calls`, Anthropic's stop_reason `tool_use`)."""
+        return bool(self.complete_calls()) and self.finish_reason == "stop"
 
 
 @dataclass(frozen=True)

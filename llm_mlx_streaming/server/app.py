@@ -37,7 +37,7 @@ def create_app(service: Service) -> FastAPI:
             service.schedule_load(service.model_for(service.default_model))
         yield
 
-    app = FastAPI(title="llm-mlx-streaming", summary="OpenAI-compatible API of `llm mlxs serve`",
+    app = FastAPI(title="llm-mlx-streaming", summary="The OpenAI, Anthropic and Ollama APIs of `llm mlxs serve`",
                   lifespan=lifespan, docs_url=None, redoc_url=None)  # /docs: served offline by dashboard.attach
     app.state.service = service
     app.add_middleware(JsonBody)

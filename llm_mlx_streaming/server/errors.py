@@ -53,10 +53,10 @@ class ApiError(Exception):
         return JSONResponse(shape_for(scope)(self), status_code=self.status, headers=self.headers)
 
 
-Shape = Callable[[ApiError], dict]
+ErrorShape = Callable[[ApiError], dict]
 
 
-def api_routes(api: str, shape: Shape = ApiError.openai_body) -> type[APIRoute]:
+def api_routes(api: str, shape: ErrorShape = ApiError.openai_body) -> type[APIRoute]:
     """The route class of an API: its name (the `api` label of /metrics) and the shape
     of its errors, `shape(error)`."""
     return type(f"{api}_route", (APIRoute,), {"api": api, "error_shape": staticmethod(shape)})
@@ -73,7 +73,7 @@ def route_for(scope) -> Optional[APIRoute]:
     return None
 
 
-def shape_for(scope) -> Shape:
+def shape_for(scope) -> ErrorShape:
     """The error shape of the route `scope` is for (OpenAI's where none declares one)."""
     return getattr(route_for(scope), "error_shape", ApiError.openai_body)
 

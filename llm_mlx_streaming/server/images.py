@@ -23,8 +23,8 @@ _SHOWN_URL = 120  # characters of a URL an error repeats
 
 
 async def read_images(service, model_id: str, messages) -> None:
-    """Read every image of `messages` (the server's chat messages) not read yet, for `model_id`."""
-    parts = [part for message in messages for part in message.images() if not part.is_read()]
+    """Read every image of `messages` (conversation.ChatMessage) not read yet, for `model_id`."""
+    parts = [part for message in messages for part in message.images() if part.read is None]
     if not parts:
         return
     if not service.takes_images(model_id):
@@ -32,7 +32,7 @@ async def read_images(service, model_id: str, messages) -> None:
     settings = load_settings()
     for part in parts:
         try:
-            part.read_as(await _image(part.image_url.url, settings))
+            part.read = await _image(part.url, settings)
         except ImageError as e:
             raise ApiError(400, str(e), param="messages") from None
 

@@ -21,11 +21,10 @@ class ReplyMemory:
         return len(self._by_reply)
 
     def remember(self, transcript) -> None:
-        """Keep a finished reply's (turns.Transcript) token ids, by its text and calls."""
+        """Keep a finished reply's (transcript.Transcript) token ids, by its text and calls."""
         tokens = transcript.outcome.tokens
         if tokens and self.size:
-            calls = [{"name": c.name, "arguments": c.arguments} for c in transcript.outcome.tool_calls]
-            key = _key(transcript.text, calls)
+            key = _key(transcript.text, transcript.outcome.complete_calls())
             self._by_reply[key] = (transcript.reasoning, tokens)
             self._by_reply.move_to_end(key)
             while len(self._by_reply) > self.size:
@@ -33,21 +32,11 @@ class ReplyMemory:
 
     def known(self, text: str, calls=()):
         """(reasoning, token ids) of a reply this server gave with this text and these
-        tool calls ({"name", "arguments"}), or None."""
+        tool calls (the core's ToolCall), or None."""
         return self._by_reply.get(_key(text, calls))
 
 
 def _key(text: str, calls) -> str:
     """A reply by what a client sends back: its text and its calls (their ids are the
     server's, but a client may rewrite them)."""
-    return json.dumps([text, [[c["name"], _arguments(c["arguments"])] for c in calls]])
-
-
-def _arguments(arguments):
-    """Arguments as a value, whatever their spacing (a call cut short keeps its text)."""
-    if not isinstance(arguments, str):
-        return arguments
-    try:
-        return json.loads(arguments)
-    except ValueError:
-        return arguments
+    return json.dumps([text, [[c.name, c.arguments] for c in calls]])

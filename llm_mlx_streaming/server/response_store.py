@@ -12,7 +12,7 @@ from typing import Optional
 @dataclass(frozen=True)
 class Kept:
     owner: Optional[str]  # the API key it was made with (None: no key set)
-    messages: list  # llm's messages: the conversation, then the reply with its token ids
+    messages: list  # the conversation (conversation.ChatMessage), then the reply with its token ids
     body: dict  # the response object as answered
 
 

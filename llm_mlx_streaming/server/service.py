@@ -26,7 +26,7 @@ from .guard import key_accepted
 from .reply_memory import ReplyMemory
 from .response_store import ResponseStore
 from .runtime import ConfigError, RuntimeConfig, touches_pools
-from .turns import take_turn
+from .turns import Turn
 
 
 log = logging.getLogger(__name__)
@@ -133,21 +133,15 @@ class Service:
 
     async def load(self, model_id: str) -> None:
         """Load `model_id` in its turn, and return once it is loaded."""
-        await take_turn(self)
-        self.keep_loaded()
-        try:
+        async with await Turn.take(self):
+            self.keep_loaded()
             self.model_id = model_id
             await self._load_model(model_id)
-        finally:
-            self.gate.release()
 
     async def unload(self, first: bool = False) -> None:
         """Unload the model in its turn (`first`: right after the run now going)."""
-        await take_turn(self, first=first)
-        try:
+        async with await Turn.take(self, first=first):
             await asyncio.to_thread(_engine().unload)
-        finally:
-            self.gate.release()
 
     def schedule_unload(self, first: bool = True) -> None:
         self._spawn(self.unload(first=first))
@@ -201,15 +195,12 @@ class Service:
 
     async def _load(self, model_id: str) -> None:
         try:
-            await self.gate.acquire(first=True)
-            try:
+            async with await Turn.take(self, first=True):
                 self.model_id = model_id
                 await self._load_model(model_id)
                 self.rebuild_error = None
-            except Exception as e:
-                self.rebuild_error = one_line(e)
-            finally:
-                self.gate.release()
+        except Exception as e:
+            self.rebuild_error = one_line(e)
         finally:
             self.rebuilds -= 1
 

@@ -1,10 +1,10 @@
 """One generation request through the gate, answered in any API's shape.
 
-Every API (OpenAI, Anthropic, Ollama) runs the same path: wait for the turn, start the
+Every API (OpenAI's chat completions and completions, the Responses API, Anthropic's
+Messages, Ollama's chat and generate) runs the same path: wait for the turn, start the
 reply core with the runtime parameters of that moment, then give the whole reply or
-stream it. The API's shape (openai/shapes.py, anthropic/shapes.py, ollama/shapes.py)
-only lays out what the core said: `whole(transcript)` is the body, `opening()`,
-`delta(event)`, `closing(transcript)` and `failure(error)` are the stream's frames.
+stream it. The API's shape (a `shape.Shape`: openai/, responses/, anthropic/ and
+ollama/shapes.py) only lays out what the core said.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from fastapi.responses import StreamingResponse
 
 from ..options.settings import Options
 from ..reply.build import Ask
-from ..reply.core import AsyncReply
+from ..reply.core import AsyncReply, count_tokens
 from ..reply.events import Finished
 from .errors import ApiError, error_for
 from .gate import QueueFull
+from .shape import Shape
 from .transcript import Transcript
 
 RETRY_AFTER_SECONDS = 2
@@ -28,14 +29,48 @@ KEEPALIVE_SECONDS = 5.0  # a stream waiting for its first token (a long prefill)
 
 
 class Turn:
-    """A request's hold on the gate and its reply: finishing cancels the reply if it is
-    still going and passes the turn on, once. The service knows its turns in flight, to
-    end them when the server stops."""
+    """A request's hold on the gate, taken by `take` and given back by `finish`, once,
+    however the request ends; the gate is acquired and released nowhere else. A turn that
+    runs a reply (`run`) cancels it on finishing if it is still going, and the service
+    knows it until then, to end it when the server stops. `async with` finishes it at the
+    block's end (a load, an unload)."""
 
-    def __init__(self, service, reply: AsyncReply) -> None:
-        self.service, self.reply = service, reply
+    def __init__(self, service) -> None:
+        self.service = service
+        self.reply: Optional[AsyncReply] = None
         self._done = False
-        service.turns.add(self)
+
+    @classmethod
+    async def take(cls, service, first: bool = False, request: Optional[Request] = None) -> Turn:
+        """Wait for the gate (`first`: ahead of those waiting); a full queue is a 503 with
+        Retry-After. A client that goes away while it waits (`request` given) leaves the
+        queue at once, rather than holding a place until its turn comes."""
+        waiting = asyncio.ensure_future(service.gate.acquire(first=first))
+        gone = asyncio.ensure_future(_disconnected(request)) if request is not None else None
+        try:
+            await asyncio.wait({waiting} | ({gone} if gone else set()), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not waiting.done():
+                waiting.cancel()  # the gate passes on a turn that came as it went
+                await asyncio.gather(waiting, return_exceptions=True)
+            if gone is not None:
+                gone.cancel()
+        if waiting.cancelled():
+            service.disconnects += 1
+            raise ApiError(499, "the client went away while its request waited for its turn",
+                           kind="invalid_request_error", code="client_closed")
+        try:
+            waiting.result()
+        except QueueFull:
+            raise ApiError(503, f"the server is busy: {service.gate.waiting} requests already wait; retry later",
+                           kind="server_error", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+        return cls(service)
+
+    def run(self, reply: AsyncReply) -> AsyncReply:
+        self.reply = reply
+        self.service.turns.add(self)
+        return reply
 
     @property
     def finished(self) -> bool:
@@ -45,10 +80,17 @@ class Turn:
         if self._done:
             return
         self._done = True
-        self.reply.cancel()  # nothing once it has ended
+        if self.reply is not None:
+            self.reply.cancel()  # nothing once it has ended
+            self.service.turns.discard(self)
         self.service.served += served
-        self.service.turns.discard(self)
         self.service.gate.release()
+
+    async def __aenter__(self) -> Turn:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.finish()
 
 
 class GatedStream(StreamingResponse):
@@ -67,32 +109,6 @@ class GatedStream(StreamingResponse):
             self.turn.finish()
 
 
-async def take_turn(service, first: bool = False, request: Optional[Request] = None) -> None:
-    """Wait for the gate (`first`: ahead of those waiting); a full queue is a 503 with
-    Retry-After. A client that goes away while it waits (`request` given) leaves the
-    queue at once, rather than holding a place until its turn comes."""
-    waiting = asyncio.ensure_future(service.gate.acquire(first=first))
-    gone = asyncio.ensure_future(_disconnected(request)) if request is not None else None
-    try:
-        await asyncio.wait({waiting} | ({gone} if gone else set()), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not waiting.done():
-            waiting.cancel()  # the gate passes on a turn that came as it went
-            await asyncio.gather(waiting, return_exceptions=True)
-        if gone is not None:
-            gone.cancel()
-    if waiting.cancelled():
-        service.disconnects += 1
-        raise ApiError(499, "the client went away while its request waited for its turn",
-                       kind="invalid_request_error", code="client_closed")
-    try:
-        waiting.result()
-    except QueueFull:
-        raise ApiError(503, f"the server is busy: {service.gate.waiting} requests already wait; retry later",
-                       kind="server_error", code="queue_full",
-                       headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
-
-
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -109,14 +125,24 @@ def unswitched(service, request: Request, model_id: str, fields: dict) -> None:
         fields.pop("thinking_budget", None)
 
 
-async def answer(service, request: Request, shape, model_id: str, messages: list, fields: dict,
+async def count(service, request: Request, model_id: str, messages: list, fields: dict, tools: Sequence[dict]) -> int:
+    """The prompt's tokens as `answer` would render it, without a turn (nothing generates)."""
+    unswitched(service, request, model_id, fields)
+    try:
+        options = Options.model_validate(service.runtime.for_request(fields))
+        return await count_tokens(Ask(service.name_of(model_id), messages, options, tools))
+    except Exception as e:
+        raise error_for(e) from None
+
+
+async def answer(service, request: Request, shape: Shape, model_id: str, messages: list, fields: dict,
                  schema: Optional[dict], stream: bool, tools: Sequence[dict] = (),
                  grammar: Optional[tuple[str, str]] = None, suffix: Optional[str] = None):
     """Answer `messages` (llm's) on `model_id` with the request's engine `fields` (the
     plugin's options), `tools` (function specs), the `schema` or `grammar` the reply
     must follow and the `suffix` it fills up to, in `shape`."""
     unswitched(service, request, model_id, fields)
-    await take_turn(service, request=request)
+    turn = await Turn.take(service, request=request)
     service.keep_loaded()
     try:
         if service.stopping:
@@ -126,10 +152,10 @@ async def answer(service, request: Request, shape, model_id: str, messages: list
         ask = Ask(service.name_of(model_id), messages, Options.model_validate(options), tools, schema, grammar,
                   suffix)
     except Exception as e:
-        service.gate.release()
+        turn.finish()
         raise error_for(e) from None
     service.model_id = model_id
-    turn = Turn(service, AsyncReply(ask))
+    turn.run(AsyncReply(ask))
     # A client that goes away cancels the reply; once a stream has started, the
     # streaming response watches for that itself.
     watcher = asyncio.get_running_loop().create_task(_cancel_on_disconnect(service, request, turn.reply))
@@ -154,7 +180,7 @@ async def answer(service, request: Request, shape, model_id: str, messages: list
         watcher.cancel()
 
 
-async def _whole(service, turn: Turn, events, first, shape) -> dict:
+async def _whole(service, turn: Turn, events, first, shape: Shape) -> dict:
     transcript = Transcript()
     ended = False
     try:
@@ -169,7 +195,7 @@ async def _whole(service, turn: Turn, events, first, shape) -> dict:
     return shape.whole(transcript)
 
 
-async def _stream(service, turn: Turn, events, first: asyncio.Future, shape):
+async def _stream(service, turn: Turn, events, first: asyncio.Future, shape: Shape):
     """The stream's frames; until the first event comes, a keep-alive every
     KEEPALIVE_SECONDS, so that no client gives up during a long prefill."""
     transcript = Transcript()

@@ -1,51 +1,42 @@
 """The Anthropic Messages API: `POST /v1/messages` and `POST /v1/messages/count_tokens`.
 
-A request becomes the same llm messages and engine options an OpenAI request would, and
-runs the same gated path (turns.py); only the layout of the answer is Anthropic's
-(shapes.py), errors included.
+A request becomes the server's conversation (conversation.py) and the engine options,
+as an OpenAI request does, and runs the same gated path (turns.py); only the layout of
+the answer is Anthropic's (shapes.py), errors included.
 """
 
 from __future__ import annotations
 
-import json
-
 from fastapi import APIRouter, Depends, Request
 
-from ...options.settings import Options
-from ...prompt.messages import llm_messages
 from ...prompt.tools import function_spec
-from ...reply.build import Ask
-from ...reply.core import count_tokens as counted
-from ..errors import ApiError, error_for, api_routes
-from ..images import read_images
-from ..openai.schemas import ChatMessage, ImageContent, ImageUrl, TextContent, engine_values
-from ..openai.tools import CalledFunction, ToolCall
-from ..turns import answer, unswitched
+from ...reply.events import ToolCall
+from ..conversation import ChatMessage, ImagePart, llm_chain, text_message
+from ..errors import ApiError, api_routes
+from ..openai.schemas import engine_values
+from ..turns import answer, count
 from .schemas import AnthropicEngineOptions, AnthropicError, CountTokensRequest, MessagesRequest
 from .shapes import MessageShape, error_body
 
 
 def chat_messages(body) -> list[ChatMessage]:
-    """The system prompt and the messages as the server's chat messages (a user message's
+    """The system prompt and the messages as the server's conversation (a user message's
     tool results become tool messages); a block this server cannot take is a 400 naming it."""
-    out = []
-    if system := body.system_text():
-        out.append(ChatMessage(role="system", content=system))
+    out = [text_message("system", system)] if (system := body.system_text()) else []
     for i, message in enumerate(body.messages):
-        content, reasoning, calls, results = [], [], [], []
+        parts, reasoning, calls, results = [], [], [], []
         for j, block in enumerate(message.blocks()):
             where = f"messages.{i}.content.{j}"
             if block.type == "text":
-                content.append(TextContent(type="text", text=block.text))
+                parts.append(block.text)
             elif block.type == "image" and message.role == "user":
-                content.append(_image(block, where))
+                parts.append(_image(block, where))
             elif block.type == "thinking" and message.role == "assistant":
                 reasoning.append(block.thinking)
             elif block.type == "tool_use" and message.role == "assistant":
-                calls.append(ToolCall(id=block.id, function=CalledFunction(name=block.name,
-                                                                          arguments=json.dumps(block.input))))
+                calls.append(ToolCall(block.id, block.name, block.input))
             elif block.type == "tool_result" and message.role == "user" and not block.images():
-                results.append(ChatMessage(role="tool", tool_call_id=block.tool_use_id, content=block.text()))
+                results.append(ChatMessage("tool", [block.text()], tool_call_id=block.tool_use_id))
             elif block.type == "tool_result" and message.role == "user":
                 raise ApiError(400, f"{where}: an image in a tool result is not taken (send it in the user "
                                "message's content)", param=where)
@@ -53,28 +44,19 @@ def chat_messages(body) -> list[ChatMessage]:
                 raise ApiError(400, f"{where}: a {block.type} block is not taken in a {message.role} message",
                                param=where)
         out.extend(results)
-        if message.role == "assistant" or content or not results:
-            out.append(ChatMessage(role=message.role, content=_content(content),
-                                   reasoning_content="".join(reasoning) or None, tool_calls=calls or None))
+        if message.role == "assistant" or parts or not results:
+            out.append(ChatMessage(message.role, parts, "".join(reasoning), calls))
     if body.messages[-1].role == "assistant":
         raise ApiError(400, "messages: the last message must be the user's (an assistant prefill is not "
                        "continued by this server)", param="messages")
     return out
 
 
-def _image(block, where: str) -> ImageContent:
-    """An image block as the chat message's image part."""
+def _image(block, where: str) -> ImagePart:
     try:
-        return ImageContent(type="image_url", image_url=ImageUrl(url=block.url()))
+        return ImagePart(block.url())
     except ValueError as e:
         raise ApiError(400, f"{where}: {e}", param=where) from None
-
-
-def _content(parts: list):
-    """Text alone as one string (as before images), else the parts in order."""
-    if all(isinstance(p, TextContent) for p in parts):
-        return "".join(p.text for p in parts)
-    return parts
 
 
 def function_specs(body) -> list[dict]:
@@ -105,9 +87,7 @@ def router(service) -> APIRouter:
     async def messages(body: MessagesRequest, request: Request):
         service.accept(request, body)
         model_id = service.model_for(body.model)
-        chat = chat_messages(body)
-        await read_images(service, model_id, chat)
-        chain = llm_messages(chat, service.replies.known)
+        chain = await llm_chain(service, model_id, chat_messages(body))
         return await answer(service, request, MessageShape(model_id), model_id, chain, engine_options(body),
                             body.schema_dict(), body.stream, function_specs(body))
 
@@ -115,16 +95,8 @@ def router(service) -> APIRouter:
     async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
         service.accept(request, body)
         model_id = service.model_for(body.model)
-        chat = chat_messages(body)
-        await read_images(service, model_id, chat)
-        chain = llm_messages(chat, service.replies.known)
-        fields = engine_options(body)
-        unswitched(service, request, model_id, fields)
-        try:
-            options = Options.model_validate(service.runtime.for_request(fields))
-            count = await counted(Ask(service.name_of(model_id), chain, options, function_specs(body)))
-        except Exception as e:
-            raise error_for(e) from None
-        return {"input_tokens": count}
+        chain = await llm_chain(service, model_id, chat_messages(body))
+        return {"input_tokens": await count(service, request, model_id, chain, engine_options(body),
+                                            function_specs(body))}
 
     return api

@@ -9,21 +9,17 @@ prompt tokens the KV cache held as `cache_read_input_tokens` and the rest as
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Optional
 
 from ...reply.events import CallArguments, CallBegins, Event, Outcome, ToolCall
+from ..shape import sse_event
 from ..transcript import Transcript, extension
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 422: "invalid_request_error",
                503: "overloaded_error"}
 BLOCK_OF = {"reasoning": ("thinking", "thinking_delta", "thinking"), "text": ("text", "text_delta", "text")}
-
-
-def event(kind: str, data: dict) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
 
 
 def error_body(error) -> dict:
@@ -33,11 +29,10 @@ def error_body(error) -> dict:
 
 def stop_reason(outcome: Outcome) -> tuple[str, Optional[str]]:
     """(stop_reason, stop_sequence) of a finished reply."""
-    stop = outcome.figures.get("stop_sequence")
-    if outcome.complete_calls() and outcome.finish_reason == "stop":
+    if outcome.ended_for_calls:
         return "tool_use", None
-    if stop is not None:
-        return "stop_sequence", stop
+    if outcome.stop_sequence is not None:
+        return "stop_sequence", outcome.stop_sequence
     return ("max_tokens" if outcome.finish_reason == "length" else "end_turn"), None
 
 
@@ -79,11 +74,11 @@ class MessageShape:
     # -- the stream ---------------------------------------------------------------
     @staticmethod
     def keepalive() -> str:
-        return event("ping", {})
+        return sse_event("ping", {})
 
     def opening(self) -> list[str]:
         start = self._message([], None, None, {"input_tokens": 0, "output_tokens": 0})
-        return [event("message_start", {"message": start})]
+        return [sse_event("message_start", {"message": start})]
 
     def delta(self, event: Event) -> list[str]:
         if isinstance(event, CallBegins):  # a block of its own; its input follows in pieces
@@ -101,10 +96,10 @@ class MessageShape:
         frames = self._close_block()
         self._index += 1
         self._open = kind
-        return frames + [event("content_block_start", {"index": self._index, "content_block": block})]
+        return frames + [sse_event("content_block_start", {"index": self._index, "content_block": block})]
 
     def _delta(self, delta: dict) -> str:
-        return event("content_block_delta", {"index": self._index, "delta": delta})
+        return sse_event("content_block_delta", {"index": self._index, "delta": delta})
 
     def _close_block(self) -> list[str]:
         if self._open is None:
@@ -112,7 +107,7 @@ class MessageShape:
         frames = []
         if self._open == "reasoning":
             frames.append(self._delta({"type": "signature_delta", "signature": ""}))
-        frames.append(event("content_block_stop", {"index": self._index}))
+        frames.append(sse_event("content_block_stop", {"index": self._index}))
         self._open = None
         return frames
 
@@ -126,9 +121,9 @@ class MessageShape:
         frames = [] if text_block else self._chunk("text", "")  # a text block, unless it is all calls
         frames += self._close_block()
         reason, stop = stop_reason(outcome)
-        frames.append(event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": stop},
+        frames.append(sse_event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": stop},
                                               "usage": usage(outcome), "mlx_stream": extension(outcome)}))
-        return frames + [event("message_stop", {})]
+        return frames + [sse_event("message_stop", {})]
 
     def failure(self, error) -> list[str]:
-        return [event("error", {"error": error_body(error)["error"]})]
+        return [sse_event("error", {"error": error_body(error)["error"]})]

@@ -2,24 +2,24 @@
 /api/show, /api/ps, /api/version; what does not map onto this engine (pull, push,
 create, copy, delete, embed) is a 400 in Ollama's error shape.
 
-A request becomes the same llm messages and engine options an OpenAI request would and
-runs the same gated path (turns.py); shapes.py lays out the answer, errors included.
+A request becomes the server's conversation (conversation.py) and the engine options,
+as an OpenAI request does, and runs the same gated path (turns.py); shapes.py lays out
+the answer, errors included.
 """
 
 from __future__ import annotations
 
-import json
 from importlib.metadata import version
 
 from fastapi import APIRouter, Depends, Request
 
 from ...options.registry import model_ids
-from ...prompt.messages import llm_messages, raw_message
+from ...prompt.messages import raw_message
+from ...reply.events import ToolCall
 from ..catalog import Checkpoint, checkpoint
+from ..conversation import ChatMessage, ImagePart, llm_chain, text_message
 from ..errors import ApiError, api_routes
-from ..openai import tools as openai_tools
-from ..images import read_images
-from ..openai.schemas import ChatMessage, ImageContent, ImageUrl, TextContent
+from ..openai.tools import function_specs
 from ..turns import answer
 from .schemas import ChatRequest, GenerateRequest, OllamaError, ShowRequest
 from .shapes import GenerateShape, OllamaChatShape, error_body, stamp
@@ -29,34 +29,30 @@ REFUSED = ("pull", "push", "create", "copy", "delete", "embed", "embeddings")
 
 
 def chat_messages(messages) -> list[ChatMessage]:
-    """Ollama's messages as the server's chat messages. Ollama's calls have no ids: each
+    """Ollama's messages as the server's conversation. Ollama's calls have no ids: each
     gets one, and a tool message answers the earliest open call of its tool_name."""
     out, open_calls = [], []
     for i, m in enumerate(messages):
         if m.role == "tool":
-            call = next((c for c in open_calls if m.tool_name in (None, c.function.name)), None)
+            call = next((c for c in open_calls if m.tool_name in (None, c.name)), None)
             if call is None:
                 raise ApiError(400, f"messages.{i}: a tool result that answers no call of an earlier assistant "
                                "message", param=f"messages.{i}")
             open_calls.remove(call)
-            out.append(ChatMessage(role="tool", tool_call_id=call.id, content=m.content))
+            out.append(ChatMessage("tool", [m.content], tool_call_id=call.id))
             continue
-        calls = [openai_tools.ToolCall(id=f"call_{i}_{j}", function=openai_tools.CalledFunction(
-            name=c.function.name, arguments=json.dumps(c.function.arguments))) for j, c in enumerate(m.tool_calls or [])]
+        calls = [ToolCall(f"call_{i}_{j}", c.function.name, c.function.arguments)
+                 for j, c in enumerate(m.tool_calls or [])]
         if m.role == "assistant":
             open_calls = list(calls)
-        out.append(ChatMessage(role=m.role, content=with_images(m.content, m.images), reasoning_content=m.thinking,
-                               tool_calls=calls or None))
+        out.append(ChatMessage(m.role, with_images(m.content, m.images), m.thinking or "", calls))
     return out
 
 
-def with_images(text: str, images) -> str | list:
-    """A message's text with Ollama's base64 images before it, as chat content parts
-    (their type is read off their bytes: Ollama gives none)."""
-    if not images:
-        return text
-    parts: list = [ImageContent(type="image_url", image_url=ImageUrl(url=f"data:;base64,{data}")) for data in images]
-    return [*parts, TextContent(type="text", text=text)]
+def with_images(text: str, images) -> list:
+    """A message's text with Ollama's base64 images before it (their type is read off
+    their bytes: Ollama gives none)."""
+    return [*(ImagePart(f"data:;base64,{data}") for data in images or []), text]
 
 
 def details(found: Checkpoint | None) -> dict:
@@ -101,10 +97,8 @@ def router(service) -> APIRouter:
     @api.post("/api/chat", description="Ollama's chat; NDJSON chunks unless stream is false")
     async def chat(body: ChatRequest, request: Request):
         service.accept(request, body)
-        chat = chat_messages(body.messages)
-        await read_images(service, service.model_for(body.model), chat)
-        messages = llm_messages(chat, service.replies.known)
-        return await run(request, body, OllamaChatShape(body.model), messages, openai_tools.function_specs(body.tools))
+        messages = await llm_chain(service, service.model_for(body.model), chat_messages(body.messages))
+        return await run(request, body, OllamaChatShape(body.model), messages, function_specs(body.tools))
 
     @api.post("/api/generate", description="Ollama's completion; NDJSON chunks unless stream is false")
     async def generate(body: GenerateRequest, request: Request):
@@ -114,10 +108,9 @@ def router(service) -> APIRouter:
         elif body.raw:
             messages = [raw_message(body.prompt)]
         else:
-            system = [ChatMessage(role="system", content=body.system)] if body.system else []
-            chat = [*system, ChatMessage(role="user", content=with_images(body.prompt, body.images))]
-            await read_images(service, service.model_for(body.model), chat)
-            messages = llm_messages(chat, service.replies.known)
+            system = [text_message("system", body.system)] if body.system else []
+            chat = [*system, ChatMessage("user", with_images(body.prompt, body.images))]
+            messages = await llm_chain(service, service.model_for(body.model), chat)
         return await run(request, body, GenerateShape(body.model), messages)
 
     @api.get("/api/tags", description="The models served, as Ollama lists them")

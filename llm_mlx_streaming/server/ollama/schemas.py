@@ -161,21 +161,21 @@ class _Generation(RequestModel):
         return fields
 
 
-class CalledFunction(RequestModel):
+class OllamaCalledFunction(RequestModel):
     name: str
     arguments: dict[str, Any]
     index: Optional[int] = None
 
 
-class ToolCall(RequestModel):
-    function: CalledFunction
+class OllamaToolCall(RequestModel):
+    function: OllamaCalledFunction
 
 
 class Message(RequestModel):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     thinking: Optional[str] = Field(None, description="An assistant message's reasoning")
-    tool_calls: Optional[list[ToolCall]] = None
+    tool_calls: Optional[list[OllamaToolCall]] = None
     tool_name: Optional[str] = Field(None, description="A tool message's tool")
     images: Optional[list[str]] = Field(None, description=IMAGES)
 

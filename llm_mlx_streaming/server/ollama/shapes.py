@@ -41,13 +41,13 @@ def figures(outcome: Outcome) -> dict:
     """Ollama's counts and durations (nanoseconds), from the engine's figures: as Ollama
     counts them, prompt_eval_count is the whole prompt and prompt_eval_cached_count the
     part of it the KV cache held."""
-    total = int(float(outcome.figures.get("seconds") or 0) * NS)
-    prompt = min(total, int(float(outcome.figures.get("ttft_seconds") or 0) * NS))
+    total = int(outcome.seconds * NS)
+    prompt = min(total, int(outcome.first_token_seconds * NS))
     out = {"total_duration": total, "load_duration": 0, "prompt_eval_count": outcome.prompt_tokens,
            "prompt_eval_cached_count": outcome.cached_tokens, "prompt_eval_duration": prompt,
            "eval_count": outcome.completion_tokens, "eval_duration": total - prompt, "mlx_stream": extension(outcome)}
-    if (logprobs := outcome.figures.get("logprobs")) is not None:  # {token, logprob, top_logprobs}, as Ollama's
-        out["logprobs"] = logprobs
+    if outcome.logprobs is not None:  # {token, logprob, top_logprobs}, as Ollama's
+        out["logprobs"] = outcome.logprobs
     return out
 
 
@@ -60,7 +60,7 @@ def tool_calls(calls: list[ToolCall], first: int = 0) -> list[dict]:
     return [{"function": {"index": i, "name": c.name, "arguments": c.arguments}} for i, c in enumerate(calls, first)]
 
 
-class _Shape:
+class OllamaShape:
     media_type = "application/x-ndjson"
 
     def __init__(self, model: str) -> None:
@@ -89,7 +89,7 @@ class _Shape:
         return [line({"error": error.message})]
 
 
-class OllamaChatShape(_Shape):
+class OllamaChatShape(OllamaShape):
     """Ollama streams a call whole: it is held until its arguments have come."""
 
     def __init__(self, model: str) -> None:
@@ -120,7 +120,7 @@ class OllamaChatShape(_Shape):
             arguments = json.loads(call["arguments"] or "{}") if call else None
         except ValueError:
             arguments = None
-        if not isinstance(arguments, dict):  # none, or cut short (its markup comes as text)
+        if not isinstance(arguments, dict):  # none, or its markup came as text
             return []
         message = {"role": "assistant", "content": "",
                    "tool_calls": tool_calls([ToolCall(call["id"], call["name"], arguments)], self.calls)}
@@ -128,7 +128,9 @@ class OllamaChatShape(_Shape):
         return [line(self._base(message=message, done=False))]
 
     def closing(self, transcript: Transcript) -> list[str]:
-        return self._flush_call() + super().closing(transcript)
+        complete = {call.id for call in transcript.outcome.complete_calls()}
+        frames = self._flush_call() if self._call is not None and self._call["id"] in complete else []
+        return frames + super().closing(transcript)
 
     def whole(self, transcript: Transcript) -> dict:
         outcome = transcript.outcome
@@ -140,7 +142,7 @@ class OllamaChatShape(_Shape):
         return self._base(message=message, done=True, done_reason=done_reason(outcome), **figures(outcome))
 
 
-class GenerateShape(_Shape):
+class GenerateShape(OllamaShape):
     def empty(self) -> dict:
         return {"response": ""}
 

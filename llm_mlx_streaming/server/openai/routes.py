@@ -1,7 +1,7 @@
 """OpenAI's routes: /v1/models, /v1/chat/completions and /v1/completions.
 
-A request becomes llm's messages and the plugin's options and runs the gated path
-(turns.py); shapes.py lays out the answer.
+A request becomes the server's conversation (conversation.py), llm's messages and the
+plugin's options, and runs the gated path (turns.py); shapes.py lays out the answer.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import time
 from fastapi import APIRouter, Depends, Request
 
 from ...options.registry import model_ids
-from ...prompt.messages import llm_messages, raw_message
+from ...prompt.messages import raw_message
 from ..errors import api_routes
-from ..images import read_images
+from ..conversation import llm_chain
 from ..turns import answer
 from .schemas import (ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse, ModelList,
                       engine_option_names)
@@ -44,8 +44,7 @@ def router(service) -> APIRouter:
               "The reply, or with stream: true an SSE stream of chat.completion.chunk objects"}})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         service.accept(request, body)
-        await read_images(service, service.model_for(body.model), body.messages)
-        messages = llm_messages(body.messages, service.replies.known)
+        messages = await llm_chain(service, service.model_for(body.model), [m.message() for m in body.messages])
         return await generate(request, body, ChatCompletionShape, messages, function_specs(body.tools))
 
     @api.post("/v1/completions", responses={200: {"model": Completion, "description":

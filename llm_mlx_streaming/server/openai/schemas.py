@@ -3,23 +3,24 @@
 The request models subclass the plugin's own `Options`, so every engine option the
 plugin has (expert_slots, policy, memory_budget, and each one added later) is a body
 field with the plugin's validation and its description in the OpenAPI schema, with no
-list to keep in step here. Nothing is dropped silently: a field not declared here is a
-400 naming it, and the OpenAI fields this server does not implement are accepted only
-at their no-op value (docs/server.md lists them).
+list to keep in step here. Nothing is dropped silently (fields.py): a field not declared
+here is accepted and named back (a 400 naming it with --strict), and the OpenAI fields
+this server does not implement are accepted only at their no-op value (docs/server.md
+lists them).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from ...options.knobs import build_options
 from ...options.settings import Options
-from ...prompt.images import Image
+from ..conversation import ChatMessage, ImagePart
 from ..fields import RequestModel, hint
-from .tools import ToolCall, ToolChoice, ToolSpec, choice_option
+from .tools import OpenAIToolCall, ToolChoice, ToolSpec, choice_option
 
 # Options fields that mean nothing inside the server (it always runs in-process).
 SERVER_ONLY = ("server",)
@@ -42,23 +43,9 @@ class ImageUrl(RequestModel):
 
 
 class ImageContent(RequestModel):
-    """An image in a user message: every API's images come in this shape (server/images.py
-    reads them before the messages become llm's)."""
 
     type: Literal["image_url"]
     image_url: ImageUrl
-    _image: Optional[Image] = PrivateAttr(None)
-
-    def image(self) -> Image:
-        if self._image is None:
-            raise ValueError("an image was not read before the prompt was made")  # server/images.py reads each
-        return self._image
-
-    def is_read(self) -> bool:
-        return self._image is not None
-
-    def read_as(self, image: Image) -> None:
-        self._image = image
 
 
 Content = Annotated[Union[TextContent, ImageContent], Field(discriminator="type")]
@@ -81,12 +68,12 @@ NO_OP_FIELDS = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "
 EMPTY_MESSAGE_FIELDS = ("refusal", "audio", "function_call", "annotations")
 
 
-class ChatMessage(RequestModel):
+class OpenAIMessage(RequestModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[Content], None] = None
     reasoning_content: Optional[str] = Field(None, description="An assistant message's reasoning")
-    tool_calls: Optional[list[ToolCall]] = Field(None, description="An assistant message's tool calls")
+    tool_calls: Optional[list[OpenAIToolCall]] = Field(None, description="An assistant message's tool calls")
     tool_call_id: Optional[str] = Field(None, description="A tool message's call: the result is its answer")
     refusal: Optional[str] = Field(None, description="Only null")
     audio: Optional[dict[str, Any]] = Field(None, description="Only null")
@@ -108,27 +95,19 @@ class ChatMessage(RequestModel):
         for name in EMPTY_MESSAGE_FIELDS:
             if getattr(self, name):
                 raise ValueError(f"{name}: not supported by this server (accepted: null)")
-        if self.images() and self.role != "user":
+        images = isinstance(self.content, list) and any(isinstance(p, ImageContent) for p in self.content)
+        if images and self.role != "user":
             raise ValueError(f"content: an image comes in a user message, not in a {self.role} message")
         return self
 
-    def text(self) -> str:
+    def message(self) -> ChatMessage:
+        """As the server's conversation message (a developer message is a system message)."""
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content if isinstance(part, TextContent))
-        return self.content or ""
-
-    def images(self) -> list[ImageContent]:
-        return [part for part in self.content if isinstance(part, ImageContent)] \
-            if isinstance(self.content, list) else []
-
-    def parts(self) -> list:
-        """Its content in order: text (str) and images (Image)."""
-        if not isinstance(self.content, list):
-            return [self.content or ""]
-        return [part.text if isinstance(part, TextContent) else part.image() for part in self.content]
-
-    def calls(self) -> list[dict]:
-        return [call.call() for call in self.tool_calls or []]
+            parts = [p.text if isinstance(p, TextContent) else ImagePart(p.image_url.url) for p in self.content]
+        else:
+            parts = [self.content or ""]
+        return ChatMessage("system" if self.role == "developer" else self.role, parts, self.reasoning_content or "",
+                           [call.call() for call in self.tool_calls or []], self.tool_call_id, self.tokens)
 
 
 class StreamOptions(RequestModel):
@@ -205,7 +184,7 @@ class _GenerationRequest(Options):
 
 
 class ChatCompletionRequest(_GenerationRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[OpenAIMessage] = Field(min_length=1)
     logprobs: Optional[bool] = Field(None, description="true: each generated token's log-probability "
                                      "(choices[].logprobs; streamed: in the closing chunk)")
     tools: Optional[list[ToolSpec]] = Field(None, description="Functions the model may call; the calls "
@@ -274,7 +253,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str]
     reasoning_content: Optional[str] = None
-    tool_calls: Optional[list[ToolCall]] = None
+    tool_calls: Optional[list[OpenAIToolCall]] = None
 
 
 class BaseChoice(BaseModel):

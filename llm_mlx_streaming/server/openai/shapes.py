@@ -6,24 +6,17 @@ checkpoint) so `llm` can log exactly what an in-process run logs.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Optional
 
 from ...reply.events import CallArguments, CallBegins, Event, Outcome
+from ..shape import DONE, KEEPALIVE, sse
 from ..transcript import Transcript, extension
 from .tools import reply_calls
 
 
-def sse(data: dict) -> str:
-    return f"data: {json.dumps(data)}\n\n"
-
-
-DONE = "data: [DONE]\n\n"
-
-
-class Shape:
+class OpenAIShape:
     """How one OpenAI route's chunks and bodies look."""
 
     media_type = "text/event-stream"
@@ -57,14 +50,14 @@ class Shape:
 
     @staticmethod
     def keepalive() -> str:
-        return ": waiting for the first token\n\n"  # an SSE comment: clients skip it
+        return KEEPALIVE
 
     @staticmethod
     def finish(outcome: Outcome) -> Optional[str]:
         return outcome.finish_reason
 
 
-class ChatCompletionShape(Shape):
+class ChatCompletionShape(OpenAIShape):
     prefix, chunk_object = "chatcmpl", "chat.completion.chunk"
     last_choice = {"delta": {}}
 
@@ -93,11 +86,11 @@ class ChatCompletionShape(Shape):
     @staticmethod
     def finish(outcome: Outcome) -> Optional[str]:
         """OpenAI's finish_reason: a reply that ends in tool calls ends for them."""
-        return "tool_calls" if outcome.tool_calls and outcome.finish_reason == "stop" else outcome.finish_reason
+        return "tool_calls" if outcome.ended_for_calls else outcome.finish_reason
 
     def whole(self, transcript: Transcript) -> dict:
         outcome = transcript.outcome
-        calls = outcome.tool_calls
+        calls = outcome.complete_calls()
         message = {"role": "assistant", "content": transcript.text or (None if calls else "")}
         if transcript.reasoning:
             message["reasoning_content"] = transcript.reasoning
@@ -109,7 +102,7 @@ class ChatCompletionShape(Shape):
                 "usage": self.usage(outcome), "mlx_stream": extension(outcome)}
 
 
-class CompletionShape(Shape):
+class CompletionShape(OpenAIShape):
     prefix, chunk_object = "cmpl", "text_completion"
     last_choice = {"text": ""}
 
@@ -134,7 +127,7 @@ class CompletionShape(Shape):
 
 def _chat_logprobs(outcome: Outcome) -> dict:
     """A chat choice's `logprobs`, when they were asked for."""
-    entries = outcome.figures.get("logprobs")
+    entries = outcome.logprobs
     if entries is None:
         return {}
     return {"logprobs": {"content": [{**_with_bytes(e), "top_logprobs": [_with_bytes(t) for t in e["top_logprobs"]]}
@@ -147,7 +140,7 @@ def _with_bytes(entry: dict) -> dict:
 
 def _text_logprobs(outcome: Outcome) -> dict:
     """A completion choice's `logprobs` (the legacy layout), when they were asked for."""
-    entries = outcome.figures.get("logprobs")
+    entries = outcome.logprobs
     if entries is None:
         return {}
     offsets, at = [], 0

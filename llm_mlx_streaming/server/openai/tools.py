@@ -1,17 +1,17 @@
 """OpenAI's tool fields: the function specs, `tool_choice`, and the calls in messages
-and replies, as pydantic models, turned into what the plugin takes (llm `Tool`s, the
-`tool_choice` option, {"id", "name", "arguments"} calls)."""
+and replies, as pydantic models, turned into what the plugin takes (function specs, the
+`tool_choice` option, the core's calls)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, field_validator
 
 from ...prompt.tools import function_spec
+from ...reply.events import ToolCall
+from ..conversation import call_arguments
 from ..fields import RequestModel
-
 
 
 class FunctionSpec(RequestModel):
@@ -52,7 +52,7 @@ class NamedToolChoice(RequestModel):
 ToolChoice = Union[Literal["auto", "none", "required"], NamedToolChoice]
 
 
-class CalledFunction(RequestModel):
+class OpenAICalledFunction(RequestModel):
 
     name: str
     arguments: str = Field(description="The arguments, a JSON object as text")
@@ -60,24 +60,19 @@ class CalledFunction(RequestModel):
     @field_validator("arguments")
     @classmethod
     def _a_json_object(cls, value: str) -> str:
-        try:
-            parsed = json.loads(value or "{}")
-        except json.JSONDecodeError:
-            parsed = None
-        if not isinstance(parsed, dict):
-            raise ValueError("the arguments must be a JSON object as text")
+        call_arguments(value)
         return value
 
 
-class ToolCall(RequestModel):
+class OpenAIToolCall(RequestModel):
 
     id: str
     type: Literal["function"] = "function"
-    function: CalledFunction
+    function: OpenAICalledFunction
 
-    def call(self) -> dict:
-        """The call as the plugin takes it: {"id", "name", "arguments": dict}."""
-        return {"id": self.id, "name": self.function.name, "arguments": json.loads(self.function.arguments or "{}")}
+    def call(self) -> ToolCall:
+        """The call as the server's conversation holds it."""
+        return ToolCall(self.id, self.function.name, call_arguments(self.function.arguments))
 
 
 def function_specs(specs: Optional[list[ToolSpec]]) -> list[dict]:

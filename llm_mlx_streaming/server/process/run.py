@@ -42,7 +42,7 @@ class Server:
                  aliases: Optional[dict[str, str]] = None, any_model: bool = False) -> None:
         """`keeper`: the pid of a pipeline's supervisor on this machine, which keeps the
         discovery file: the file names it, so that it outlives this rank 0 while the ranks
-        restart; this server takes over the file of its stand-in (server/standin.py) and
+        restart; this server takes over the file of its stand-in (process/standin.py) and
         leaves the file behind."""
         from ..app import create_app
         from ..service import Service

@@ -6,7 +6,7 @@ line (`mlx-stream: rank N on HOST: ...`), mlx.launch warns which rank ended firs
 how, and rank 0 says `server stopped` when it was stopped on purpose. A pipeline that
 ended any other way, while no one asked this process to stop, is started again with the
 same arguments on the same port, within a budget of restarts; until then a stand-in
-(server/standin.py) answers at its address with the failure.
+(process/standin.py) answers at its address with the failure.
 """
 
 from __future__ import annotations

@@ -1,44 +1,40 @@
 """OpenAI's Responses API: `POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`.
 
-The input items become the same llm messages an OpenAI chat request would (reasoning
-given back rides on the next assistant message, function calls on it too, their outputs
-are tool messages), the tools the same function specs, and the request runs the same
-gated path (turns.py); shapes.py lays out the answer. A stored response keeps its
-conversation and reply (with the ids it was generated as), so `previous_response_id`
-continues it on the same tokens and the KV cache is reused.
+The input items become the server's conversation (conversation.py), as an OpenAI chat
+request's messages do (reasoning given back rides on the next assistant message,
+function calls on it too, their outputs are tool messages), the tools the same function
+specs, and the request runs the same gated path (turns.py); shapes.py lays out the
+answer. A stored response keeps its conversation and reply (with the ids it was
+generated as), so `previous_response_id` continues it on the same tokens and the KV
+cache is reused.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import Optional
 
 from fastapi import APIRouter, Depends, Request
 
-from ...options.settings import Options
-from ...prompt.messages import llm_messages
 from ...values import EFFORTS
 from ...prompt.tools import function_spec
-from ...reply.build import Ask
-from ...reply.core import count_tokens as counted
-from ..errors import ApiError, api_routes, error_for
-from ..images import read_images
-from ..openai.schemas import ChatMessage, ErrorResponse, ImageContent, ImageUrl, TextContent, engine_values
-from ..openai.tools import CalledFunction, ToolCall
-from ..transcript import Transcript
-from ..turns import answer, unswitched
-from .schemas import (CustomTool, FilePart, ImagePart, TextPart, CustomToolCallItem, CustomToolCallOutputItem, FunctionCallItem,
-                      FunctionCallOutputItem, FunctionTool, JsonObjectFormat, JsonSchemaFormat, MessageItem,
-                      NamedToolChoice, NamespaceTool, ReasoningItem, ResponseRequest, ResponsesEngineOptions)
-from .shapes import ResponseShape
+from ...reply.events import ToolCall
+from ..conversation import ChatMessage, ImagePart, call_arguments, llm_chain, text_message
+from ..errors import ApiError, api_routes
+from ..openai.schemas import ErrorResponse, engine_values
 from ..response_store import Kept
+from ..transcript import Transcript
+from ..turns import answer, count
+from .schemas import (CustomTool, CustomToolCallItem, CustomToolCallOutputItem, FilePart, FunctionCallItem,
+                      FunctionCallOutputItem, FunctionTool, InputImage, JsonObjectFormat, JsonSchemaFormat, MessageItem,
+                      NamedToolChoice, NamespaceTool, ReasoningItem, ResponseRequest, ResponsesEngineOptions, TextPart)
+from .shapes import ResponseShape
 
 CUSTOM_INPUT = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
 
 
-def conversation(body: ResponseRequest) -> list[ChatMessage]:
-    """The input items as the server's chat messages; a part or item this server cannot
+def chat_messages(body: ResponseRequest) -> list[ChatMessage]:
+    """The input items as the server's conversation; a part or item this server cannot
     take is a 400 naming it."""
     items = [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
     out: list[ChatMessage] = []
@@ -49,27 +45,33 @@ def conversation(body: ResponseRequest) -> list[ChatMessage]:
         elif isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
             if role == "assistant":
-                out.append(ChatMessage(role=role, content=_text(item.content, f"input.{i}.content"),
-                                       reasoning_content=reasoning or None))
+                out.append(ChatMessage(role, [_text(item.content, f"input.{i}.content")], reasoning))
                 reasoning = ""
             elif role == "user":
-                out.append(ChatMessage(role=role, content=_user_content(item.content, f"input.{i}.content")))
+                out.append(ChatMessage(role, _user_parts(item.content, f"input.{i}.content")))
             else:
-                out.append(ChatMessage(role=role, content=_text(item.content, f"input.{i}.content")))
+                out.append(text_message(role, _text(item.content, f"input.{i}.content")))
         elif isinstance(item, (FunctionCallItem, CustomToolCallItem)):
-            arguments = item.arguments if isinstance(item, FunctionCallItem) else json.dumps({"input": item.input})
-            call = ToolCall(id=item.call_id, function=CalledFunction(name=item.name, arguments=arguments or "{}"))
+            call = ToolCall(item.call_id, item.name, _arguments(item, f"input.{i}.arguments"))
             last = out[-1] if out else None
             if last is not None and last.role == "assistant" and not reasoning:  # calls of one reply
-                last.tool_calls = [*(last.tool_calls or []), call]
+                last.calls.append(call)
             else:
-                out.append(ChatMessage(role="assistant", content="", reasoning_content=reasoning or None,
-                                       tool_calls=[call]))
+                out.append(ChatMessage("assistant", [""], reasoning, [call]))
                 reasoning = ""
         elif isinstance(item, (FunctionCallOutputItem, CustomToolCallOutputItem)):
-            out.append(ChatMessage(role="tool", tool_call_id=item.call_id,
-                                   content=_text(item.output, f"input.{i}.output")))
+            out.append(ChatMessage("tool", [_text(item.output, f"input.{i}.output")], tool_call_id=item.call_id))
     return out
+
+
+def _arguments(item, where: str) -> dict:
+    """A call's arguments given back: a function's JSON text, a custom tool's input."""
+    if isinstance(item, CustomToolCallItem):
+        return {"input": item.input}
+    try:
+        return call_arguments(item.arguments)
+    except ValueError as e:
+        raise ApiError(400, f"{where}: {e}", param=where) from None
 
 
 def _text(content, where: str) -> str:
@@ -77,7 +79,7 @@ def _text(content, where: str) -> str:
     if isinstance(content, str):
         return content
     for j, part in enumerate(content):
-        if isinstance(part, ImagePart):
+        if isinstance(part, InputImage):
             raise ApiError(400, f"{where}.{j}: an input_image is taken only in a user message",
                            param=f"{where}.{j}")
         if isinstance(part, FilePart):
@@ -85,20 +87,20 @@ def _text(content, where: str) -> str:
     return "".join(part.value() for part in content)
 
 
-def _user_content(content, where: str):
-    """A user message's text, or with images its parts in order, as the chat message's."""
-    if isinstance(content, str) or not any(isinstance(p, ImagePart) for p in content):
-        return _text(content, where)
+def _user_parts(content, where: str) -> list:
+    """A user message's text, or with images its parts in order."""
+    if isinstance(content, str) or not any(isinstance(p, InputImage) for p in content):
+        return [_text(content, where)]
     return [_user_part(part, f"{where}.{j}") for j, part in enumerate(content)]
 
 
 def _user_part(part, where: str):
     if isinstance(part, TextPart):
-        return TextContent(type="text", text=part.value())
+        return part.value()
     if isinstance(part, FilePart):
         _refuse_file(part, where)
     try:
-        return ImageContent(type="image_url", image_url=ImageUrl(url=part.url()))
+        return ImagePart(part.url())
     except ValueError as e:
         raise ApiError(400, f"{where}.{e}", param=where) from None
 
@@ -144,7 +146,7 @@ def owner(request: Request) -> Optional[str]:
 def router(service) -> APIRouter:
     errors = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 422, 503)}
     api = APIRouter(dependencies=[Depends(service.check_api_key)], tags=["OpenAI Responses"], responses=errors,
-                    route_class=api_routes("openai"))
+                    route_class=api_routes("responses"))
 
     def kept(response_id: str, request: Request, param: Optional[str] = None) -> Kept:
         found = service.responses.find(response_id, owner(request) if service.api_key else None)
@@ -173,15 +175,14 @@ def router(service) -> APIRouter:
                 fields["reasoning_effort"] = effort
             else:
                 service.ignore(request, ["reasoning.effort"])
-        system = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
-        chat = [*earlier, *conversation(body)]
+        system = [text_message("system", body.instructions)] if body.instructions else []
+        chat = [*earlier, *chat_messages(body)]
         return model_id, system, chat, fields, tools, forced_custom, grammar
 
     @api.post("/v1/responses", description="OpenAI's Responses API; with stream: true its event stream")
     async def create(body: ResponseRequest, request: Request):
         model_id, system, chat, fields, tools, forced_custom, grammar = read(body, request)
-        await read_images(service, model_id, chat)
-        messages = llm_messages(_one_system_message([*system, *chat]), service.replies.known)
+        messages = await llm_chain(service, model_id, _one_system_message([*system, *chat]))
         store = body.store is not False
 
         def finish(transcript: Transcript, response: dict) -> None:
@@ -199,16 +200,10 @@ def router(service) -> APIRouter:
     @api.post("/v1/responses/input_tokens", description="The input's tokens, rendered as /v1/responses would")
     async def input_tokens(body: ResponseRequest, request: Request) -> dict:
         model_id, system, chat, fields, tools, forced_custom, _ = read(body, request)
-        await read_images(service, model_id, chat)
-        messages = llm_messages(_one_system_message([*system, *chat]), service.replies.known)
+        messages = await llm_chain(service, model_id, _one_system_message([*system, *chat]))
         specs = [] if forced_custom is not None else tools.specs
-        unswitched(service, request, model_id, fields)
-        try:
-            options = Options.model_validate(service.runtime.for_request(fields))
-            count = await counted(Ask(service.name_of(model_id), messages, options, specs))
-        except Exception as e:
-            raise error_for(e) from None
-        return {"object": "response.input_tokens", "input_tokens": count}
+        return {"object": "response.input_tokens",
+                "input_tokens": await count(service, request, model_id, messages, fields, specs)}
 
     @api.get("/v1/responses/{response_id}", description="A stored response")
     async def retrieve(response_id: str, request: Request) -> dict:
@@ -274,13 +269,11 @@ def _one_system_message(messages: list[ChatMessage]) -> list[ChatMessage]:
     if head < 2:
         return messages
     joined = "\n\n".join(m.text() for m in messages[:head])
-    return [ChatMessage(role="system", content=joined), *messages[head:]]
+    return [text_message("system", joined), *messages[head:]]
 
 
 def _reply_message(transcript: Transcript) -> ChatMessage:
     """The reply as the next request's history: its text, reasoning, calls and token ids."""
     outcome = transcript.outcome
-    calls = [ToolCall(id=c.id, function=CalledFunction(name=c.name, arguments=json.dumps(c.arguments)))
-             for c in outcome.complete_calls()]
-    return ChatMessage(role="assistant", content=transcript.text, reasoning_content=transcript.reasoning or None,
-                       tool_calls=calls or None, tokens=outcome.tokens or None)
+    return ChatMessage("assistant", [transcript.text], transcript.reasoning, outcome.complete_calls(),
+                       tokens=outcome.tokens or None)

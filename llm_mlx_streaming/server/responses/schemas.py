@@ -32,7 +32,7 @@ class TextPart(RequestModel):
         return self.refusal if self.type == "refusal" and self.refusal else self.text
 
 
-class ImagePart(RequestModel):
+class InputImage(RequestModel):
     """An image in a user message, for a model that takes images (server/images.py)."""
 
     type: Literal["input_image"]
@@ -55,7 +55,7 @@ class FilePart(RequestModel):
     type: Literal["input_file", "input_audio"]
 
 
-Part = Annotated[Union[TextPart, ImagePart, FilePart], Field(discriminator="type")]
+Part = Annotated[Union[TextPart, InputImage, FilePart], Field(discriminator="type")]
 Content = Union[str, list[Part]]
 
 

@@ -15,11 +15,8 @@ import uuid
 from typing import Callable, Optional
 
 from ...reply.events import CallArguments, CallBegins, Event, Outcome, ToolCall
+from ..shape import KEEPALIVE, sse_event
 from ..transcript import Transcript, extension
-
-
-def event(kind: str, data: dict) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
 
 
 def new_id(prefix: str) -> str:
@@ -66,9 +63,9 @@ class ResponseShape:
         if self.forced_custom is not None:
             output.append(self._custom_call(new_id("ctc"), ToolCall(new_id("call"), self.forced_custom,
                                                                     {"input": transcript.text})))
-        elif transcript.text or not transcript.outcome.tool_calls:
+        elif transcript.text or not transcript.outcome.tool_calls:  # as streamed: a reply of calls has no message
             output.append(self._message_item(new_id("msg"), transcript.text))
-        output.extend(self._call_item(call) for call in transcript.outcome.tool_calls)
+        output.extend(self._call_item(call) for call in transcript.outcome.complete_calls())
         return self._finished(transcript, output)
 
     def _finished(self, transcript: Transcript, output: list) -> dict:
@@ -80,7 +77,7 @@ class ResponseShape:
     # -- the stream -----------------------------------------------------------------
     def _event(self, kind: str, data: dict) -> str:
         self.sequence += 1
-        return event(kind, {"sequence_number": self.sequence - 1, **data})
+        return sse_event(kind, {"sequence_number": self.sequence - 1, **data})
 
     def opening(self) -> list[str]:
         start = self._response("in_progress", [])
@@ -89,7 +86,7 @@ class ResponseShape:
 
     @staticmethod
     def keepalive() -> str:
-        return ": waiting for the first token\n\n"  # an SSE comment: clients skip it
+        return KEEPALIVE
 
     def delta(self, ev: Event) -> list[str]:
         if isinstance(ev, CallBegins):
@@ -143,7 +140,7 @@ class ResponseShape:
             "item_id": self.items[-1]["id"], "output_index": len(self.items) - 1, "content_index": 0,
             "part": {"type": "output_text", "text": "", "annotations": []}})]
 
-    def _close(self) -> list[str]:
+    def _close(self, status: str = "completed") -> list[str]:
         """The done events of the item being streamed."""
         if self._open is None:
             return []
@@ -168,18 +165,19 @@ class ResponseShape:
                 item["input"] = _input(self._arguments)
                 self._arguments = ""
             frames.append(self._event("response.custom_tool_call_input.done", {**where, "input": item["input"]}))
-        item["status"] = "completed"
+        item["status"] = status
         frames.append(self._event("response.output_item.done", {"output_index": index, "item": item}))
         self._open = None
         return frames
 
     def closing(self, transcript: Transcript) -> list[str]:
-        frames = self._close()
+        cut = {call.id for call in transcript.outcome.tool_calls if not call.complete}
+        frames = self._close("incomplete" if self.items and self.items[-1].get("call_id") in cut else "completed")
         if not self.items:  # an empty reply is an empty message
             frames += self._begin("text")
             self._open = "text"
             frames += self._close()
-        body = self._finished(transcript, self.items)
+        body = self._finished(transcript, [item for item in self.items if item["status"] != "incomplete"])
         return frames + [self._event("response.completed", {"response": body})]
 
     def failure(self, error) -> list[str]:
@@ -202,14 +200,14 @@ class ResponseShape:
         if call.name in self.custom:
             return self._custom_call(new_id("ctc"), call)
         item = {"type": "function_call", "id": new_id("fc"), "call_id": call.id, "name": call.name,
-                "arguments": call.arguments_text, "status": "completed" if call.complete else "incomplete"}
+                "arguments": call.arguments_text, "status": "completed"}
         if call.name in self.namespaces:
             item["namespace"] = self.namespaces[call.name]
         return item
 
     def _custom_call(self, item_id: str, call: ToolCall, status: str = "completed") -> dict:
         item = {"type": "custom_tool_call", "id": item_id, "call_id": call.id, "name": call.name,
-                "input": str(call.arguments.get("input", call.arguments.get("_raw", ""))), "status": status}
+                "input": str(call.arguments.get("input", "")), "status": status}
         if call.name in self.namespaces:
             item["namespace"] = self.namespaces[call.name]
         return item
