@@ -43,8 +43,8 @@ def _render(tokenizer, messages, tools=None):
         return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False,
                                              **({"tools": shown} if shown else {}))
 
-    messages, tools = fitted(tokenizer, messages, tools, rendered)
-    return rendered(messages, tools), messages, tools
+    messages, tools, text = fitted(tokenizer, messages, tools, rendered)
+    return text, messages, tools
 
 
 def test_a_template_that_renders_the_request_gets_it_untouched(tokenizers):
@@ -77,7 +77,7 @@ def test_an_untyped_parameter_is_typed_only_when_the_template_fails_without_a_ty
 
         return Template(strict, undefined=StrictUndefined).render(messages=msgs, tools=shown or [])
 
-    _, fitted_tools = fitted(tokenizer, [{"role": "user", "content": "hi"}], [UNTYPED], rendered)
+    _, fitted_tools, _ = fitted(tokenizer, [{"role": "user", "content": "hi"}], [UNTYPED], rendered)
     assert fitted_tools[0]["function"]["parameters"]["properties"]["spec"]["type"] == "string"
 
 

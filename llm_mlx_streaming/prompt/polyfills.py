@@ -28,15 +28,16 @@ import re
 import string
 from typing import Callable, Optional
 
+from ..formats.registry import format_of
 from .messages import PromptError
 
 Render = Callable[[list[dict], Optional[list[dict]]], str]
 
 
 def fitted(tokenizer, messages: list[dict], tools: Optional[list[dict]],
-           render: Render) -> tuple[list[dict], Optional[list[dict]]]:
-    """(messages, tools) as this template renders them; a PromptError in one line when
-    it cannot render them at all."""
+           render: Render) -> tuple[list[dict], Optional[list[dict]], str]:
+    """(messages, tools) as this template renders them, and what it renders; a
+    PromptError in one line when it cannot render them at all."""
     template = getattr(tokenizer, "chat_template", None)
     template = template if isinstance(template, str) else ""
     if "tool_responses" in template:
@@ -47,8 +48,7 @@ def fitted(tokenizer, messages: list[dict], tools: Optional[list[dict]],
     if tools and not re.search(r"\btools\b", template):
         messages = declared_tools(tokenizer, messages, tools)
     try:
-        render(messages, tools)
-        return messages, tools
+        return messages, tools, render(messages, tools)
     except Exception as exc:  # the template's own error: try what it may be missing
         failure = exc
     for fix in (typed_tools, string_arguments, short_call_ids, later_system_as_user):
@@ -57,8 +57,7 @@ def fitted(tokenizer, messages: list[dict], tools: Optional[list[dict]],
             continue
         messages, tools = fixed
         try:
-            render(messages, tools)
-            return messages, tools
+            return messages, tools, render(messages, tools)
         except Exception as exc:
             failure = exc
     raise PromptError(f"the model's chat template cannot render this conversation: "
@@ -110,8 +109,6 @@ def _json_or_text(content):
 def inline_calls(tokenizer, messages: list[dict]) -> list[dict]:
     """Earlier calls written after the turn's text in the format's markup, for a
     template that renders only text."""
-    from ..formats.registry import format_of
-
     fmt = format_of(tokenizer)
     if fmt is None or fmt.write is None or not any(m.get("tool_calls") for m in messages):
         return messages
@@ -129,8 +126,6 @@ def inline_calls(tokenizer, messages: list[dict]) -> list[dict]:
 def model_call_ids(tokenizer, messages: list[dict]) -> list[dict]:
     """Each call's id as the model would have written it (numbered through the
     conversation), and its result's id with it, for a format that names its calls."""
-    from ..formats.registry import format_of
-
     fmt = format_of(tokenizer)
     if fmt is None or fmt.call_id is None or not any(m.get("tool_calls") for m in messages):
         return messages
@@ -153,8 +148,6 @@ def declared_tools(tokenizer, messages: list[dict], tools: list[dict]) -> list[d
     """The format's description of the tools after the first system message's text (a
     system message of its own where there is none), for a template that renders no
     `tools`; the same place every turn, so the prompt's start stays the same."""
-    from ..formats.registry import format_of
-
     fmt = format_of(tokenizer)
     if fmt is None or fmt.declare is None:
         return messages

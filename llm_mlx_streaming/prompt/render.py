@@ -57,10 +57,9 @@ def render_prompt(tokenizer, messages, *, thinking: Optional[bool] = None, effor
             msgs, add_generation_prompt=generation, tokenize=False, **extra, **({"tools": shown} if shown else {})
         )
 
-    filled, tools = fitted(tokenizer, messages, tools, rendered)
+    filled, tools, text = fitted(tokenizer, messages, tools, rendered)
     messages, stored = filled, follow_replies(messages, filled, stored)
     render = lambda msgs, generation=True: rendered(msgs, tools, generation)  # noqa: E731
-    text = render(messages)
     try:
         head = render(messages, generation=False)
         generation_prompt = text[len(head):] if text.startswith(head) else ""
