@@ -9,6 +9,9 @@
   reply/core.py's Replier does.
 - `forced`, `matcher` and `accepts`: a forced-call grammar, llguidance's matcher of a
   grammar over the tokenizer, and whether it takes a text whole.
+- `assert_forces_one_call_or_the_named_one` and `assert_a_forced_call_waits_for_the_thought`:
+  what every format's forced grammar must take and refuse.
+- `opening_states`: where a reply starts after the prompt, with thinking on and off.
 - `rendered_call`: the calls as the real template writes them in an earlier turn.
 """
 
@@ -59,6 +62,11 @@ TYPED = tool("book", {"title": {"type": "string"}, "copies": {"type": "integer"}
                       "tags": {"type": "array", "items": {"type": "string"}}})
 TYPED_ARGUMENTS = {"title": "Dune", "copies": 2, "price": 9.5, "gift": True, "shelf": {"row": 3},
                    "tags": ["sf", "classic"]}
+ADD = tool("add", {"a": {"type": "number"}, "b": {"type": "number"}})
+# Arguments of every JSON type, null and a string to escape among them, for the formats
+# that write arguments as JSON whatever the schema says.
+EVERY_TYPE = {"text": "Paris, \"France\" <b>", "count": 3, "ratio": -0.5, "flag": True, "none": None,
+              "list": [1, "two", [3]], "object": {"nested": {"deep": False}}}
 
 
 @dataclass
@@ -159,6 +167,33 @@ def accepts(tokenizer, grammar: str, text: str) -> bool:
     own token) is one the grammar allows, through to its end."""
     m = matcher(tokenizer, grammar)
     return m.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and m.is_accepting()
+
+
+def assert_forces_one_call_or_the_named_one(tokenizer, tools: list[dict], paris: str, two: str, book: str) -> None:
+    """The grammar forcing a single call takes the get_weather call `paris` and not the
+    calls `two`; the one forcing `book` takes the call `book` and not `paris`."""
+    one = forced(tokenizer, tools, parallel=False)
+    assert accepts(tokenizer, one, paris) and not accepts(tokenizer, one, two), "a single call"
+    named = forced(tokenizer, tools, choice="book")
+    assert accepts(tokenizer, named, book) and not accepts(tokenizer, named, paris), "the named call"
+
+
+def assert_a_forced_call_waits_for_the_thought(tokenizer, thought: str, paris: str) -> None:
+    """The grammar forcing a get_weather call with thinking on takes `paris` once
+    `thought` has closed the think block, and not while it is open."""
+    grammar = forced(tokenizer, [WEATHER], thinking=True)
+    assert accepts(tokenizer, grammar, thought + paris), "a call after the thought"
+    assert not accepts(tokenizer, grammar, paris), "a call inside the think block"
+
+
+def opening_states(tokenizer) -> tuple[str, str]:
+    """Where a reply starts (prompt.split's initial state) after the template's generation
+    prompt with enable_thinking on, then off."""
+    from llm_mlx_streaming.prompt.split import initial_state
+
+    user = [{"role": "user", "content": "Hi"}]
+    return tuple(initial_state(tokenizer, tokenizer.apply_chat_template(
+        user, tokenize=False, add_generation_prompt=True, enable_thinking=on)) for on in (True, False))
 
 
 def rendered_call(tokenizer, calls: list[dict], tools: list[dict], ids: Optional[list[str]] = None) -> str:

@@ -4,28 +4,16 @@ recognised from the real template, on a tiny tokenizer with DeepSeek's added tok
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
-from format_support import accepts, every_way, family_tokenizer
+from fixtures.families import FAMILIES, template
+from format_support import ADD, EVERY_TYPE, WEATHER, accepts, every_way, family_tokenizer, opening_states
 from llm_mlx_streaming.formats import deepseek_v31
 from llm_mlx_streaming.formats.registry import format_of
-from llm_mlx_streaming.prompt.split import initial_state
-from llm_mlx_streaming.prompt.tools import forced_call_grammar, function_spec
+from llm_mlx_streaming.prompt.tools import forced_call_grammar
 
-TEMPLATE = Path(__file__).parent / "data" / "templates" / "deepseek-ai-DeepSeek-V3.1.jinja"
-ADDED = ("<｜User｜>", "<｜Assistant｜>", "<think>", "</think>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
-         "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>",
-         "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>")
-
-WEATHER = function_spec("get_weather", "The weather in a city", {
-    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]})
-ADD = function_spec("add", "Add two numbers", {
-    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]})
 TOOLS = [WEATHER, ADD]
-EVERY_TYPE = {"text": "Paris, \"France\" <b>", "count": 3, "ratio": -0.5, "flag": True, "none": None,
-              "list": [1, "two", [3]], "object": {"nested": {"deep": False}}}
 
 
 def call(name: str, arguments: dict) -> str:
@@ -103,26 +91,21 @@ def test_it_is_found_from_the_real_template_and_thinks_in_think_tags(tokenizer):
     assert "tool_parser_type" not in tokenizer.init_kwargs  # mlx-lm's inference finds no parser
     assert format_of(tokenizer) is deepseek_v31.FORMAT and tokenizer.has_tool_calling
     assert (tokenizer.think_start, tokenizer.think_end) == ("<think>", "</think>")
-    user = [{"role": "user", "content": "Hi"}]
-    thinking = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True, enable_thinking=True)
-    plain = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True, enable_thinking=False)
-    assert initial_state(tokenizer, thinking) == "reasoning"
-    assert initial_state(tokenizer, plain) == "normal"
+    assert opening_states(tokenizer) == ("reasoning", "normal")
 
 
 def test_the_template_and_vocabulary_are_what_it_is_recognised_by():
-    template = TEMPLATE.read_text(encoding="utf-8")
-    assert deepseek_v31.FORMAT.detect(template, {})
-    assert deepseek_v31.FORMAT.detect("", {tag: i for i, tag in enumerate(ADDED)})
+    assert deepseek_v31.FORMAT.detect(template("deepseek_v31"), {})
+    assert deepseek_v31.FORMAT.detect("", {tag: i for i, tag in enumerate(FAMILIES["deepseek_v31"].added)})
     assert not deepseek_v31.FORMAT.detect("{{ messages }}", {"<think>": 1, "</think>": 2})
 
 
 # The model card's "ToolCall" section: the tools follow the system prompt, described so.
 DECLARED = (
     "## Tools\nYou have access to the following tools:\n\n"
-    "### get_weather\nDescription: The weather in a city\n\nParameters: "
-    '{"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}\n\n'
-    "### add\nDescription: Add two numbers\n\nParameters: "
+    "### get_weather\nDescription: get_weather something\n\nParameters: "
+    '{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}\n\n'
+    "### add\nDescription: add something\n\nParameters: "
     '{"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}\n\n'
     "IMPORTANT: ALWAYS adhere to this exact format for tool use:\n"
     "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>tool_call_name<｜tool▁sep｜>tool_call_arguments<｜tool▁call▁end｜>"

@@ -5,28 +5,16 @@ added tokens (its DSML token among them)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
-from format_support import accepts, every_way, family_tokenizer
+from fixtures.families import FAMILIES, template
+from format_support import ADD, EVERY_TYPE, TYPED, WEATHER, accepts, every_way, family_tokenizer, opening_states
 from llm_mlx_streaming.formats import deepseek_v31, deepseek_v32
 from llm_mlx_streaming.formats.registry import format_of
-from llm_mlx_streaming.prompt.split import initial_state
-from llm_mlx_streaming.prompt.tools import forced_call_grammar, function_spec
+from llm_mlx_streaming.prompt.tools import forced_call_grammar
 
-TEMPLATE = Path(__file__).parent / "data" / "templates" / "DeepSeek-V3.2.jinja"
-ADDED = ("<｜User｜>", "<｜Assistant｜>", "<think>", "</think>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
-         "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>",
-         "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>", "｜DSML｜")
-
-WEATHER = function_spec("get_weather", "The weather in a city", {
-    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]})
-ADD = function_spec("add", "Add two numbers", {
-    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]})
 TOOLS = [WEATHER, ADD]
-EVERY_TYPE = {"text": "Paris, \"France\" <b>", "count": 3, "ratio": -0.5, "flag": True, "none": None,
-              "list": [1, "two", [3]], "object": {"nested": {"deep": False}}}
 
 
 def invoke(name: str, arguments: dict) -> str:
@@ -71,10 +59,10 @@ def test_the_parser_types_values_by_their_string_attribute():
 
 
 def test_a_parameter_without_its_string_attribute_is_typed_by_the_schema():
-    untyped = ('<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city">2024</｜DSML｜parameter>\n'
-               '<｜DSML｜parameter name="days">3</｜DSML｜parameter>\n</｜DSML｜invoke>')
-    assert deepseek_v32.parse_tool_call(untyped, TOOLS) == [
-        {"name": "get_weather", "arguments": {"city": "2024", "days": 3}}]
+    untyped = ('<｜DSML｜invoke name="book">\n<｜DSML｜parameter name="title">2024</｜DSML｜parameter>\n'
+               '<｜DSML｜parameter name="copies">3</｜DSML｜parameter>\n</｜DSML｜invoke>')
+    assert deepseek_v32.parse_tool_call(untyped, [TYPED]) == [
+        {"name": "book", "arguments": {"title": "2024", "copies": 3}}]
 
 
 def test_markup_without_a_call_is_no_call():
@@ -121,17 +109,12 @@ def test_it_is_found_by_its_dsml_token_before_deepseek_v31_and_thinks_in_think_t
     assert "tool_parser_type" not in tokenizer.init_kwargs  # mlx-lm's inference finds no parser
     assert format_of(tokenizer) is deepseek_v32.FORMAT  # V3.1's tags are in its vocabulary too
     assert (tokenizer.think_start, tokenizer.think_end) == ("<think>", "</think>")
-    user = [{"role": "user", "content": "Hi"}]
-    thinking = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True, enable_thinking=True)
-    plain = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True, enable_thinking=False)
-    assert initial_state(tokenizer, thinking) == "reasoning"
-    assert initial_state(tokenizer, plain) == "normal"
+    assert opening_states(tokenizer) == ("reasoning", "normal")
 
 
 def test_the_real_template_is_recognised_and_deepseek_v31s_is_not():
-    template = TEMPLATE.read_text(encoding="utf-8")
-    assert deepseek_v32.FORMAT.detect(template, {})
-    v31 = (Path(__file__).parent / "data" / "templates" / "deepseek-ai-DeepSeek-V3.1.jinja").read_text(encoding="utf-8")
-    assert not deepseek_v32.FORMAT.detect(v31, {tag: i for i, tag in enumerate(ADDED[:-1])})
+    assert deepseek_v32.FORMAT.detect(template("deepseek_v32"), {})
+    v31 = {tag: i for i, tag in enumerate(FAMILIES["deepseek_v31"].added)}
+    assert not deepseek_v32.FORMAT.detect(template("deepseek_v31"), v31)
     with_template = family_tokenizer("deepseek_v32")
     assert format_of(with_template) is deepseek_v32.FORMAT and format_of(with_template) is not deepseek_v31.FORMAT

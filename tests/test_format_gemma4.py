@@ -2,8 +2,8 @@
 in Gemma's literal syntax (strings between `<|"|>` tokens), read with mlx-lm's gemma4 parser."""
 
 import pytest
-from format_support import (TYPED, TYPED_ARGUMENTS, WEATHER, accepts, every_way, family_tokenizer, forced, read_reply,
-                            rendered_call, tool)
+from format_support import (TYPED, TYPED_ARGUMENTS, WEATHER, accepts, assert_forces_one_call_or_the_named_one,
+                            every_way, family_tokenizer, forced, read_reply, rendered_call, tool)
 
 from llm_mlx_streaming.formats.gemma4 import FORMAT
 
@@ -78,10 +78,7 @@ def test_the_forced_grammar_takes_the_native_calls_and_nothing_else(tokenizer):
     assert not accepts(tokenizer, grammar, "Paris is sunny.")
     assert not accepts(tokenizer, grammar, PARIS.replace("get_weather", "get_time"))
     assert not accepts(tokenizer, grammar, PARIS.replace('<|"|>', '"'))  # a string is between the tokens
-    one = forced(tokenizer, TOOLS, parallel=False)
-    assert accepts(tokenizer, one, PARIS) and not accepts(tokenizer, one, PARIS + ROME)
-    named = forced(tokenizer, TOOLS, choice="book")
-    assert accepts(tokenizer, named, as_json) and not accepts(tokenizer, named, PARIS)
+    assert_forces_one_call_or_the_named_one(tokenizer, TOOLS, PARIS, PARIS + ROME, as_json)
 
 
 def test_a_forced_call_may_first_close_the_thought_channel(tokenizer):

@@ -2,8 +2,8 @@
 `<arg_key>`/`<arg_value>` pair a parameter, read with mlx-lm's glm47 parser."""
 
 import pytest
-from format_support import (TYPED, TYPED_ARGUMENTS, WEATHER, accepts, every_way, family_tokenizer, forced,
-                            read_reply, rendered_call)
+from format_support import (TYPED, TYPED_ARGUMENTS, WEATHER, accepts, assert_forces_one_call_or_the_named_one,
+                            every_way, family_tokenizer, forced, read_reply, rendered_call)
 
 from llm_mlx_streaming.formats.glm47 import FORMAT
 
@@ -82,10 +82,7 @@ def test_the_forced_grammar_takes_the_native_calls_and_nothing_else(tokenizer):
     assert not accepts(tokenizer, grammar, "Paris is sunny.")
     assert not accepts(tokenizer, grammar, PARIS.replace("get_weather", "get_time"))
     assert not accepts(tokenizer, grammar, PARIS.replace("<arg_value>", "").replace("</arg_value>", ""))
-    one = forced(tokenizer, TOOLS, parallel=False)
-    assert accepts(tokenizer, one, PARIS) and not accepts(tokenizer, one, f"{PARIS}\n{ROME}")
-    named = forced(tokenizer, TOOLS, choice="book")
-    assert accepts(tokenizer, named, TYPED_CALL) and not accepts(tokenizer, named, PARIS)
+    assert_forces_one_call_or_the_named_one(tokenizer, TOOLS, PARIS, f"{PARIS}\n{ROME}", TYPED_CALL)
 
 
 def test_a_forced_call_reads_back_as_the_call(tokenizer):

@@ -5,27 +5,18 @@ template, on a tiny tokenizer with gpt-oss's special tokens."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
-from fixtures.families import FAMILIES
-from format_support import accepts, every_way, family_tokenizer, matcher
+from fixtures.families import FAMILIES, template
+from format_support import ADD, EVERY_TYPE, WEATHER, accepts, every_way, family_tokenizer, matcher
 from llm_mlx_streaming.formats.base import literal
 from llm_mlx_streaming.formats import harmony
 from llm_mlx_streaming.formats.registry import format_of
 from llm_mlx_streaming.prompt.split import initial_state
-from llm_mlx_streaming.prompt.tools import forced_call_grammar, function_spec
+from llm_mlx_streaming.prompt.tools import forced_call_grammar
 
-TEMPLATE = Path(__file__).parent / "data" / "templates" / "openai-gpt-oss-120b.jinja"
-
-WEATHER = function_spec("get_weather", "The weather in a city", {
-    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]})
-ADD = function_spec("add", "Add two numbers", {
-    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]})
 TOOLS = [WEATHER, ADD]
-EVERY_TYPE = {"text": "Paris, \"France\" <b>", "count": 3, "ratio": -0.5, "flag": True, "none": None,
-              "list": [1, "two", [3]], "object": {"nested": {"deep": False}}}
 
 ANALYSIS = "<|channel|>analysis<|message|>The user wants the weather.<|end|>"
 
@@ -126,8 +117,8 @@ def test_it_is_found_from_the_real_template_and_the_reply_starts_in_a_header(tok
 
 
 def test_the_template_and_vocabulary_are_what_it_is_recognised_by():
-    template = TEMPLATE.read_text(encoding="utf-8")
-    assert "<|constrain|>" not in template  # it comes from the vocabulary
-    assert harmony.FORMAT.detect(template, {"<|constrain|>": 200003})
+    published = template("gpt_oss")
+    assert "<|constrain|>" not in published  # it comes from the vocabulary
+    assert harmony.FORMAT.detect(published, {"<|constrain|>": 200003})
     assert harmony.FORMAT.detect("", {tag: i for i, tag in enumerate(FAMILIES["gpt_oss"].special)})
-    assert not harmony.FORMAT.detect(template, {})
+    assert not harmony.FORMAT.detect(published, {})

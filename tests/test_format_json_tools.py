@@ -4,7 +4,8 @@
 import json
 
 import pytest
-from format_support import (TYPED, TYPED_ARGUMENTS, WEATHER, accepts, every_way, family_tokenizer, forced, read_reply,
+from format_support import (TYPED, TYPED_ARGUMENTS, WEATHER, accepts, assert_a_forced_call_waits_for_the_thought,
+                            assert_forces_one_call_or_the_named_one, every_way, family_tokenizer, forced, read_reply,
                             rendered_call)
 
 from llm_mlx_streaming.formats.json_tools import FORMAT
@@ -69,13 +70,8 @@ def test_the_forced_grammar_takes_the_native_calls_and_nothing_else(tokenizer):
     assert not accepts(tokenizer, grammar, "Paris is sunny.")
     assert not accepts(tokenizer, grammar, call("get_time", {"city": "Paris"}))
     assert not accepts(tokenizer, grammar, call("get_weather", {"town": "Paris"}))
-    one = forced(tokenizer, TOOLS, parallel=False)
-    assert accepts(tokenizer, one, PARIS) and not accepts(tokenizer, one, f"{PARIS}\n{ROME}")
-    named = forced(tokenizer, TOOLS, choice="book")
-    assert accepts(tokenizer, named, TYPED_CALL) and not accepts(tokenizer, named, PARIS)
+    assert_forces_one_call_or_the_named_one(tokenizer, TOOLS, PARIS, f"{PARIS}\n{ROME}", TYPED_CALL)
 
 
 def test_a_forced_call_may_first_close_the_think_block(tokenizer):
-    grammar = forced(tokenizer, [WEATHER], thinking=True)
-    assert accepts(tokenizer, grammar, f"Paris.\n</think>\n\n{PARIS}")
-    assert not accepts(tokenizer, grammar, PARIS)
+    assert_a_forced_call_waits_for_the_thought(tokenizer, "Paris.\n</think>\n\n", PARIS)

@@ -6,7 +6,8 @@ template never writes a call."""
 import json
 
 import pytest
-from format_support import (TYPED, TYPED_ARGUMENTS, WEATHER, accepts, every_way, family_tokenizer, forced, read_reply,
+from format_support import (TYPED, TYPED_ARGUMENTS, WEATHER, accepts, assert_a_forced_call_waits_for_the_thought,
+                            assert_forces_one_call_or_the_named_one, every_way, family_tokenizer, forced, read_reply,
                             rendered_call)
 
 from llm_mlx_streaming.formats.kimi_k2 import FORMAT
@@ -74,13 +75,8 @@ def test_the_forced_grammar_takes_the_native_calls_and_nothing_else(tokenizer):
     assert not accepts(tokenizer, grammar, "Paris is sunny.")
     assert not accepts(tokenizer, grammar, section(call("get_time", 0, {"city": "Paris"})))
     assert not accepts(tokenizer, grammar, section(PARIS.replace("<|tool_call_argument_begin|>", "")))
-    one = forced(tokenizer, TOOLS, parallel=False)
-    assert accepts(tokenizer, one, section(PARIS)) and not accepts(tokenizer, one, section(PARIS, ROME))
-    named = forced(tokenizer, TOOLS, choice="book")
-    assert accepts(tokenizer, named, section(TYPED_CALL)) and not accepts(tokenizer, named, section(PARIS))
+    assert_forces_one_call_or_the_named_one(tokenizer, TOOLS, section(PARIS), section(PARIS, ROME), section(TYPED_CALL))
 
 
 def test_a_forced_call_may_first_close_the_think_block(tokenizer):
-    grammar = forced(tokenizer, [WEATHER], thinking=True)
-    assert accepts(tokenizer, grammar, "Paris.</think>" + section(PARIS))
-    assert not accepts(tokenizer, grammar, section(PARIS))
+    assert_a_forced_call_waits_for_the_thought(tokenizer, "Paris.</think>", section(PARIS))

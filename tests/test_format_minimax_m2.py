@@ -3,8 +3,9 @@
 with mlx-lm's minimax_m2 parser."""
 
 import pytest
-from format_support import (TYPED, TYPED_ARGUMENTS, WEATHER, accepts, every_way, family_tokenizer, forced,
-                            read_reply, rendered_call)
+from format_support import (TYPED, TYPED_ARGUMENTS, WEATHER, accepts, assert_a_forced_call_waits_for_the_thought,
+                            assert_forces_one_call_or_the_named_one, every_way, family_tokenizer, forced, read_reply,
+                            rendered_call)
 
 from llm_mlx_streaming.formats.minimax_m2 import FORMAT
 
@@ -77,13 +78,8 @@ def test_the_forced_grammar_takes_the_native_calls_and_nothing_else(tokenizer):
     assert not accepts(tokenizer, grammar, "Paris is sunny.")
     assert not accepts(tokenizer, grammar, block(PARIS.replace("get_weather", "get_time")))
     assert not accepts(tokenizer, grammar, "<minimax:tool_call>\n</minimax:tool_call>")
-    one = forced(tokenizer, TOOLS, parallel=False)
-    assert accepts(tokenizer, one, block(PARIS)) and not accepts(tokenizer, one, block(PARIS, ROME))
-    named = forced(tokenizer, TOOLS, choice="book")
-    assert accepts(tokenizer, named, block(TYPED_INVOKE)) and not accepts(tokenizer, named, block(PARIS))
+    assert_forces_one_call_or_the_named_one(tokenizer, TOOLS, block(PARIS), block(PARIS, ROME), block(TYPED_INVOKE))
 
 
 def test_a_forced_call_may_first_close_the_think_block(tokenizer):
-    grammar = forced(tokenizer, [WEATHER], thinking=True)
-    assert accepts(tokenizer, grammar, "Paris.\n</think>\n\n" + block(PARIS))
-    assert not accepts(tokenizer, grammar, block(PARIS))
+    assert_a_forced_call_waits_for_the_thought(tokenizer, "Paris.\n</think>\n\n", block(PARIS))

@@ -5,8 +5,8 @@ template writes; no end tag (the turn's end closes the block); mlx-lm's mistral 
 import json
 
 import pytest
-from format_support import (TYPED, TYPED_ARGUMENTS, WEATHER, accepts, every_way, family_tokenizer, forced, read_reply,
-                            rendered_call)
+from format_support import (TYPED, TYPED_ARGUMENTS, WEATHER, accepts, assert_forces_one_call_or_the_named_one,
+                            every_way, family_tokenizer, forced, read_reply, rendered_call)
 
 from llm_mlx_streaming.formats.mistral import FORMAT
 
@@ -71,10 +71,7 @@ def test_the_forced_grammar_takes_the_native_calls_and_nothing_else(tokenizer):
     assert not accepts(tokenizer, grammar, "Paris is sunny.")
     assert not accepts(tokenizer, grammar, call("get_time", {"city": "Paris"}))
     assert not accepts(tokenizer, grammar, PARIS.replace("[ARGS]", ""))
-    one = forced(tokenizer, TOOLS, parallel=False)
-    assert accepts(tokenizer, one, PARIS) and not accepts(tokenizer, one, PARIS + ROME)
-    named = forced(tokenizer, TOOLS, choice="book")
-    assert accepts(tokenizer, named, TYPED_CALL) and not accepts(tokenizer, named, PARIS)
+    assert_forces_one_call_or_the_named_one(tokenizer, TOOLS, PARIS, PARIS + ROME, TYPED_CALL)
 
 
 def test_forced_parallel_calls_read_back_as_calls(tokenizer):

@@ -2,8 +2,8 @@
 `<|tool_call_start|>` block, read with mlx-lm's pythonic parser."""
 
 import pytest
-from format_support import (TYPED, TYPED_ARGUMENTS, WEATHER, accepts, every_way, family_tokenizer, forced, read_reply,
-                            rendered_call, tool)
+from format_support import (TYPED, TYPED_ARGUMENTS, WEATHER, accepts, assert_forces_one_call_or_the_named_one,
+                            every_way, family_tokenizer, forced, read_reply, rendered_call, tool)
 
 from llm_mlx_streaming.formats.pythonic import FORMAT
 
@@ -83,7 +83,4 @@ def test_the_forced_grammar_takes_a_native_call_and_nothing_else(tokenizer):
     assert not accepts(tokenizer, grammar, "Paris is sunny.")
     assert not accepts(tokenizer, grammar, PARIS.replace("get_weather", "get_time"))
     assert not accepts(tokenizer, grammar, PARIS.replace('"Paris"', "Paris"))
-    one = forced(tokenizer, TOOLS, parallel=False)
-    assert accepts(tokenizer, one, PARIS) and not accepts(tokenizer, one, PARIS + ROME)
-    named = forced(tokenizer, TOOLS, choice="book")
-    assert accepts(tokenizer, named, as_json) and not accepts(tokenizer, named, PARIS)
+    assert_forces_one_call_or_the_named_one(tokenizer, TOOLS, PARIS, PARIS + ROME, as_json)

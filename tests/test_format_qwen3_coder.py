@@ -3,7 +3,8 @@
 block, read with mlx-lm's qwen3_coder parser."""
 
 import pytest
-from format_support import (TYPED, TYPED_ARGUMENTS, WEATHER, accepts, every_way, family_tokenizer, forced, read_reply,
+from format_support import (TYPED, TYPED_ARGUMENTS, WEATHER, accepts, assert_a_forced_call_waits_for_the_thought,
+                            assert_forces_one_call_or_the_named_one, every_way, family_tokenizer, forced, read_reply,
                             rendered_call)
 
 from llm_mlx_streaming.formats.qwen3_coder import FORMAT
@@ -74,13 +75,8 @@ def test_the_forced_grammar_takes_the_native_calls_and_nothing_else(tokenizer):
     assert not accepts(tokenizer, grammar, "Paris is sunny.")
     assert not accepts(tokenizer, grammar, PARIS.replace("get_weather", "get_time"))
     assert not accepts(tokenizer, grammar, TYPED_CALL.replace("\n2\n", "\ntwo\n"))
-    one = forced(tokenizer, TOOLS, parallel=False)
-    assert accepts(tokenizer, one, PARIS) and not accepts(tokenizer, one, f"{PARIS}\n{ROME}")
-    named = forced(tokenizer, TOOLS, choice="book")
-    assert accepts(tokenizer, named, TYPED_CALL) and not accepts(tokenizer, named, PARIS)
+    assert_forces_one_call_or_the_named_one(tokenizer, TOOLS, PARIS, f"{PARIS}\n{ROME}", TYPED_CALL)
 
 
 def test_a_forced_call_may_first_close_the_think_block(step):
-    grammar = forced(step, [WEATHER], thinking=True)
-    assert accepts(step, grammar, f"Paris.\n</think>\n{PARIS}")
-    assert not accepts(step, grammar, PARIS)
+    assert_a_forced_call_waits_for_the_thought(step, "Paris.\n</think>\n", PARIS)
