@@ -266,6 +266,14 @@ def json_grammar(write: Callable[[Lark, str, str], str]) -> Grammar:
     return grammar
 
 
+def required_parameters(function: dict) -> list[tuple[str, dict]]:
+    """A function's required parameters and their schemas, in the schema's order: what
+    a forced call writes."""
+    schema = function.get("parameters") or {}
+    properties = schema.get("properties") or {}
+    return [(key, properties[key] or {}) for key in properties if key in (schema.get("required") or ())]
+
+
 def param_grammar(write: Callable[[Lark, str, str], str], parameter: Callable[[Lark, str, str], str],
                   closing: str = "") -> Grammar:
     """Forcing for calls written one parameter at a time: `write(lark, name, params)` is
@@ -281,15 +289,13 @@ def param_grammar(write: Callable[[Lark, str, str], str], parameter: Callable[[L
     def grammar(lark, functions):
         lines = []
         for i, function in enumerate(functions):
-            schema = function.get("parameters") or {}
-            properties = schema.get("properties") or {}
             parts = []
-            for j, key in enumerate(k for k in properties if k in (schema.get("required") or ())):
-                kind, value = (properties[key] or {}).get("type"), f"value{i}_{j}"
+            for j, (key, spec) in enumerate(required_parameters(function)):
+                kind, value = spec.get("type"), f"value{i}_{j}"
                 if kind == "string":
                     lines.append(f"{value}{'[lazy]' if closing else ''}: /[^<]*/{end}")
                 else:
-                    lines.append(f"{value}: {BOOLEAN if kind == 'boolean' else lark.json(properties[key])}{end}")
+                    lines.append(f"{value}: {BOOLEAN if kind == 'boolean' else lark.json(spec)}{end}")
                 parts.append(parameter(lark, key, value))
             lines.append(f"call{i}: {write(lark, function['name'], ' '.join(parts) or literal(''))}")
         return lines

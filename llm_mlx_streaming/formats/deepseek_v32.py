@@ -20,7 +20,7 @@ import json
 import re
 from typing import Any
 
-from .base import ToolFormat, literal, param_calls
+from .base import ToolFormat, literal, param_calls, required_parameters
 
 DSML = "｜DSML｜"
 
@@ -70,11 +70,8 @@ def grammar(lark, functions):
     other type JSON of its schema."""
     lines = []
     for i, function in enumerate(functions):
-        schema = function.get("parameters") or {}
-        properties = schema.get("properties") or {}
         parts = []
-        for j, key in enumerate(k for k in properties if k in (schema.get("required") or ())):
-            spec = properties[key] or {}
+        for j, (key, spec) in enumerate(required_parameters(function)):
             string = spec.get("type") == "string"
             lines.append(f"value{i}_{j}: " + ("/[^<]*/" if string else lark.json(spec)))
             head = f'<{DSML}parameter name="{key}" string="{"true" if string else "false"}">'

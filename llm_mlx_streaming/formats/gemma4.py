@@ -3,7 +3,7 @@ call, the arguments in Gemma's own literal syntax (bare keys, strings between <|
 delimiters, numbers, true/false, lists and objects; mlx-lm's gemma4). The template
 writes the parameters sorted by name."""
 
-from .base import ToolFormat, literal, literal_calls
+from .base import ToolFormat, literal, literal_calls, required_parameters
 
 PARSER = "mlx_lm.tool_parsers.gemma4"
 QUOTE = '<|"|>'
@@ -15,11 +15,9 @@ def grammar(lark, functions):
     the parser reads as it is)."""
     lines = []
     for i, function in enumerate(functions):
-        schema = function.get("parameters") or {}
-        properties = schema.get("properties") or {}
         parts = []
-        for j, key in enumerate(sorted(k for k in properties if k in (schema.get("required") or ()))):
-            spec, value, quote = properties[key] or {}, f"value{i}_{j}", lark.tag(QUOTE)
+        for j, (key, spec) in enumerate(sorted(required_parameters(function), key=lambda p: p[0])):
+            value, quote = f"value{i}_{j}", lark.tag(QUOTE)
             string = spec.get("type") == "string"
             lines.append(f"{value}: " + (f"{quote} /[^<]*/ {quote}" if string else lark.json(spec)))
             parts.append(f'{literal(key + ":")} {value}')

@@ -2,7 +2,7 @@
 a <|tool_call_start|> block (mlx-lm's pythonic, which reads the values as Python
 literals, JSON's true/false/null too)."""
 
-from .base import BOOLEAN, ToolFormat, literal, literal_calls
+from .base import BOOLEAN, ToolFormat, literal, literal_calls, required_parameters
 
 PARSER = "mlx_lm.tool_parsers.pythonic"
 STRING = r"""/"[^"\\<\n]*"/ | /'[^'\\<\n]*'/"""
@@ -16,11 +16,9 @@ def grammar(lark, functions):
     list's commas."""
     lines = []
     for i, function in enumerate(functions):
-        schema = function.get("parameters") or {}
-        properties = schema.get("properties") or {}
         parts = []
-        for j, key in enumerate(k for k in properties if k in (schema.get("required") or ())):
-            spec, value = properties[key] or {}, f"value{i}_{j}"
+        for j, (key, spec) in enumerate(required_parameters(function)):
+            value = f"value{i}_{j}"
             kind = spec.get("type")
             lines.append(f"{value}: " + (STRING if kind == "string" else BOOLEAN if kind == "boolean"
                                          else lark.json(spec)))
