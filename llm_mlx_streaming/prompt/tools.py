@@ -1,4 +1,4 @@
-"""Tool calling through the model's own chat template and mlx-lm's tool parsers.
+"""Tool calling through the model's own chat template and its family's call format.
 
 llm's tools go to the template as OpenAI-style function specs (`tools=`), earlier
 tool calls as the assistant message's `tool_calls`, and tool results as `tool`
@@ -49,11 +49,11 @@ def function_tools(prompt) -> list:
 
 
 def check_tool_support(tokenizer, model_name: str = "this model") -> None:
-    """A ToolError unless mlx-lm found a tool-call format in the chat template."""
+    """A ToolError unless a tool-call format was found in the checkpoint (formats/)."""
     if not getattr(tokenizer, "has_tool_calling", False):
         raise ToolError(
-            f"{model_name}'s chat template has no tool support (mlx-lm finds no tool-call "
-            "format in it), so it cannot be given tools (-T)"
+            f"{model_name}'s chat template has no tool support (no tool-call format is found in "
+            "it or its tokens), so it cannot be given tools (-T)"
         )
 
 
