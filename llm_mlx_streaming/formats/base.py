@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
+from ..stops import partial_suffix
+
 # (markup so far, whether the block is closed, the tools) -> [(name, arguments' JSON text so far)]
 Reading = Callable[[str, bool, Optional[list]], list[tuple[str, str]]]
 # (the grammar's writer, functions [{"name", "parameters"}]) -> lark rules call0, call1, ... (one call each)
@@ -84,14 +86,6 @@ class ToolFormat:
         if not out:
             raise ValueError("no call")
         return out
-
-
-def partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 def json_calls(head: str, call_end: str = "", tail: str = r"\s*", held: str = r"\s*") -> Reading:

@@ -9,6 +9,7 @@ parser and response format), so mlx-lm's own text state machine splits the reply
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import pkgutil
@@ -21,13 +22,14 @@ from .base import ToolFormat
 NOT_FORMATS = {"base", "registry"}
 
 
-def formats() -> list[ToolFormat]:
+@functools.lru_cache(maxsize=None)
+def formats() -> tuple[ToolFormat, ...]:
     """Ours, one module each (its FORMAT), found in this package: where mlx-lm has a
     parser, what it lacks (streaming, forcing, a detection); where it has none, the
     parser too. A new format is its module and nothing else."""
     package = Path(__file__).parent
     names = sorted(m.name for m in pkgutil.iter_modules([str(package)]) if m.name not in NOT_FORMATS)
-    return [importlib.import_module(f"{__package__}.{name}").FORMAT for name in names]
+    return tuple(importlib.import_module(f"{__package__}.{name}").FORMAT for name in names)
 
 
 def by_name(name: str) -> ToolFormat:
