@@ -81,6 +81,16 @@ def buffer_size(value) -> str:
     return _size(value, "256MB, 1GB, 0, or auto", allow_zero=True)
 
 
+def snapshot_size(value) -> str:
+    """A snapshot_memory as stored: "auto" or a size (0: no snapshots)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    return _size(value, "1GB, 500MB, 0, or auto", allow_zero=True)
+
+
+SNAPSHOT_SHARE, SNAPSHOT_MOST = 0.05, 2 * 2**30  # snapshot_memory auto: this share of the budget, at most this
+
+
 def disk_size(value) -> str:
     """A size on disk as stored (0 allowed)."""
     return _size(value, "2GB, 500MB, 1.5GiB", allow_zero=True)

@@ -83,6 +83,7 @@ def test_claude_gets_the_server_its_key_and_model_everywhere_and_the_started_ser
     assert env["ANTHROPIC_BASE_URL"] == f"http://127.0.0.1:{server['port']}"
     assert env["ANTHROPIC_AUTH_TOKEN"] == server["secret"] and "ANTHROPIC_API_KEY" not in env
     assert env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "8192"  # the server's max_context
+    assert env["CLAUDE_CODE_ATTRIBUTION_HEADER"] == "0"  # no billing line in front of the prompt
     for name in ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL",
                  "ANTHROPIC_DEFAULT_HAIKU_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL"):
         assert env[name] == "mlx-stream/small", name

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from ..options import registry
 from ..engine.planner import DEFAULT_HIT_RATES, default_reserve
 from ..errors import MlxStreamError, SettingsError, one_line
-from ..options.run_config import budget_value, kv_spec, planned_context
+from ..options.run_config import budget_value, kv_spec, planned_context, snapshot_budget
 from ..options.knobs import AUTO_BUDGET_SHARE, BUNDLED_NAME
 from ..options.settings import budget_bytes, load_settings
 from ..sizes import format_size
@@ -55,7 +55,7 @@ def plan(name, budget, max_context, kv_bits, hit_rate, budgets, json_):
     value = budget_value(options, settings)
     nbytes = budget_bytes(value)
     try:
-        result = plan_memory(path, nbytes, max_context=context, kv=kv)
+        result = plan_memory(path, nbytes, max_context=context, kv=kv, snapshot_bytes=snapshot_budget(settings, nbytes))
     except PlanError as exc:
         prefix = f"memory_budget auto ({AUTO_BUDGET_SHARE:.0%} of this machine's memory): " if value == "auto" else ""
         raise MlxStreamError(prefix + str(exc)) from None
@@ -181,6 +181,8 @@ def format_plan(plan, hit_rate: float | None = None) -> str:
     if plan.image_tokens:
         lines.append(f"  {'  image tokens':<{width}}{plan.image_tokens:>10}  in the KV cache beyond max_context: "
                      f"{plan.image_note}")
+    if plan.snapshot_bytes:
+        row("prompt snapshots", plan.snapshot_bytes, "at most (snapshot_memory): this cache cannot be rewound")
     row("reserve", plan.reserve_bytes, reserve_note)
     if plan.num_moe_layers:
         total_slots = sum(plan.slots_per_layer)

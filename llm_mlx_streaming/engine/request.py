@@ -89,6 +89,8 @@ class Request:
     # -- features --
     stop: Sequence[str] = ()  # the reply ends before the first of these in its text
     conversation_cache: Optional[Any] = None  # engine.disk_cache.DiskCacheSpec: save/load KV on disk
+    snapshots: Optional[Any] = None  # engine.snapshots.SnapshotSpec: resume caches that cannot be rewound
+    boundaries: Sequence = ()  # engine.snapshots.Boundary: where the rendered prompt's stable parts end
     # -- speculation --------------------------------------------------
     k: Union[int, str] = 0  # drafts per verify pass; 0: plain mlx-lm decoding; "auto": adaptive
     draft: str = "ngram"  # a drafter kind (speculation/drafter.py) or an added model's name

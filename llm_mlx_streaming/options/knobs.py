@@ -235,6 +235,25 @@ KNOBS: tuple[Knob, ...] = (
         description="Responses `llm mlxs serve` keeps for the Responses API's previous_response_id and "
         "GET /v1/responses/ID (with their conversations); past this many the oldest is dropped.",
     ),
+    # -- prompt snapshots (engine/snapshots.py) ---------------------------------------
+    _setting_only(
+        name="snapshot_every", type=int, default=4096, bounds={"ge": 0},
+        description="A cache that cannot be rewound (linear attention, a sliding window, chunked attention) is "
+        "copied while a prompt is prefilled, where its system prompt and earlier turns end and every this many "
+        "tokens (0: only there), so a later prompt sharing that prefix resumes inside it instead of reading it "
+        "again; such a copy is also a segment of the conversation cache on disk.",
+    ),
+    _setting_only(
+        name="snapshots", type=int, default=16, bounds={"ge": 0, "le": 10_000},
+        description="Most prompt snapshots kept in memory (every-N ones go first, those at the end of a system "
+        "prompt last); 0: none.",
+    ),
+    _setting_only(
+        name="snapshot_memory", type=str, default="auto", check=values.snapshot_size,
+        description="Most memory the prompt snapshots take, part of the memory plan for a model whose cache "
+        f"cannot be rewound (`llm mlxs plan`): a size like 1GB, 0 (none), or auto: {values.SNAPSHOT_SHARE:.0%} "
+        f"of memory_budget, at most {values.SNAPSHOT_MOST // 2**30} GiB.",
+    ),
     # -- the conversation cache on disk ----------------------------------------------
     _setting_only(
         name="conversation_cache", type=bool, default=True, check=values.parse_switch,

@@ -31,14 +31,15 @@ def raw_text(messages) -> Optional[str]:
 
 
 def render_prompt(tokenizer, messages, *, thinking: Optional[bool] = None, effort: Optional[str] = None,
-                  tools: Optional[list[dict]] = None) -> tuple[list[int], str]:
-    """Token ids for the conversation (llm's `Message`s), plus the text of the generation prompt.
+                  tools: Optional[list[dict]] = None) -> tuple[list[int], str, tuple]:
+    """Token ids for the conversation (llm's `Message`s), the text of the generation
+    prompt, and where the prompt's stable parts end (`boundaries`).
 
     `thinking` and `effort` set the template's thinking switch (None: the template's default);
     `tools` are function specs for the template (tools.py)."""
     raw = raw_text(messages)
     if raw is not None:
-        return encode_text(tokenizer, raw), ""
+        return encode_text(tokenizer, raw), "", ()
     start = getattr(tokenizer, "think_start", None)
     end = getattr(tokenizer, "think_end", None)
     messages, stored = template_messages(messages, start, end)
@@ -49,7 +50,7 @@ def render_prompt(tokenizer, messages, *, thinking: Optional[bool] = None, effor
         if thinking is not None or effort is not None:
             raise PromptError("-o thinking: this model has no chat template, so no thinking switch")
         text = "\n\n".join(m["content"] for m in messages)
-        return encode_text(tokenizer, text), ""
+        return encode_text(tokenizer, text), "", ()
     extra = template_switches(tokenizer, thinking, effort)
 
     def rendered(msgs, shown, generation=True):
@@ -68,7 +69,31 @@ def render_prompt(tokenizer, messages, *, thinking: Optional[bool] = None, effor
     tokens = with_stored_replies(tokenizer, render, messages, stored, text)
     if tokens is None:
         tokens = encode_text(tokenizer, text)
-    return tokens, generation_prompt
+    return tokens, generation_prompt, boundaries(tokenizer, render, messages, tokens, generation_prompt)
+
+
+def boundaries(tokenizer, render, messages: list[dict], tokens: list[int], generation_prompt: str) -> tuple:
+    """Where the prompt's stable parts end, as engine/snapshots.Boundary: the system
+    prompt and tools (found as mlx-lm's server finds it: the template rendered with the
+    system messages and an empty user message), and the earlier turns (the start of the
+    generation prompt, which a thinking template may not render again the next turn)."""
+    from mlx_lm.utils import common_prefix_len
+
+    from ..engine.snapshots import SYSTEM, TURNS, Boundary
+
+    found = []
+    system = [m for m in messages[:next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))]]
+    try:
+        head = encode_text(tokenizer, render([*system, {"role": "user", "content": ""}], generation=False))
+    except Exception:  # a template that refuses an empty user message
+        head = []
+    end = common_prefix_len(head, tokens)
+    if 0 < end < len(tokens):
+        found.append(Boundary(end, SYSTEM))
+    tail = encode_text(tokenizer, generation_prompt) if generation_prompt else []
+    if tail and tokens[-len(tail):] == tail and len(tokens) - len(tail) > end:
+        found.append(Boundary(len(tokens) - len(tail), TURNS))
+    return tuple(found)
 
 
 def with_stored_replies(tokenizer, render, messages: list[dict], stored: dict[int, list[int]],

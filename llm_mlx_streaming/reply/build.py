@@ -61,17 +61,17 @@ def prepare(tokenizer, run: RunConfig, ask: Ask, grammar: Optional[str]) -> Prep
     tools = shown_tools(tools, options.tool_choice)
     vision = None
     if ask.suffix is not None:
-        tokens, generation_prompt = fill_in_the_middle(tokenizer, raw_text(ask.messages), ask.suffix), ""
+        tokens, generation_prompt, boundaries = fill_in_the_middle(tokenizer, raw_text(ask.messages), ask.suffix), "", ()
     elif _with_images(tokenizer, ask):
         if tools:
             raise PromptError("tools and images in one prompt are not supported yet")
         tokens, generation_prompt, vision = render_with_images(tokenizer, ask.messages, thinking=options.thinking,
                                                               effort=options.reasoning_effort)
+        boundaries = ()
     else:
         try:
-            tokens, generation_prompt = render_prompt(tokenizer, ask.messages, thinking=options.thinking,
-                                                      effort=options.reasoning_effort,
-                                                      tools=tools)
+            tokens, generation_prompt, boundaries = render_prompt(tokenizer, ask.messages, thinking=options.thinking,
+                                                                  effort=options.reasoning_effort, tools=tools)
         except NoImages as e:
             raise PromptError(f"{run.name} {e}") from None
     processors = repetition_processors(run.repetition_penalty)
@@ -81,7 +81,7 @@ def prepare(tokenizer, run: RunConfig, ask: Ask, grammar: Optional[str]) -> Prep
         grammar = forced(generation_prompt)
     budget_aware = (SchemaProcessor(grammar, tokenizer),) if grammar is not None else ()
     request = run.request(tokens, [*processors, *budget_aware], budget_aware)
-    request.vision = vision
+    request.vision, request.boundaries = vision, boundaries
     end_tag = tokenizer.tool_call_end if tools else None
     if end_tag and options.parallel_tool_calls is False:  # the reply ends with its first call
         request.stop = (*request.stop, end_tag)
@@ -100,8 +100,8 @@ def count(tokenizer, ask: Ask) -> int:
     if _with_images(tokenizer, ask):
         return len(render_with_images(tokenizer, ask.messages, thinking=ask.options.thinking,
                                       effort=ask.options.reasoning_effort)[0])
-    tokens, _ = render_prompt(tokenizer, ask.messages, thinking=ask.options.thinking,
-                              effort=ask.options.reasoning_effort, tools=tools or None)
+    tokens, _, _ = render_prompt(tokenizer, ask.messages, thinking=ask.options.thinking,
+                                 effort=ask.options.reasoning_effort, tools=tools or None)
     return len(tokens)
 
 

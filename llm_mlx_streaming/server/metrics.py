@@ -109,6 +109,12 @@ class EngineCollector:
             yield _counter(name(metric), text, st.get(key))
         for metric, key, text in TOKEN_COUNTERS:
             yield _counter(name(metric), text, totals.get(key))
+        reused = CounterMetricFamily(name("reused_tokens_by_source"), "Prompt tokens reused, by where they came "
+                                     "from: this conversation's cache (memory), a prompt snapshot, the disk",
+                                     labels=["source"])
+        for source, n in (totals.get("reused_from") or {}).items():
+            reused.add_metric([source], n)
+        yield reused
         yield _counter(name("generations"), "Generations that ran to their end", st.get("requests_served"))
         yield _counter(name("host_syncs"), "Host synchronisations (engine waits for a device value)", st.get("syncs"))
         yield _counter(name("unplaced_routes"), "Routes without their expert's slot (must stay 0)", st.get("unplaced"))

@@ -165,6 +165,9 @@ class OutputConfig(RequestModel):
     effort: Optional[str] = hint("the chat template has no effort level (thinking is its switch)")
 
 
+BILLING = "x-anthropic-billing-header:"
+
+
 class _Conversation(RequestModel):
     """What both routes read: the model, the system prompt, the messages, the tools."""
 
@@ -182,9 +185,20 @@ class _Conversation(RequestModel):
     container: Optional[Any] = hint("no code-execution container here")
 
     def system_text(self) -> Optional[str]:
+        """The system prompt, less Claude Code's billing line (`billing_line`)."""
         if isinstance(self.system, list):
-            return "".join(block.text for block in self.system)
+            return "".join(block.text for block in self.system if not block.text.startswith(BILLING))
+        if self.system is not None and self.system.startswith(BILLING):
+            return self.system.partition("\n")[2]
         return self.system
+
+    def billing_line(self) -> bool:
+        """Whether the system prompt starts with Claude Code's `x-anthropic-billing-header:`
+        line: meant for Anthropic's billing, not the model, with a hash that changes each
+        session and (interactive) a nonce that changes each request in front of everything
+        else, so kept in the prompt it would leave no prefix for the KV cache to reuse."""
+        blocks = self.system if isinstance(self.system, list) else [self.system or ""]
+        return any(getattr(block, "text", block).startswith(BILLING) for block in blocks)
 
     def schema_dict(self) -> Optional[dict]:
         fmt = self.output_config.format if self.output_config else None
