@@ -47,7 +47,8 @@ def reasoning_cap(prompt_length: int, opened: bool, start: Sequence[int], end: S
         at = 0 if opened else _find(reply, start)
         if at is None:
             return logits
-        at += 0 if opened else len(start)
+        if not opened:
+            at += len(start)  # the reasoning's first token
         ended = _find(reply[at:], end)
         written = reply[at + budget:]
         if len(reply) - at < budget or (ended is not None and ended < budget) or _find(written, close) is not None:
