@@ -91,8 +91,8 @@ KNOBS: tuple[Knob, ...] = (
     ),
     _option_only(
         name="thinking_budget", type=int, bounds={"ge": 1},
-        description="Most tokens of reasoning: the think block is closed after this many (for models "
-        "whose think tags are single tokens, as Qwen3's)",
+        description="Most tokens of reasoning: after this many the reasoning is closed with the model's "
+        "own closing tokens and the answer follows",
     ),
     _option_only(
         name="tool_choice", type=str, check=values.tool_choice,

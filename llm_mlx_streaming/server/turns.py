@@ -115,14 +115,15 @@ async def _disconnected(request: Request) -> None:
 
 
 def unswitched(service, request: Request, model_id: str, fields: dict) -> None:
-    """A thinking field for a model whose template cannot think is accepted as off (and
-    named), as clients send it to every model."""
+    """A thinking switch for a model whose template has none is accepted and named, as
+    clients send it to every model. A budget stays: a model that always reasons (its
+    generation prompt opens the block) is held to it, and one that never does has
+    nothing for it to close (reply/build.py)."""
     if not service.thinks(model_id):
         if fields.pop("thinking", None):
             service.ignore(request, ["thinking"])
         if fields.pop("reasoning_effort", None) not in (None, "none", "minimal"):
             service.ignore(request, ["reasoning_effort"])
-        fields.pop("thinking_budget", None)
 
 
 async def count(service, request: Request, model_id: str, messages: list, fields: dict, tools: Sequence[dict]) -> int:
