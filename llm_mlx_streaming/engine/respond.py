@@ -149,7 +149,7 @@ def snapshot_prefill(loaded, session, request: Request, prompt: list[int], reuse
     tokens now in the cache, the [(position, snapshot)] taken)."""
     from .snapshots import feed, positions
 
-    if session.snapshots is None or loaded.takes_images:
+    if session.snapshots is None or disk_cache_off(loaded, request):  # images: tokens do not tell them apart
         return reused, []
     marks = positions(reused, len(prompt), request.boundaries, session.snapshots.spec.every)
     if not marks:
@@ -183,7 +183,7 @@ def begin(provider: ModelProvider, request: Request, out: Channel, carried: Carr
     for processor in request.budget_aware:  # constrained decoding closes within it
         processor.limit_tokens(max_tokens)
     kv, kv_note = kv_layout(loaded, request.kv)
-    session.keep_snapshots(None if disk_cache_off(loaded, request) else request.snapshots)
+    session.keep_snapshots(request.snapshots)
     cache, new_tokens, reused = session.reuse_for(prompt, kv, images_of(request))
     disk = None if disk_cache_off(loaded, request) else disk_cache_for(provider, request, kv, carried)
     cache, new_tokens, reused, from_disk = cache_from_disk(disk, session, loaded, prompt, kv, cache, new_tokens, reused)
