@@ -6,6 +6,7 @@ Not run in CI: it installs the CLIs from the npm registry and takes a minute or 
 
     python benchmarks/record_agents.py [--clients claude,codex,agents,sdk]
         [--claude-version latest] [--codex-version latest] [--no-install] [--scrub-only]
+        [--runs claude_code.session2,claude_code.interactive,claude_code.first_party]
 
 What it does:
 
@@ -25,7 +26,11 @@ What it does:
    repository, removed afterwards), the second continuing the first session (`claude -p
    --continue`, `codex exec resume --last`), with the clients' telemetry, update checks
    and nonessential traffic switched off; then Claude Code once more as most users run
-   it (a Claude model name, nonessential traffic on). Every client talks only to the
+   it (a Claude model name, nonessential traffic on), and the EXTRA_RUNS, each in a
+   scratch HOME of its own: a second `claude -p` session with another task, and one turn
+   of an interactive session driven in tmux (as is, and taking the recorder for
+   Anthropic's own API). `--runs` records only some of those and adds their files to
+   what is there, rewriting nothing else. Every client talks only to the
    recorder (the CLIs get no other base URL), and each runs under a timeout in its own
    process group, killed at the end.
 4. Scrubs the requests (auth values, scratch paths, host name, ids, dates, unix times,
@@ -42,8 +47,10 @@ import base64
 import gzip
 import http.server
 import json
+import os
 import platform
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -70,6 +77,7 @@ CUE = "(use a tool)"
 PROMPT_TOOL = f"List the files in the current directory {CUE}, then say done."
 PROMPT_LATER = "Thanks. Now say goodbye in one word."
 PROMPT_WEATHER = f"What is the weather in Paris? {CUE}"
+PROMPT_SESSION2 = f"Print today's date {CUE}, then say done."  # its 5th, 8th, 21st characters differ from PROMPT_TOOL's
 FINAL_TEXT = "Done: the listing came back."
 PLAIN_TEXT = "Hello from the recorder."
 
@@ -553,12 +561,16 @@ def pip_version(python: Path | str, dist: str) -> str | None:
     return r.stdout.strip() or None
 
 
-def record_claude(rec: Recorder, scratch: dict) -> list[dict]:
-    claude = BIN / "claude"
-    env = base_env(scratch["home"]) | claude_quiet(scratch["home"]) | {
+def claude_env(rec: Recorder, scratch: dict) -> dict:
+    return base_env(scratch["home"]) | claude_quiet(scratch["home"]) | {
         "ANTHROPIC_BASE_URL": f"http://127.0.0.1:{rec.port}",
         "ANTHROPIC_API_KEY": "sk-ant-recorder-dummy",
     }
+
+
+def record_claude(rec: Recorder, scratch: dict) -> list[dict]:
+    claude = BIN / "claude"
+    env = claude_env(rec, scratch)
     results = []
     for label, args in (("claude_code.turn1", ["-p", PROMPT_TOOL, "--model", MODEL]),
                         ("claude_code.turn2", ["-p", PROMPT_LATER, "--continue", "--model", MODEL])):
@@ -577,6 +589,91 @@ def record_claude(rec: Recorder, scratch: dict) -> list[dict]:
         [str(claude), "-p", PROMPT_TOOL, "--model", CLAUDE_MODEL, "--dangerously-skip-permissions"],
         env=env, cwd=project)})
     return results
+
+
+def record_claude_session2(rec: Recorder, scratch: dict) -> list[dict]:
+    """A second, separate `claude -p` session (its own scratch HOME) with another task:
+    the billing line's per-session hash (`cc_version=<version>.<3 hex>`) may differ."""
+    rec.label = "claude_code.session2"
+    return [{"label": rec.label, **run(
+        [str(BIN / "claude"), "-p", PROMPT_SESSION2, "--model", MODEL, "--dangerously-skip-permissions"],
+        env=claude_env(rec, scratch), cwd=scratch["project"])}]
+
+
+def record_claude_interactive(rec: Recorder, scratch: dict, first_party: bool = False,
+                              timeout: float = 60) -> list[dict]:
+    """One turn of an interactive session (no -p), typed into Claude Code in a private
+    tmux server (the first-run dialogs: theme, the API key, trusting the folder, bypassing
+    permissions, answered in its config). Its billing line says `cc_entrypoint=cli`. The
+    per-request nonce (`cch=<5 hex>;`) and the prompt/turn fields come only with a base URL
+    Claude Code takes for Anthropic's own (api.anthropic.com, -p or not): `first_party` makes
+    it take the recorder's so (its internal `_CLAUDE_CODE_ASSUME_FIRST_PARTY_BASE_URL=1`)."""
+    label = rec.label = "claude_code.first_party" if first_party else "claude_code.interactive"
+    tmux = shutil.which("tmux")
+    if not tmux:
+        return [{"label": label, "rc": None, "error": "tmux not found"}]
+    key = "sk-ant-recorder-dummy"
+    env = claude_env(rec, scratch) | {"TERM": "xterm-256color"}
+    if first_party:
+        env["_CLAUDE_CODE_ASSUME_FIRST_PARTY_BASE_URL"] = "1"
+    env.pop("NO_COLOR")
+    config = Path(env["CLAUDE_CONFIG_DIR"])
+    config.mkdir(parents=True, exist_ok=True)
+    (config / ".claude.json").write_text(json.dumps({
+        "hasCompletedOnboarding": True, "theme": "dark", "numStartups": 1,
+        "customApiKeyResponses": {"approved": [key[-20:]], "rejected": []},
+        "projects": {str(scratch["project"]): {"hasTrustDialogAccepted": True,
+                                                "hasCompletedProjectOnboarding": True}}}))
+    (config / "settings.json").write_text(json.dumps({"skipDangerousModePermissionPrompt": True}))
+    cmd = [str(BIN / "claude"), "--model", MODEL, "--dangerously-skip-permissions"]
+    socket_name = f"record-agents-{os.getpid()}"
+    t = [tmux, "-L", socket_name, "-f", "/dev/null"]
+    start = time.monotonic()
+
+    def screen() -> str:
+        return subprocess.run([*t, "capture-pane", "-p", "-t", "rec"], capture_output=True, text=True).stdout
+
+    def main_requests() -> list[dict]:
+        return [s for s in rec.summary if s["label"] == label and s["method"] == "POST"
+                and s["path"].split("?")[0].endswith("/messages")]
+
+    def wait(until) -> bool:
+        while time.monotonic() - start < timeout:
+            if until():
+                return True
+            time.sleep(0.5)
+        return False
+
+    subprocess.run([*t, "new-session", "-d", "-s", "rec", "-x", "160", "-y", "50", "-c", str(scratch["project"]),
+                    # the pane stays after an exit, to be read
+                    shlex.join(["env", "-i", *(f"{k}={v}" for k, v in env.items()), *cmd]) + "; sleep 600"],
+                   check=True)
+    try:
+        ready = wait(lambda: "bypass permissions on" in screen())
+        subprocess.run([*t, "send-keys", "-t", "rec", "-l", PROMPT_TOOL], check=True)
+        time.sleep(0.5)
+        subprocess.run([*t, "send-keys", "-t", "rec", "Enter"], check=True)
+        # the turn: its request, the tool call, the request with the result, the answer
+        done = wait(lambda: FINAL_TEXT in screen())
+        time.sleep(1)
+        last = screen()
+        subprocess.run([*t, "send-keys", "-t", "rec", "-l", "/exit"])
+        subprocess.run([*t, "send-keys", "-t", "rec", "Enter"])
+        time.sleep(2)
+    finally:
+        subprocess.run([*t, "kill-server"], capture_output=True)
+    return [{"label": label, "cmd": [*(["_CLAUDE_CODE_ASSUME_FIRST_PARTY_BASE_URL=1"] if first_party else []),
+                                     *cmd, f"(in tmux, typed: {PROMPT_TOOL!r}, then /exit)"],
+             "rc": 0 if done else 1, "timed_out": not done, "ready": ready,
+             "seconds": round(time.monotonic() - start, 1), "requests": len(main_requests()),
+             "stdout": last[-4000:], "stderr": ""}]
+
+
+# The runs that --runs can pick, each in a fresh scratch HOME: their files are added to
+# the recording in --out (index.json and README.md updated) and nothing else is rewritten.
+EXTRA_RUNS = {"claude_code.session2": record_claude_session2,
+              "claude_code.interactive": record_claude_interactive,
+              "claude_code.first_party": lambda rec, scratch: record_claude_interactive(rec, scratch, True)}
 
 
 CODEX_CONFIG = """\
@@ -763,11 +860,13 @@ TIME = re.compile(r"\b20\d\d-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?(?:Z|[+-]\d\d:?\d
 class Scrubber:
     """Replaces machine- and run-specific strings, the same way in every file."""
 
-    def __init__(self, scratch: dict, port: int | None, meta_dates: list[str] | None = None):
+    def __init__(self, scratch: dict | list[dict], port: int | None, meta_dates: list[str] | None = None,
+                 first_uuid: int = 1):
         self.uuids: dict[str, str] = {}
+        self.first_uuid = first_uuid
         pairs = []
-        if scratch:
-            work = Path(scratch["work"])
+        for one in scratch if isinstance(scratch, list) else [scratch] if scratch else []:
+            work = Path(one["work"])
             for real, fake in ((work / "home" / "project", "/home/user/project"),
                                (work / "home", "/home/user"), (work, "/home/user/work")):
                 for path in {str(real.resolve()), str(real)}:
@@ -813,7 +912,7 @@ class Scrubber:
     def _uuid(self, m) -> str:
         key = m.group(0).lower()
         if key not in self.uuids:
-            self.uuids[key] = f"00000000-0000-4000-8000-{len(self.uuids) + 1:012d}"
+            self.uuids[key] = f"00000000-0000-4000-8000-{len(self.uuids) + self.first_uuid:012d}"
         return self.uuids[key]
 
     def value(self, v):
@@ -915,20 +1014,39 @@ def name_requests(records: list[dict]) -> list[tuple[str, dict]]:
 
 
 def scrub(raw: Path, out: Path, meta: dict) -> dict:
+    """The raw recording into `out`; a recording of only some runs (`added_runs`, from
+    --runs) replaces those runs' files and leaves every other file as it is, its ids
+    and `seq` numbered on from theirs."""
     records = [json.loads(p.read_text()) for p in sorted(raw.glob("*.json"))]
     records = [r for r in records if "seq" in r]
-    scrubber = Scrubber(meta.get("scratch") or {}, meta.get("port"), meta.get("dates"))
-    client_versions = meta.get("versions", {})
+    added = meta.get("added_runs")
+    kept, first_uuid, first_seq = None, 1, 0
     out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("*.json"):
-        stale.unlink()
+    if added:
+        kept = json.loads((out / "index.json").read_text())
+        gone = [f["file"] for f in kept["files"] if f["run"] in added]
+        kept["files"] = [f for f in kept["files"] if f["run"] not in added]
+        kept["runs"] = [r for r in kept["runs"] if r["label"] not in added]
+        for name in gone:
+            (out / name).unlink(missing_ok=True)
+        texts = [(out / f["file"]).read_text() for f in kept["files"]]
+        first_uuid = 1 + max((int(n) for t in texts for n in re.findall(r"00000000-0000-4000-8000-(\d{12})", t)),
+                             default=0)
+        first_seq = max(json.loads(t)["seq"] for t in texts)
+    else:
+        for stale in out.glob("*.json"):
+            stale.unlink()
+    scrubber = Scrubber(meta.get("scratch") or {}, meta.get("port"), meta.get("dates"), first_uuid)
+    client_versions = meta.get("versions", {})
     index = {"recorded_with": meta.get("recorded_with"), "clients": client_versions,
              "runs": scrubber.value(meta.get("runs")), "files": []}
+    if kept:
+        index = kept | {"runs": kept["runs"] + index["runs"]}
     for stem, r in name_requests(records):
         client = r["label"].split(".")[0]
         doc = {
             "client": client, "client_version": client_versions.get(client),
-            "run": r["label"], "seq": r["seq"],
+            "run": r["label"], "seq": r["seq"] + first_seq,
             "method": r["method"], "path": scrubber.text(r["path"]),
             "headers": scrubber.headers(r["headers"]),
             "body": scrubber.value(r["body"]),
@@ -1134,8 +1252,16 @@ def main() -> int:
     ap.add_argument("--scrub-only", action="store_true", help="re-scrub the last raw recording")
     ap.add_argument("--keep-scratch", action="store_true")
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--runs", help="record only these runs and add their files to --out, leaving the "
+                    f"others as they are (comma-separated: {', '.join(EXTRA_RUNS)})")
     args = ap.parse_args()
     clients = set(args.clients.split(","))
+    added = args.runs.split(",") if args.runs else None
+    if added:
+        unknown = set(added) - set(EXTRA_RUNS)
+        if unknown:
+            ap.error(f"--runs: no run {', '.join(sorted(unknown))} (there are {', '.join(EXTRA_RUNS)})")
+        clients = {"claude"}
     meta_path = RAW / "meta.json"
 
     if args.scrub_only:
@@ -1157,18 +1283,22 @@ def main() -> int:
     if RAW.exists():
         shutil.rmtree(RAW)
     scratch = make_scratch("record-agents-")
+    scratches = [scratch]
     runs = []
     record_start = time.monotonic()
     with Recorder(RAW) as rec:
         print(f"recorder on 127.0.0.1:{rec.port}, raw requests in {RAW}", flush=True)
-        if "claude" in clients:
+        if "claude" in clients and not added:
             runs += record_claude(rec, scratch)
-        if "codex" in clients:
+        if "codex" in clients and not added:
             runs += record_codex(rec, scratch, args.codex_sandbox)
-        if "agents" in clients:
+        if "agents" in clients and not added:
             runs += record_agents(rec, scratch, python)
-        if "sdk" in clients:
+        if "sdk" in clients and not added:
             runs += record_sdks(rec)
+        for name in added or (EXTRA_RUNS if "claude" in clients else ()):
+            scratches.append(make_scratch("record-agents-"))  # each a session of its own
+            runs += EXTRA_RUNS[name](rec, scratches[-1])
         rec.label = "after"
         time.sleep(0.5)  # a straggling request still lands in the log
         port = rec.port
@@ -1183,12 +1313,14 @@ def main() -> int:
         print(f"  {s['seq']:3d} {s['label']:28s} {s['method']:5s} {s['path'][:60]:60s} "
               f"{s['body_bytes']:8d} B -> {s['status']} {s['reply']}")
     meta = {"versions": vers, "port": port, "dates": _recording_dates(),
-            "scratch": {k: str(v) for k, v in scratch.items()},
+            "scratch": [{k: str(v) for k, v in one.items()} for one in scratches],
             "recorded_with": {"node": _cmd_out(["node", "--version"]), "npm": _cmd_out(["npm", "--version"]),
                               "python": platform.python_version(), "setup_seconds": round(setup_s, 1),
                               "record_seconds": round(record_s, 1)},
             "runs": [{k: r.get(k) for k in ("label", "cmd", "rc", "timed_out", "seconds", "error")}
                      for r in runs]}
+    if added:
+        meta["added_runs"] = added
     for r in meta["runs"]:
         if r.get("cmd"):
             r["cmd"] = [c if not c.startswith(("/", "import")) else _short(c) for c in r["cmd"]]
@@ -1197,7 +1329,8 @@ def main() -> int:
     index = scrub(RAW, args.out, meta)
     _report(index, meta)
     if not args.keep_scratch:
-        shutil.rmtree(scratch["work"], ignore_errors=True)
+        for one in scratches:
+            shutil.rmtree(one["work"], ignore_errors=True)
     return 0
 
 

@@ -20,7 +20,7 @@ KEY_TURNS = {
     "openai_agents": ["openai_agents_turn1", "openai_agents_tool_output"],
 }
 KEPT_HEADERS = re.compile(r"^(anthropic-|content-type$|accept$|user-agent$|x-stainless-|x-codex-|openai-"
-                          r"|x-app$|x-claude-code-|originator$|session-id$|thread-id$|x-client-request-id$"
+                          r"|x-app$|x-claude-code-|x-claude-1p-|originator$|session-id$|thread-id$|x-client-request-id$"
                           r"|authorization$|x-api-key$)")
 UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 
