@@ -4,8 +4,10 @@ nonce and a new session with a new version hash reuse the prompt they share with
 one, through `/v1/messages`, on plain attention and on a cache that cannot be rewound
 (linear attention, served from a snapshot).
 
-The bodies are Claude Code's recorded first request (tests/data/traffic), cut down to a
-~1k-token system prompt and two tools (a 32k BPE vocabulary, as real models have) so that a prefill takes a moment on this CPU."""
+The bodies are Claude Code's recorded requests (tests/data/traffic: two `claude -p`
+sessions, and a session that believed it spoke to Anthropic's API, whose line carries a
+`cch` nonce), each text cut to 500 characters and two tools, so that a prefill takes a
+moment on this CPU (a 32k BPE vocabulary, as real models have) so that a prefill takes a moment on this CPU."""
 
 from __future__ import annotations
 
@@ -16,17 +18,27 @@ import pytest
 from fixtures.traffic import load
 from server_support import call, send, small_server
 
-LINE = "x-anthropic-billing-header: cc_version=2.1.332.{version}; cc_entrypoint=cli; cch={nonce};"
+def _cut(text: str) -> str:
+    return text[:500]
 
 
-def _body(version: str, nonce: str, messages: list) -> dict:
-    recorded = load("claude_code_turn1")["body"]
-    body = copy.deepcopy(recorded)
-    body["system"] = [{"type": "text", "text": LINE.format(version=version, nonce=nonce)},
-                      *({**block, "text": block["text"][:500]} for block in recorded["system"][1:])]
-    body["tools"] = [{**tool, "description": tool["description"][:400]} for tool in recorded["tools"][:2]]
-    body.update(model="small", messages=messages, max_tokens=4, stream=False)
+def _recorded(name: str) -> dict:
+    """A recorded request cut down the same way every time, its billing line as it was sent."""
+    body = copy.deepcopy(load(name)["body"])
+    body["system"] = [body["system"][0], *({**block, "text": _cut(block["text"])} for block in body["system"][1:])]
+    body["tools"] = [{**tool, "description": _cut(tool["description"])} for tool in body["tools"][:2]]
+    for message in body["messages"]:
+        if isinstance(message["content"], str):
+            message["content"] = _cut(message["content"])
+        for block in message["content"] if isinstance(message["content"], list) else ():
+            if block["type"] == "text":
+                block["text"] = _cut(block["text"])
+    body.update(model="small", max_tokens=4, stream=False)
     return body
+
+
+def _line(body: dict) -> str:
+    return body["system"][0]["text"]
 
 
 def _ask(served, body) -> tuple[dict, dict]:
@@ -44,34 +56,35 @@ def served(request, build, tmp_path_factory):
         yield env
 
 
-def test_claude_codes_next_turn_and_new_session_reuse_the_prompt_they_share(served):
-    task = [{"role": "user", "content": "List the files in the current directory (use a tool), then say done."}]
-    first, headers = _ask(served, _body("307", "a1b2c", task))
+def test_two_recorded_claude_code_sessions_share_their_prompt_whatever_their_billing_lines(served):
+    first, second = _recorded("claude_code_turn1"), _recorded("claude_code_session2_turn1")
+    assert _line(first) != _line(second)  # the line's suffix follows the first prompt's text
+    reply, headers = _ask(served, first)
     assert "system.x-anthropic-billing-header" in headers["x-mlx-stream-ignored"]
-    prompt = first["usage"]["input_tokens"]
-
-    turn = [*task, {"role": "assistant", "content": first["content"] or [{"type": "text", "text": "ok"}]},
-            {"role": "user", "content": "Thanks. Now say goodbye in one word."}]
-    following, _ = _ask(served, _body("307", "f00d5", turn))  # interactive: a new nonce on every request
-    assert following["usage"]["cache_read_input_tokens"] >= 0.9 * prompt
-
-    status, _, system_only = call(served, "POST", "/v1/messages/count_tokens",
-                                  {k: v for k, v in _body("1c9", "", [{"role": "user", "content": "x"}]).items()
-                                   if k in ("system", "tools", "messages", "model")})
-    shared = system_only["input_tokens"]
-    fresh = [{"role": "user", "content": "Show the current date (use a tool), then say done."}]
-    session, _ = _ask(served, _body("344", "9e8d7", fresh))  # a new session: a new version hash
-    assert session["usage"]["cache_read_input_tokens"] >= 0.95 * (shared - 8)
+    shared = call(served, "POST", "/v1/messages/count_tokens",
+                  {**{k: first[k] for k in ("model", "system", "tools")},
+                   "messages": [{"role": "user", "content": "x"}]})[2]["input_tokens"]
+    reply, _ = _ask(served, second)  # a new session
+    assert reply["usage"]["cache_read_input_tokens"] >= 0.95 * (shared - 8)
 
     metrics = send(served, "GET", "/metrics")[2].decode()
     source = "memory" if served.arch == "qwen3_moe" else "snapshot"  # plain attention is cut back in place
     metric = 'mlxs_reused_tokens_by_source_total{source="%s"}' % source
     line = next(x for x in metrics.splitlines() if x.startswith(metric))
-    assert float(line.split()[-1]) >= session["usage"]["cache_read_input_tokens"]
+    assert float(line.split()[-1]) >= reply["usage"]["cache_read_input_tokens"]
+
+
+def test_a_turn_whose_only_change_is_a_new_cch_nonce_reuses_the_turn_before(served):
+    first, following = _recorded("claude_code_first_party_turn1"), _recorded("claude_code_first_party_tool_result")
+    assert "cch=" in _line(first) and _line(first) != _line(following)
+    reply, _ = _ask(served, first)
+    prompt = reply["usage"]["input_tokens"] + reply["usage"]["cache_read_input_tokens"]
+    reply, _ = _ask(served, following)
+    assert reply["usage"]["cache_read_input_tokens"] >= 0.9 * prompt
 
 
 def test_a_system_prompt_given_as_a_string_loses_its_billing_line_too(served):
-    body = _body("307", "a1b2c", [{"role": "user", "content": "hi"}])
+    body = _recorded("claude_code_first_party_turn1")
     text = "\n".join(block["text"] for block in body["system"])
     as_string = call(served, "POST", "/v1/messages/count_tokens",
                      {"system": text.partition("\n")[2], "messages": body["messages"]})[2]["input_tokens"]

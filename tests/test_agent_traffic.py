@@ -31,8 +31,10 @@ REQUESTS = sorted((n for n in names() if load(n)["method"] == "POST" and not n.s
 CALLS = {"claude_code": ("Bash", {"command": "ls"}), "codex": ("exec_command", {"cmd": "ls"})}
 CALLED = ("tool_use", "function_call", "tool_calls")
 # What each request sends that the engine does not act on (the rest it honours): hints
-# declared as such (fields.py) and, for Claude Code, its newer tool field defer_loading.
+# declared as such (fields.py) and, for Claude Code, its newer tool field defer_loading and its
+# billing line (left out of the prompt: issue 46).
 CLAUDE_CODE = {"context_management", "messages.content.cache_control", "metadata", "output_config.effort",
+               "system.x-anthropic-billing-header",
                "system.cache_control", "thinking.display", "tools.defer_loading"}
 CODEX = {"client_metadata", "include", "input.id", "prompt_cache_key", "reasoning.summary", "tools.web_search"}
 GIVEN_BACK = {"input.id", "input.status"}  # an earlier reply's items as the client returns them

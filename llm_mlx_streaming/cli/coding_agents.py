@@ -29,8 +29,8 @@ def claude_env(env: dict, served: Served, context: int) -> dict:
     one the user has set would be sent here, so it is left out. The context window is
     the server's, so Claude Code compacts the conversation before the server would refuse
     it (for a model id it does not know it assumes a far larger one). Its billing line,
-    whose per-request nonce would sit in front of the whole prompt, is turned off
-    (the server also leaves it out of the prompt: server/anthropic)."""
+    which differs from one session to the next in front of the whole prompt, is turned
+    off (the server also leaves it out of the prompt: server/anthropic)."""
     out = {k: v for k, v in env.items() if k != "ANTHROPIC_API_KEY"}
     out.update({"ANTHROPIC_BASE_URL": served.url, "ANTHROPIC_AUTH_TOKEN": served.key,
                 "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(context), "CLAUDE_CODE_ATTRIBUTION_HEADER": "0"})

@@ -194,9 +194,10 @@ class _Conversation(RequestModel):
 
     def billing_line(self) -> bool:
         """Whether the system prompt starts with Claude Code's `x-anthropic-billing-header:`
-        line: meant for Anthropic's billing, not the model, with a hash that changes each
-        session and (interactive) a nonce that changes each request in front of everything
-        else, so kept in the prompt it would leave no prefix for the KV cache to reuse."""
+        line: meant for Anthropic's billing, not the model, with a suffix that follows the
+        session's first prompt and (toward Anthropic's own URL) a nonce that changes each
+        request, in front of everything else, so kept in the prompt it would leave no
+        prefix for the KV cache to reuse."""
         blocks = self.system if isinstance(self.system, list) else [self.system or ""]
         return any(getattr(block, "text", block).startswith(BILLING) for block in blocks)
 
