@@ -263,7 +263,8 @@ def agent(path, model, prompt, cell, root):
         restarted.load(path, expert_slots=slots)
         try:
             first = system + tokens(vocab, 12, 21)
-            reply = ask(warm, first, disk)[0]
+            reply, _, stats = ask(warm, first, disk)
+            unsaved = stats.get("disk_cache_error")
             turns = {"A2": (first + reply + tokens(vocab, 6, 22), len(first) + len(reply)),
                      "B1": (system + tokens(vocab, 12, 23), len(system))}
             got = {}
@@ -272,7 +273,10 @@ def agent(path, model, prompt, cell, root):
                     ask(warm, tokens(vocab, 20, 24), disk)  # an unrelated side request
                 got[turn] = (ask(warm, tokens_, disk), tokens_, shared)
             later = system + tokens(vocab, 12, 25)
-            got["restart"] = (ask(restarted, later, disk), later, len(system))
+            if unsaved:  # refused, said once: a new process prefills it whole, exactly
+                cell.na(f"restart: not saved: {unsaved}")
+            else:
+                got["restart"] = (ask(restarted, later, disk), later, len(system))
             for turn, (result, tokens_, shared) in got.items():
                 stats = result[2]
                 cold = EngineManager()
