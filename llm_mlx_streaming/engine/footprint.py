@@ -265,3 +265,25 @@ def attention_tile_bytes(config: dict, context: int) -> int:
     fused kernel for a full-precision cache does not, so there this over-estimates)."""
     heads = decoder_shape(config)[2]
     return ATTENTION_TILE * heads * context * 4
+
+
+# -- one model's share of a budget -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What one loaded model holds besides its expert pools, and what a slot costs in each
+    MoE layer: the figures a budget shared by several models is split with (engine/sharing.py)."""
+
+    fixed_bytes: int  # dense weights + the KV cache at max_context
+    reserve_bytes: int  # the working reserve; the models run in turn, so the largest counts once
+    expert_bytes: tuple[int, ...]  # one expert, per MoE layer
+    num_experts: int
+    floor: int  # the fewest slots per layer a shrunk pool keeps: top_k
+
+
+def model_footprint(layout: Layout, max_context: int, kv: KVSpec, reserve: int) -> Footprint:
+    """A checkpoint's Footprint for a context, a KV layout and the plan's working reserve."""
+    kv_bytes, _ = kv_cache_bytes(layout.config, max_context, None, kv, layout.kv_blocker, layout.image_tokens)
+    floor = min(layout.num_experts, max(1, layout.top_k)) if layout.layer_keys else 0
+    return Footprint(layout.dense_bytes + kv_bytes, reserve, tuple(layout.expert_bytes), layout.num_experts, floor)
