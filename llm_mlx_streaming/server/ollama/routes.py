@@ -80,7 +80,7 @@ def router(service) -> APIRouter:
         model_id = service.model_for(body.model)
         if not messages:  # Ollama's way to load a model, or to unload it with keep_alive 0
             if body.unloads():
-                await service.unload()
+                await service.unload(model_id)
                 return shape.status("unload")
             await service.load(model_id)
             reply = shape.status("load")
@@ -89,9 +89,9 @@ def router(service) -> APIRouter:
                                  body.stream, tools)
         seconds = body.keep_seconds()
         if seconds == 0:  # after this reply: a stream holds its turn until it ends
-            service.schedule_unload() if body.stream else await service.unload()
-        elif seconds is not None:
-            service.unload_after(seconds)
+            service.schedule_unload(model_id) if body.stream else await service.unload(model_id)
+        else:
+            service.unload_after(model_id, seconds)
         return reply
 
     @api.post("/api/chat", description="Ollama's chat; NDJSON chunks unless stream is false")
@@ -133,17 +133,16 @@ def router(service) -> APIRouter:
                 "model_info": info, "capabilities": capabilities,
                 **({"modified_at": stamp(found.modified_at)} if found else {})}
 
-    @api.get("/api/ps", description="The model loaded now, if any")
+    @api.get("/api/ps", description="The models loaded now: memory, expert slots per layer, expiry")
     async def ps() -> dict:
-        from ...engine.manager import get_manager
-
-        engine = get_manager()
-        if engine.state != "loaded" or service.model_id is None:
-            return {"models": []}
-        due = service.unload_due
-        expires = stamp(due) if due is not None else "9999-12-31T23:59:59Z"  # loaded until told
-        return {"models": [{**listed(service.model_id), "expires_at": expires, "size_vram": 0,
-                            "context_length": await service.context(service.model_id)}]}
+        models = []
+        for model_id, resident in service.resident().items():
+            due = service.unload_due.get(model_id)
+            held = resident.held_bytes()
+            models.append({**listed(model_id), "size_vram": 0, "context_length": await service.context(model_id),
+                           "expires_at": stamp(due) if due is not None else "9999-12-31T23:59:59Z",  # until told
+                           "memory_bytes": held, "expert_slots": resident.slots, "pinned": resident.pinned})
+        return {"models": models}
 
     @api.get("/api/version")
     async def ollama_version() -> dict:

@@ -10,11 +10,11 @@ the plugin's name where Ollama has its own is a 400 naming Ollama's.
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal, Optional, Union
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
+from ... import values
 from ...options.knobs import BY_NAME, REPETITION_CONTEXT
 from ..openai.tools import ToolSpec
 from ..fields import RequestModel, hint
@@ -92,18 +92,7 @@ class Options(OllamaEngineOptions):
 
 
 KeepAlive = Union[float, str]
-_DURATION = re.compile(r"^(-?\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)?$")
-_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600, None: 1}
-
-
-def keep_alive_seconds(value: KeepAlive) -> float:
-    """Seconds of a keep_alive (a number of seconds or a duration like 5m); ValueError if not one."""
-    if isinstance(value, (int, float)):
-        return float(value)
-    match = _DURATION.match(value.strip())
-    if not match:
-        raise ValueError(f"{value!r} is not a duration (like 0, 5m, -1)")
-    return float(match.group(1)) * _SECONDS[match.group(2)]
+keep_alive_seconds = values.duration_seconds
 
 
 class _Generation(RequestModel):
@@ -113,8 +102,9 @@ class _Generation(RequestModel):
         None, description="json or a JSON schema: the reply is constrained to it")
     options: Optional[Options] = None
     keep_alive: Optional[KeepAlive] = Field(None, description="How long the model stays loaded after this "
-                                            "request (seconds, or a duration like 5m): 0 unloads it now; negative, "
-                                            "or left out: until told (another request cancels a pending unload)")
+                                            "request (seconds, or a duration like 5m): 0 unloads it now; negative: "
+                                            "until its room is needed; left out: the server's keep_alive setting "
+                                            "(another request for it cancels a pending unload)")
     think: Union[bool, Literal["low", "medium", "high"], None] = Field(
         None, description="The chat template's thinking switch, or gpt-oss's reasoning effort; the reasoning "
         "comes as `thinking`")
@@ -142,10 +132,9 @@ class _Generation(RequestModel):
         return self.format or None
 
     def keep_seconds(self) -> Optional[float]:
-        """Seconds the model stays loaded after this request; None: until told."""
-        if self.keep_alive is None or keep_alive_seconds(self.keep_alive) < 0:
-            return None
-        return keep_alive_seconds(self.keep_alive)
+        """Seconds the model stays loaded after this request (negative: until it needs the
+        room); None: the server's keep_alive setting."""
+        return None if self.keep_alive is None else keep_alive_seconds(self.keep_alive)
 
     def unloads(self) -> bool:
         return self.keep_seconds() == 0

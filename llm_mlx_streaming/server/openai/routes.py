@@ -36,9 +36,9 @@ def router(service) -> APIRouter:
 
     @api.get("/v1/models", response_model=ModelList)
     async def models() -> dict:
-        created = int(time.time())
-        return {"object": "list", "data": [{"id": i, "object": "model", "created": created, "owned_by": "mlx-stream"}
-                                           for i in model_ids()]}
+        created, loaded = int(time.time()), service.resident()
+        return {"object": "list", "data": [{"id": i, "object": "model", "created": created, "owned_by": "mlx-stream",
+                                            "loaded": i in loaded} for i in model_ids()]}
 
     @api.post("/v1/chat/completions", responses={200: {"model": ChatCompletion, "description":
               "The reply, or with stream: true an SSE stream of chat.completion.chunk objects"}})

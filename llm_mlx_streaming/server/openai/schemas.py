@@ -299,6 +299,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "mlx-stream"
+    loaded: bool = Field(False, description="An extension: whether the model is loaded now (GET /api/ps says more)")
 
 
 class ModelList(BaseModel):
