@@ -181,13 +181,17 @@ class Service:
 
     def resident(self) -> dict[str, Any]:
         """The loaded models by model id (engine/residents.Resident), one id per checkpoint."""
+        return {ids[0]: resident for ids, resident in self._loaded()}
+
+    def _loaded(self) -> list[tuple[list[str], Any]]:
+        """(Every model id that names it, the Resident) of each loaded model."""
         models = dict(_engine().residents.models)  # a copy: the engine thread changes it
-        out = {}
+        ids: dict[Any, list[str]] = {}
         for model_id in registry.model_ids():
-            found = models.pop(self.path_of(model_id), None)
-            if found is not None:
-                out[model_id] = found
-        return out
+            path = self.path_of(model_id)
+            if path in models:
+                ids.setdefault(path, []).append(model_id)
+        return [(names, models[path]) for path, names in ids.items()]
 
     def stop(self) -> None:
         """The server stops: every reply in flight ends now (a stream with an error frame
@@ -271,10 +275,10 @@ class Service:
     def models_figures(self) -> list[dict]:
         """How the memory budget is split among the loaded models (engine/residents.py)."""
         residents = _engine().residents
-        return [{"model": model_id, "memory_bytes": r.held_bytes(), "expert_slots": r.slots, "pinned": r.pinned,
-                 "running": r.provider is _engine(), "expires_at": self.unload_due.get(model_id),
+        return [{"model": ids[0], "ids": ids, "memory_bytes": r.held_bytes(), "expert_slots": r.slots, "pinned": r.pinned,
+                 "running": r.provider is _engine(), "expires_at": self.unload_due.get(ids[0]),
                  "memory_budget_bytes": residents.budget, "max_models": residents.max_models}
-                for model_id, r in self.resident().items()]
+                for ids, r in self._loaded()]
 
 
 def _thread_pools() -> dict[str, int]:
