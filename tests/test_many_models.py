@@ -150,3 +150,25 @@ def test_asking_for_other_slots_rebuilds_only_that_model(paths, alone):
     assert slots_of(engine, paths[0]) == 3 and slots_of(engine, paths[1]) == 8
     assert engine.residents.loads == 2
     engine.unload()
+
+
+def test_pinned_pools_shrink_only_once_the_unpinned_ones_are_at_their_floor():
+    f = Footprint(fixed_bytes=100, reserve_bytes=50, expert_bytes=(10, 10), num_experts=8, floor=2)
+    pinned, other = Claim(f, (8, 8), pinned=True), Claim(f, (8, 8))
+    least = least_bytes([pinned, other])
+    assert split(least + 120, [other, pinned]) == [(2, 2), (8, 8)]  # the pinned pool whole, the other at its floor
+    assert split(least + 100, [other, pinned]) == [(2, 2), (7, 7)]  # then the pinned one gives up slots
+    assert split(least + 160, [other, pinned]) == [(4, 4), (8, 8)]
+    assert split(least + 160, [Claim(f, (8, 8), pinned=True), pinned]) == [(6, 6), (6, 6)]  # fair among pinned
+
+
+def test_a_third_model_shrinks_the_unpinned_pools_and_leaves_the_pinned_one_whole(paths, alone):
+    engine = EngineManager()
+    engine.residents.max_models = 3
+    engine.residents.pinned.add(paths[0].resolve())
+    budget = fixed(paths[0]) + fixed(paths[1]) + spec(paths[2]).footprint.fixed_bytes + RESERVE + 4 * 64
+    loads = [spec(p, budget) for p in paths]
+    assert [tokens(engine, load) for load in loads] == alone
+    assert slots_of(engine, paths[0]) == 8
+    assert all(isinstance(s, list) and max(s) < 8 for s in (slots_of(engine, p) for p in paths[1:]))
+    engine.unload()

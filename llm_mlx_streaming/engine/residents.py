@@ -51,7 +51,7 @@ class Resident:
         footprint = self.spec.footprint
         if footprint is None:
             return None
-        return Claim(footprint, wanted_slots(footprint, self.spec.expert_slots))
+        return Claim(footprint, wanted_slots(footprint, self.spec.expert_slots), self.pinned)
 
     def held_bytes(self) -> Optional[int]:
         """Bytes it holds by its footprint and the slots it has now (None: not budgeted)."""
@@ -162,7 +162,8 @@ class Residents:
         rest, shrink the others' pools to their share, and return its own."""
         from .provider import LoadError
 
-        new = Resident(path, ModelProvider(), Carried(), spec, 0.0, slots=spec.expert_slots)
+        new = Resident(path, ModelProvider(), Carried(), spec, 0.0, pinned=path in self.pinned,
+                       slots=spec.expert_slots)
         while True:
             others = list(self.models.values())
             shares = self._shares([*others, new]) if len(others) < self.max_models else None

@@ -1,8 +1,9 @@
 """How one memory budget is split among the models the engine holds.
 
 Each model needs its fixed part (dense weights, KV cache) and at least `floor` (top_k)
-slots in every MoE layer; what the budget leaves above that is shared out max-min fair
-among the expert pools, each capped at the slots it asked for. The split depends only on
+slots in every MoE layer; what the budget leaves above that goes first to the pinned
+models' pools (models named at the server's start: they shrink last), then to the
+others, max-min fair within each, each capped at the slots it asked for. The split depends only on
 the set of models, so requests that alternate between resident models never rebuild a
 pool: pools change only when a model joins or leaves. Pure arithmetic, no mlx.
 """
@@ -17,10 +18,11 @@ from .footprint import Footprint
 
 @dataclass(frozen=True)
 class Claim:
-    """A model's footprint and the slots per MoE layer it asked for."""
+    """A model's footprint, the slots per MoE layer it asked for, and whether it is pinned."""
 
     footprint: Footprint
     wanted: tuple[int, ...]
+    pinned: bool = False
 
     @property
     def floor(self) -> tuple[int, ...]:
@@ -57,9 +59,11 @@ def split(budget: int, claims: Sequence[Claim]) -> list[tuple[int, ...]] | None:
         return None
     extras = [pool_bytes(c.footprint, c.wanted) - pool_bytes(c.footprint, c.floor) for c in claims]
     given = [0] * len(claims)
-    for n, i in enumerate(sorted(range(len(claims)), key=lambda i: extras[i])):  # max-min fair
-        given[i] = min(extras[i], left // (len(claims) - n))
-        left -= given[i]
+    for pinned in (True, False):  # the unpinned pools reach their floor before a pinned one shrinks
+        tier = sorted((i for i, c in enumerate(claims) if c.pinned == pinned), key=lambda i: extras[i])
+        for n, i in enumerate(tier):  # max-min fair
+            given[i] = min(extras[i], left // (len(tier) - n))
+            left -= given[i]
     return [_within(c, pool_bytes(c.footprint, c.floor) + g) for c, g in zip(claims, given)]
 
 
