@@ -160,8 +160,8 @@ class Service:
         """Unload `model_id` once `seconds` have passed without another request for it
         (keep_alive; None: the server's keep_alive setting; negative: never)."""
         self.keep_loaded(model_id)
-        if seconds is None:
-            seconds = values.duration_seconds(load_settings().keep_alive)
+        if seconds is None:  # a pinned model outlives the server's idle time
+            seconds = -1 if self.is_pinned(model_id) else values.duration_seconds(load_settings().keep_alive)
         if seconds < 0:
             return
         self._unload_timers[model_id] = asyncio.get_running_loop().call_later(
@@ -175,6 +175,9 @@ class Service:
             timer.cancel()
         self.unload_due.pop(model_id, None)
 
+    def is_pinned(self, model_id: str) -> bool:
+        return model_id in {self.model_for(name) for name in self.pinned}
+
     def path_of(self, model_id: str):
         found = checkpoint(model_id)
         return found.path.resolve() if found is not None else None
@@ -182,6 +185,10 @@ class Service:
     def resident(self) -> dict[str, Any]:
         """The loaded models by model id (engine/residents.Resident), one id per checkpoint."""
         return {ids[0]: resident for ids, resident in self._loaded()}
+
+    def loaded_ids(self) -> set[str]:
+        """Every model id that names a loaded model (an alias of one is loaded too)."""
+        return {name for ids, _ in self._loaded() for name in ids}
 
     def _loaded(self) -> list[tuple[list[str], Any]]:
         """(Every model id that names it, the Resident) of each loaded model."""
@@ -241,7 +248,7 @@ class Service:
 
     async def _load_model(self, model_id: str) -> None:
         run = await asyncio.to_thread(configure, self.name_of(model_id), self.runtime.options(), load_settings())
-        if model_id in {self.model_for(name) for name in self.pinned}:
+        if self.is_pinned(model_id):
             _engine().residents.pinned.add(run.path.resolve())
         async for _ in _engine().queue_load(run.load):
             pass
@@ -266,18 +273,20 @@ class Service:
                        "disconnects": self.disconnects, "threads": _thread_pools()},
             "layers": layer_figures(engine.loaded),
             "models": self.models_figures(),
+            "model_loads": engine.residents.loads,
         })
         out["caches"]["reply_memory"] = {"entries": len(self.replies), "max_entries": self.replies.size}
         out["caches"]["responses"] = {"entries": len(self.responses), "max_entries": self.responses.size}
         return out
 
-
     def models_figures(self) -> list[dict]:
-        """How the memory budget is split among the loaded models (engine/residents.py)."""
+        """Each loaded model: its share of the memory budget (engine/residents.py) and its
+        pools' counters since it was loaded (/metrics labels them by model)."""
         residents = _engine().residents
         return [{"model": ids[0], "ids": ids, "memory_bytes": r.held_bytes(), "expert_slots": r.slots, "pinned": r.pinned,
                  "running": r.provider is _engine(), "expires_at": self.unload_due.get(ids[0]),
-                 "memory_budget_bytes": residents.budget, "max_models": residents.max_models}
+                 "memory_budget_bytes": residents.budget, "max_models": residents.max_models,
+                 "counters": r.provider.counters().as_dict()}
                 for ids, r in self._loaded()]
 
 

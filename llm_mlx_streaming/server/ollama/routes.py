@@ -20,6 +20,7 @@ from ..catalog import Checkpoint, checkpoint
 from ..conversation import ChatMessage, ImagePart, llm_chain, text_message
 from ..errors import ApiError, api_routes
 from ..openai.tools import function_specs
+from ..keep_alive import after_reply
 from ..turns import answer
 from .schemas import ChatRequest, GenerateRequest, OllamaError, ShowRequest
 from .shapes import GenerateShape, OllamaChatShape, error_body, stamp
@@ -87,11 +88,7 @@ def router(service) -> APIRouter:
         else:
             reply = await answer(service, request, shape, model_id, messages, body.engine(), body.schema_dict(),
                                  body.stream, tools)
-        seconds = body.keep_seconds()
-        if seconds == 0:  # after this reply: a stream holds its turn until it ends
-            service.schedule_unload(model_id) if body.stream else await service.unload(model_id)
-        else:
-            service.unload_after(model_id, seconds)
+        await after_reply(service, model_id, body, body.stream)
         return reply
 
     @api.post("/api/chat", description="Ollama's chat; NDJSON chunks unless stream is false")

@@ -14,10 +14,10 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
-from ... import values
 from ...options.knobs import BY_NAME, REPETITION_CONTEXT
 from ..openai.tools import ToolSpec
 from ..fields import RequestModel, hint
+from ..keep_alive import KeepAlive
 from ..openai.schemas import engine_fields
 
 # Engine options this API has under its own name: max_tokens is num_predict, repetition_penalty
@@ -91,20 +91,12 @@ class Options(OllamaEngineOptions):
         return fields
 
 
-KeepAlive = Union[float, str]
-keep_alive_seconds = values.duration_seconds
-
-
-class _Generation(RequestModel):
+class _Generation(KeepAlive):
     model: str = Field(min_length=1, description="A model from /api/tags")
     stream: bool = Field(True, description="NDJSON chunks (the default), or one body with false")
     format: Union[Literal["", "json"], dict[str, Any], None] = Field(
         None, description="json or a JSON schema: the reply is constrained to it")
     options: Optional[Options] = None
-    keep_alive: Optional[KeepAlive] = Field(None, description="How long the model stays loaded after this "
-                                            "request (seconds, or a duration like 5m): 0 unloads it now; negative: "
-                                            "until its room is needed; left out: the server's keep_alive setting "
-                                            "(another request for it cancels a pending unload)")
     think: Union[bool, Literal["low", "medium", "high"], None] = Field(
         None, description="The chat template's thinking switch, or gpt-oss's reasoning effort; the reasoning "
         "comes as `thinking`")
@@ -112,13 +104,6 @@ class _Generation(RequestModel):
                                      "(`logprobs`; streamed: in the last line)")
     top_logprobs: Optional[int] = Field(None, ge=0, le=20, description="With logprobs: this many most likely "
                                         "alternatives of each token")
-
-    @field_validator("keep_alive")
-    @classmethod
-    def _a_duration(cls, value):
-        if value is not None:
-            keep_alive_seconds(value)
-        return value
 
     @model_validator(mode="after")
     def _top_logprobs_with_logprobs(self):
@@ -130,14 +115,6 @@ class _Generation(RequestModel):
         if self.format == "json":
             return {"type": "object"}
         return self.format or None
-
-    def keep_seconds(self) -> Optional[float]:
-        """Seconds the model stays loaded after this request (negative: until it needs the
-        room); None: the server's keep_alive setting."""
-        return None if self.keep_alive is None else keep_alive_seconds(self.keep_alive)
-
-    def unloads(self) -> bool:
-        return self.keep_seconds() == 0
 
     def engine(self) -> dict:
         fields = self.options.engine() if self.options else {}
