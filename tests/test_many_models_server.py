@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import pytest
 
 from dashboard_support import request
-from plugin_support import LlmEnv, serving
+from plugin_support import LlmEnv, assert_ok, serving
 
 PROMPTS = ("name three colours", "count to five")
 
@@ -93,6 +93,14 @@ def test_alternating_requests_load_each_model_once_and_answer_as_alone(both, alo
     assert loaded(both) == {"a", "b"}
     cards = {c["id"]: c["loaded"] for c in call(both, "GET", "/v1/models")[2]["data"]}
     assert cards["mlx-stream/a"] is cards["mlx-stream/b"] is cards["mlx-stream"] is True
+
+
+def test_llm_mlxs_stats_live_shows_each_loaded_model(both):
+    ask(both, "openai", "a", PROMPTS[0]), ask(both, "ollama", "b", PROMPTS[0])
+    shown = assert_ok(both.run("mlxs", "stats", "--live")).stdout
+    assert "loaded models (2 of at most 2" in shown
+    rows = [line.split() for line in shown.splitlines() if line.split()[:1] in (["mlx-stream"], ["mlx-stream/b"])]
+    assert sorted((r[0], r[1].rstrip(",")) for r in rows) == [("mlx-stream", "waiting"), ("mlx-stream/b", "running")]
 
 
 def test_keep_alive_on_every_route_times_or_unloads_that_model_only(both):

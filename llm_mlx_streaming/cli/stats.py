@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 from pathlib import Path
 
 import click
@@ -311,6 +312,22 @@ def _live(json_: bool, plot: Path | None = None) -> None:
     table(None, _stat_lines(figures)[4:], indent="  ")
     if st.get("ranks"):
         _rank_table("ranks (a pipeline; the figures above are rank 0's), since the start:", st["ranks"])
+    if st.get("models"):
+        _models_table(st["models"], st.get("model_loads"))
+
+
+def _models_table(models: list[dict], loads) -> None:
+    """Each loaded model (several share the memory budget): its share, slots, lookups and expiry."""
+    budget = models[0].get("memory_budget_bytes")
+    click.echo(f"  loaded models ({len(models)} of at most {models[0].get('max_models')}"
+               + (f", sharing {format_size(budget)}" if budget else "") + f"; {loads} loads since the start):")
+    table(["model", "state", "slots", "memory", "hits", "misses", "unloads"],
+          [[m["model"], ("running" if m["running"] else "waiting") + (", pinned" if m["pinned"] else ""),
+            _slots_text(m["expert_slots"]), "-" if m["memory_bytes"] is None else format_size(m["memory_bytes"]),
+            m["counters"]["hits"], m["counters"]["misses"],
+            "when its room is needed" if m["expires_at"] is None else time.strftime("%H:%M:%S",
+                                                                                     time.localtime(m["expires_at"]))]
+           for m in models], indent="  ")
 
 
 def _rank_table(title: str, ranks: list[dict]) -> None:
