@@ -127,3 +127,23 @@ def test_keep_alive_on_every_route_times_or_unloads_that_model_only(both):
                                                              "keep_alive": "soon"})
     assert status == 400 and "keep_alive" in json.dumps(body)
     assert loaded(both) == {"a", "b"}
+
+
+def test_llm_mlxs_plan_of_several_models_shows_the_split_the_server_makes(both):
+    from llm_mlx_streaming.engine.sharing import claim_of, split
+    from llm_mlx_streaming.options.run_config import configure
+    from llm_mlx_streaming.options.settings import Options, load_settings
+
+    def planned(budget: str) -> dict:
+        return json.loads(assert_ok(both.run("mlxs", "plan", "a", "b", "--budget", budget, "--json")).stdout)
+
+    whole, shared = planned("1GB"), planned("270MB")  # the reserve (256 MiB at least) is counted once
+    assert [m["slots_per_layer"] for m in whole["models"]] == [[8, 8], [8, 8]]
+    assert [m["slots_per_layer"] for m in shared["models"]] == [[4, 4], [4, 4]]  # each shrunk, above top_k
+    runs = [configure(n, Options(memory_budget="270MB"), load_settings()) for n in "ab"]
+    assert split(runs[0].load.budget, [claim_of(r.load) for r in runs]) == [(4, 4), (4, 4)]  # the server's split
+    assert sum(m["memory_bytes"] for m in shared["models"]) + shared["reserve_bytes"] <= shared["budget"]
+    shown = assert_ok(both.run("mlxs", "plan", "a", "b", "--budget", "270MB")).stdout
+    assert "shared by 2 models" in shown and len([ln for ln in shown.splitlines() if ln.split()[:1] == ["a"]]) == 1
+    refused = both.run("mlxs", "plan", "a", "b", "--budget", "269.5MB")
+    assert refused.exit_code == 1 and "do not fit in 269.5 MB at once" in refused.stderr

@@ -48,10 +48,7 @@ class Resident:
 
     def claim(self) -> Optional[Claim]:
         """Its share of a budget, None when it is not budgeted."""
-        footprint = self.spec.footprint
-        if footprint is None:
-            return None
-        return Claim(footprint, wanted_slots(footprint, self.spec.expert_slots), self.pinned)
+        return sharing.claim_of(self.spec, self.pinned)
 
     def held_bytes(self) -> Optional[int]:
         """Bytes it holds by its footprint and the slots it has now (None: not budgeted)."""

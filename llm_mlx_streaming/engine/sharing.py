@@ -29,6 +29,13 @@ class Claim:
         return tuple(min(w, self.footprint.floor) for w in self.wanted)
 
 
+def claim_of(spec, pinned: bool = False) -> Claim | None:
+    """A LoadSpec's claim on the shared budget; None when it is not budgeted (no footprint)."""
+    if spec.footprint is None:
+        return None
+    return Claim(spec.footprint, wanted_slots(spec.footprint, spec.expert_slots), pinned)
+
+
 def wanted_slots(footprint: Footprint, expert_slots) -> tuple[int, ...]:
     """Slots per MoE layer of a LoadSpec's `expert_slots` (None: every expert)."""
     layers = len(footprint.expert_bytes)
