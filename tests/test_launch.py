@@ -141,6 +141,22 @@ def test_a_running_server_is_used_and_left_running(agents):
         assert_one_line_error(env.run("mlxs", "launch", "codex", "tiny-moe"), "serves mlx-stream/small")
 
 
+def test_claude_small_model_maps_the_fast_tier_to_a_second_model_loaded_beside_the_first(agents):
+    from llm_mlx_streaming.cli.background import model_id
+
+    with serving(agents) as env:
+        result = env.run("mlxs", "launch", "claude", "--small-model", "tiny-moe", "--", "-p", "hi")
+        assert result.exit_code == 0, result.output
+        env_ = json.loads(agents.record.read_text())["env"]
+        small = model_id("tiny-moe")
+        for name in ("ANTHROPIC_DEFAULT_HAIKU_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL"):
+            assert env_[name] == small, name
+        for name in ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL"):
+            assert env_[name] == "mlx-stream/small", name
+        loaded = {ids for m in env.server.service.models_figures() for ids in m["ids"]}
+        assert {"mlx-stream/small", small} <= loaded  # both stay loaded: no request swaps one out
+
+
 @pytest.mark.parametrize("agent,package", [("claude", "@anthropic-ai/claude-code"), ("codex", "@openai/codex")])
 def test_an_agent_not_installed_is_one_line_naming_how_to_install_it(llm_env, tmp_path, monkeypatch, agent, package):
     monkeypatch.setenv("PATH", str(tmp_path))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 from pathlib import Path
 
 import click
@@ -17,7 +18,7 @@ from ..options import registry
 
 from .group import mlxs
 from ..sizes import format_size
-from .common import table
+from .common import slots_text, table
 from ..client.client import running_server
 from .plot import check_path, plot_live, plot_logged
 
@@ -173,12 +174,6 @@ def _speculation_line(st: dict) -> list[str] | None:
     return ["speculation", text]
 
 
-def _slots_text(slots) -> str:
-    if isinstance(slots, list) and slots:
-        return str(slots[0]) if len(set(slots)) == 1 else f"{min(slots)}-{max(slots)}"
-    return "-" if slots is None else str(slots)
-
-
 def _stat_lines(st: dict) -> list[list[str]]:
     def n(key, fmt="{}"):
         v = st.get(key)
@@ -209,7 +204,7 @@ def _stat_lines(st: dict) -> list[list[str]]:
         policy = st.get("policy") if isinstance(st.get("policy"), str) else "-"
         source = {"plan": "memory plan", "model": "model's --expert-slots", "setting": "expert_slots setting",
                   "bundled": "bundled default", "option": "-o expert_slots"}.get(st.get("slots_from"))
-        lines.append(["pool", f"{_slots_text(st.get('expert_slots'))} slots per layer, {policy}"
+        lines.append(["pool", f"{slots_text(st.get('expert_slots'))} slots per layer, {policy}"
                       + (f" ({source})" if source else "")])
     if isinstance(st.get("store"), str):
         extra = []
@@ -311,6 +306,22 @@ def _live(json_: bool, plot: Path | None = None) -> None:
     table(None, _stat_lines(figures)[4:], indent="  ")
     if st.get("ranks"):
         _rank_table("ranks (a pipeline; the figures above are rank 0's), since the start:", st["ranks"])
+    if st.get("models"):
+        _models_table(st["models"], st.get("model_loads"))
+
+
+def _models_table(models: list[dict], loads) -> None:
+    """Each loaded model (several share the memory budget): its share, slots, lookups and expiry."""
+    budget = models[0].get("memory_budget_bytes")
+    click.echo(f"  loaded models ({len(models)} of at most {models[0].get('max_models')}"
+               + (f", sharing {format_size(budget)}" if budget else "") + f"; {loads} loads since the start):")
+    table(["model", "state", "slots", "memory", "hits", "misses", "unloads"],
+          [[m["model"], ("running" if m["running"] else "waiting") + (", pinned" if m["pinned"] else ""),
+            slots_text(m["expert_slots"]), "-" if m["memory_bytes"] is None else format_size(m["memory_bytes"]),
+            m["counters"]["hits"], m["counters"]["misses"],
+            "when its room is needed" if m["expires_at"] is None else time.strftime("%H:%M:%S",
+                                                                                     time.localtime(m["expires_at"]))]
+           for m in models], indent="  ")
 
 
 def _rank_table(title: str, ranks: list[dict]) -> None:

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from ..experts.policies import DEFAULT_POLICY
 from .kv import FULL_PRECISION, KVSpec
+
+if TYPE_CHECKING:
+    from .footprint import Footprint
 
 Slots = Union[int, Sequence[int], None]  # one count, one per MoE layer, or a slot per expert
 
@@ -29,6 +32,8 @@ class LoadSpec:
     overlap: Optional[str] = None  # "auto" | "on" | "off" (experts/prefetch.py)
     packed: Optional[bool] = None
     buffer_cache: Optional[int] = None  # bytes of freed buffers MLX keeps for reuse (engine/memory.py)
+    budget: Optional[int] = None  # bytes every loaded model shares (engine/sharing.py); None: unbudgeted
+    footprint: Optional["Footprint"] = None  # what the model holds beside its pools; None: unbudgeted
 
 
 @dataclass(frozen=True)

@@ -220,6 +220,17 @@ KNOBS: tuple[Knob, ...] = (
         "requests at once; for one request, the largest batch it may join (1: it runs alone).",
     ),
     _setting_only(
+        name="max_models", type=int, default=3, bounds={"ge": 1, "le": 64},
+        description="Most models `llm mlxs serve` keeps loaded at once, sharing memory_budget: a model that "
+        "joins shrinks the others' expert pools (never below top_k slots per layer) before the least recently "
+        "used is unloaded; models named with -m at start are never unloaded (`--max-models` for one run).",
+    ),
+    _setting_only(
+        name="keep_alive", type=str, default="-1", check=values.duration,
+        description="How long `llm mlxs serve` keeps a model loaded after its last request (seconds, or a "
+        "duration like 5m; negative: until it needs the room); a request's keep_alive field wins.",
+    ),
+    _setting_only(
         name="image_urls", type=Literal[values.IMAGE_URL_MODES], default="off",
         description="on: `llm mlxs serve` fetches an image a request gives as an http(s) URL (bounded by "
         "max_image_bytes and a time limit); off: such a request is refused, and images come inline (data "

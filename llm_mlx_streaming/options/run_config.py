@@ -26,6 +26,7 @@ from ..sizes import parse_size
 from ..values import DEFAULT_MAX_CONTEXT, SNAPSHOT_MOST, SNAPSHOT_SHARE
 from ..engine.disk_cache import DiskCacheSpec
 from ..engine.snapshots import SnapshotSpec
+from ..engine.footprint import model_footprint
 from ..engine.planner import (PlanError, auto_context, checkpoint_layout, default_reserve, model_context, plan_memory,
                               prefill_step_for)
 
@@ -90,6 +91,7 @@ def configure(name: Optional[str], options, settings: Settings) -> RunConfig:
         value = budget_value(options, settings)
         budget = budget_bytes(value)
         slots, layout = plan_slots(name, path, value, budget, context, kv, snapshot_budget(settings, budget))
+    shared, footprint = shared_budget(options, settings, path, budget, context, kv, layout)
     return RunConfig(
         name=name,
         path=path,
@@ -98,6 +100,7 @@ def configure(name: Optional[str], options, settings: Settings) -> RunConfig:
             path=path, expert_slots=slots, policy=options.policy or settings.policy or DEFAULT_POLICY,
             threads=settings.threads, page_cache=settings.page_cache, packed=settings.packed != "off",
             overlap=settings.overlap, buffer_cache=buffer_cache(options, settings, budget),
+            budget=shared, footprint=footprint,
         ),
         slots_source=source,
         budget=budget,
@@ -237,6 +240,17 @@ def prefill_step(options, settings: Settings, path, budget: Optional[int], kv, l
         return prefill_step_for(path, budget, max_context=context, kv=kv, layout=layout)
     except (MlxStreamError, CheckpointError, ValueError, OSError):
         return None
+
+
+def shared_budget(options, settings: Settings, path, budget: Optional[int], context: int, kv, layout=None):
+    """(The memory budget every loaded model shares, the model's footprint in it), or
+    (None, None) when either cannot be told: the model is then loaded unbudgeted."""
+    try:
+        budget = budget_bytes(budget_value(options, settings)) if budget is None else budget
+        layout = layout or checkpoint_layout(path)
+    except (MlxStreamError, CheckpointError, ValueError, OSError):
+        return None, None
+    return budget, model_footprint(layout, context, kv, default_reserve(budget), snapshot_budget(settings, budget))
 
 
 def buffer_cache(options, settings: Settings, budget: Optional[int]) -> int:

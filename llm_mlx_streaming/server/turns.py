@@ -144,7 +144,7 @@ async def answer(service, request: Request, shape: Shape, model_id: str, message
     must follow and the `suffix` it fills up to, in `shape`."""
     unswitched(service, request, model_id, fields)
     turn = await Turn.take(service, request=request)
-    service.keep_loaded()
+    service.unload_after(model_id, None)  # the server's keep_alive; an Ollama request's own follows
     try:
         if service.stopping:
             raise _stopping()

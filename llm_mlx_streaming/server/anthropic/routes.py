@@ -14,6 +14,7 @@ from ...reply.events import ToolCall
 from ..conversation import ChatMessage, ImagePart, llm_chain, text_message
 from ..errors import ApiError, api_routes
 from ..openai.schemas import engine_values
+from ..keep_alive import after_reply
 from ..turns import answer, count
 from .schemas import AnthropicEngineOptions, AnthropicError, CountTokensRequest, MessagesRequest
 from .shapes import MessageShape, error_body
@@ -98,8 +99,10 @@ def router(service) -> APIRouter:
         accept(service, request, body)
         model_id = service.model_for(body.model)
         chain = await llm_chain(service, model_id, chat_messages(body))
-        return await answer(service, request, MessageShape(model_id), model_id, chain, engine_options(body),
-                            body.schema_dict(), body.stream, function_specs(body))
+        reply = await answer(service, request, MessageShape(model_id), model_id, chain, engine_options(body),
+                             body.schema_dict(), body.stream, function_specs(body))
+        await after_reply(service, model_id, body, body.stream)
+        return reply
 
     @api.post("/v1/messages/count_tokens", description="The prompt's tokens, rendered as /v1/messages would")
     async def count_tokens(body: CountTokensRequest, request: Request) -> dict:

@@ -17,6 +17,7 @@ from pydantic import Field, model_validator
 
 from ..fields import RequestModel, hint
 from ..openai.schemas import engine_fields
+from ..keep_alive import KeepAlive
 
 
 CACHED = "the engine reuses its KV cache for every prefix anyway"
@@ -223,7 +224,7 @@ RENAMED = {"stop": "stop_sequences", "thinking_budget": "thinking.budget_tokens"
            "parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}
 
 
-class MessagesRequest(_Conversation, AnthropicEngineOptions):
+class MessagesRequest(_Conversation, AnthropicEngineOptions, KeepAlive):
     max_tokens: int = Field(ge=1, description="Most tokens generated (also capped by the context)")
     stop_sequences: Optional[list[str]] = Field(None, description="End the reply before any of these")
     stream: bool = False

@@ -20,6 +20,7 @@ from ...options.knobs import build_options
 from ...options.settings import Options
 from ..conversation import ChatMessage, ImagePart
 from ..fields import RequestModel, hint
+from ..keep_alive import KeepAlive
 from .tools import OpenAIToolCall, ToolChoice, ToolSpec, choice_option
 
 # Options fields that mean nothing inside the server (it always runs in-process).
@@ -138,7 +139,7 @@ class ResponseFormat(RequestModel):
         return None
 
 
-class _GenerationRequest(Options):
+class _GenerationRequest(Options, KeepAlive):
     """What both generation routes take: the plugin's options plus OpenAI's fields."""
 
     model_config = ConfigDict(extra="allow")
@@ -299,6 +300,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "mlx-stream"
+    loaded: bool = Field(False, description="An extension: whether the model is loaded now (GET /api/ps says more)")
 
 
 class ModelList(BaseModel):

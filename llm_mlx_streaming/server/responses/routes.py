@@ -24,6 +24,7 @@ from ..errors import ApiError, api_routes
 from ..openai.schemas import ErrorResponse, engine_values
 from ..response_store import Kept
 from ..transcript import Transcript
+from ..keep_alive import after_reply
 from ..turns import answer, count
 from .schemas import (CustomTool, CustomToolCallItem, CustomToolCallOutputItem, FilePart, FunctionCallItem,
                       FunctionCallOutputItem, FunctionTool, InputImage, JsonObjectFormat, JsonSchemaFormat, MessageItem,
@@ -194,8 +195,10 @@ def router(service) -> APIRouter:
         shape = ResponseShape(model_id, _echo(body), custom=frozenset(tools.custom), namespaces=tools.namespaces,
                               forced_custom=forced_custom, on_finish=finish)
         specs = [] if forced_custom is not None else tools.specs
-        return await answer(service, request, shape, model_id, messages, fields, _schema(body), body.stream,
-                            specs, grammar=grammar)
+        reply = await answer(service, request, shape, model_id, messages, fields, _schema(body), body.stream,
+                             specs, grammar=grammar)
+        await after_reply(service, model_id, body, body.stream)
+        return reply
 
     @api.post("/v1/responses/input_tokens", description="The input's tokens, rendered as /v1/responses would")
     async def input_tokens(body: ResponseRequest, request: Request) -> dict:

@@ -150,6 +150,7 @@
     heatmap(f.heatmap, f.first);
     series(f);
     recent(f);
+    models(f);
     ranks(f);
   }
 
@@ -419,6 +420,21 @@
       <td>${num(r.generated_tokens)}</td><td>${num(r.prefill_tps, 1)}</td><td>${num(r.decode_tps, 1)}</td>
       <td>${r.ttft_seconds === null || r.ttft_seconds === undefined ? '–' : `${num(r.ttft_seconds, 3)} s`}</td>
       <td>${pct(r.hit_rate)}</td><td>${num(r.mb_read, 2)}</td><td>${num(r.syncs_per_token, 2)}</td></tr>`).join('');
+  }
+
+  // one row per loaded model: several share the memory budget (engine/residents.py)
+  function models(f) {
+    const list = f.models || [];
+    const body = $('models').querySelector('tbody');
+    if (!list.length) {
+      body.innerHTML = '<tr class="empty"><td colspan="10">none loaded</td></tr>';
+      return;
+    }
+    body.innerHTML = list.map((m) => `<tr data-model="${esc(m.model)}"><td>${esc(m.model)}</td>
+      <td>${m.running ? 'running' : 'waiting'}${m.pinned ? ', pinned' : ''}</td><td>${esc(slotsText(m.expert_slots))}</td>
+      <td>${size(m.dense_bytes)}</td><td>${size(m.experts_bytes)}</td><td>${size(m.kv_bytes)}</td>
+      <td>${size(m.memory_bytes)}</td><td>${num(m.counters && m.counters.hits)}</td><td>${num(m.counters && m.counters.misses)}</td>
+      <td>${m.expires_at ? new Date(m.expires_at * 1000).toLocaleTimeString() : 'when its room is needed'}</td></tr>`).join('');
   }
 
   function ranks(f) {
