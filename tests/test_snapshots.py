@@ -165,3 +165,19 @@ def test_snapshots_stay_within_their_count_and_bytes(build):
     for seed in range(4):
         _run(engine, _request(prompt_tokens(vocab, n=50, seed=seed), snapshots=small))
         assert engine.session.snapshots.nbytes <= small.max_bytes
+
+
+def test_a_cache_no_layer_of_which_grows_keeps_its_snapshot_segment_on_disk_across_turns(build, tmp_path):
+    path = build("longcat_flash_ngram", num_experts=8, top_k=2, head_dim=32)  # every layer a fixed state
+    vocab = vocab_size(path)
+    system = prompt_tokens(vocab, n=SYSTEM_END, seed=1)
+    disk = DiskCacheSpec(tmp_path / "kv", 10**9)
+    engine = EngineManager()
+    engine.load(path, expert_slots=4)
+    first = system + prompt_tokens(vocab, n=20, seed=2)
+    reply = _run(engine, _request(first, disk))[0]
+    _run(engine, _request(first + reply + prompt_tokens(vocab, n=8, seed=3), disk))  # the next turn extends it
+    restarted = EngineManager()
+    restarted.load(path, expert_slots=4)
+    stats = _run(restarted, _request(system + prompt_tokens(vocab, n=20, seed=4), disk))[2]
+    assert (stats["reused_tokens"], stats["reused_from"]) == (SYSTEM_END, "disk")

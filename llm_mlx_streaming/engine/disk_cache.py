@@ -29,7 +29,9 @@ loaded (a notice). Writes go to a temporary name and are renamed into place; a s
 chain replaces the shorter ones its tokens extend (all but its own segments and those
 another segment still extends); the whole tree is kept under a size and a count of
 conversations by evicting the least recently used ones, each with all its segments
-(a prompt reads every file's header, so the count bounds what each request costs).
+(a prompt reads every file's header, so the count bounds what each request costs). A
+cache with a layer that cannot be cut back keeps the shorter chains: each is where a
+later prompt can resume.
 """
 
 from __future__ import annotations
@@ -273,12 +275,14 @@ class DiskCache:
         links = self._base(tokens, kept)
         same = self._mirror.same(cache) if links else [False] * len(cache)
         end = links[-1].end if links else 0
-        size = 0
+        size, own = 0, set()
         for position, part in [*((p, c) for p, c in snapshots if end < p < len(tokens)), (len(tokens), cache)]:
             links, written = self._write(part, tokens[:position], links, same)
             same, size = [True] * len(cache), size + written  # the next segment extends this one
+            own.update(link.name for link in links)  # a chain that starts over keeps the snapshots before it
         self._mirror = _Mirror.of(cache, tokens, links)
-        self._prune(tokens, {link.name for link in links})
+        if all(layer_kind(c) is not None for c in for_saving(cache)):  # a longer chain serves a shorter one
+            self._prune(tokens, own)
         self.bytes, self.entries = evict(self.spec.root, self.spec.max_bytes, self.spec.max_entries)
         return size
 
