@@ -86,6 +86,9 @@ def aggregate(rows: list[dict]) -> dict:
         "responses": len(rows),
         "prompt_tokens": total("prompt_tokens"),
         "reused_tokens": total("reused_tokens"),
+        "reused_from": {source: sum(_num(x, "reused_tokens") for x in s if x.get("reused_from") == source)
+                        for source in ("memory", "snapshot", "disk")},
+        "reuse_note": next((x["reuse_note"] for x in reversed(s) if x.get("reuse_note")), None),
         "prefilled_tokens": total("prefilled_tokens"),
         "generated_tokens": generated,
         "prefill_tps": round(total("prefilled_tokens") / prefill_seconds, 2) if prefill_seconds else None,
@@ -198,6 +201,9 @@ def _stat_lines(st: dict) -> list[list[str]]:
     ]
     if st.get("read_mb_per_s") is not None:
         lines[6][1] += f" ({n('read_mb_per_s', '{} MB/s')})"
+    if isinstance(st.get("reused_from"), dict) and st.get("reused_tokens"):
+        lines[0][1] += " from " + ", ".join(f"{source} {int(n)}" for source, n in st["reused_from"].items() if n)
+
     if "mb_read_per_token" in st:
         lines.insert(7, ["read per token", n("mb_read_per_token", "{} MB")])
     if "expert_slots" in st or "policy" in st:
@@ -220,6 +226,8 @@ def _stat_lines(st: dict) -> list[list[str]]:
         lines.append(["batch", f"decoded in a batch of up to {st['batch']} requests"])
     if (spec := _speculation_line(st)) is not None:
         lines.append(spec)
+    if st.get("reuse_note"):
+        lines.append(["prompt cache", f"last miss: {st['reuse_note']}"])
     return lines
 
 
