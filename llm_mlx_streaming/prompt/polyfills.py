@@ -64,18 +64,6 @@ def fitted(tokenizer, messages: list[dict], tools: Optional[list[dict]],
                       f"{type(failure).__name__}: {_line(failure)}") from None
 
 
-def follow_replies(before: list[dict], after: list[dict], stored: dict[int, list[int]]) -> dict[int, list[int]]:
-    """`stored` (earlier replies' token ids by message index) by their index among the
-    filled-in messages: a polyfill adds, folds or joins system, user and tool messages but
-    never an assistant's, so the k-th assistant message is the same reply in both."""
-    old = [i for i, m in enumerate(before) if m["role"] == "assistant"]
-    new = [i for i, m in enumerate(after) if m["role"] == "assistant"]
-    if len(old) != len(new):
-        return {}
-    where = dict(zip(old, new))
-    return {where[i]: ids for i, ids in stored.items() if i in where}
-
-
 def _line(exc: Exception) -> str:
     text = " ".join(str(exc).split())
     return text[:300]
