@@ -19,7 +19,7 @@ import re
 from typing import Optional
 
 from .messages import METADATA_KEY, TOKENS, PromptError, shown, template_messages
-from .polyfills import fitted
+from .polyfills import fill_in
 from .tools import check_tool_support
 
 
@@ -57,7 +57,7 @@ def render_prompt(tokenizer, messages, *, thinking: Optional[bool] = None, effor
             shown(msgs), add_generation_prompt=generation, tokenize=False, **extra, **({"tools": specs} if specs else {})
         )
 
-    messages, tools, text = fitted(tokenizer, messages, tools, rendered)
+    messages, tools, text = fill_in(tokenizer, messages, tools, rendered)
     render = lambda msgs, generation=True: rendered(msgs, tools, generation)  # noqa: E731
     try:
         head = render(messages, generation=False)
