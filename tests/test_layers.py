@@ -160,3 +160,13 @@ def test_the_package_ships_no_test_fixtures():
             assert not any(n == "fixtures" or n.startswith("fixtures.") for n in names), file
     assert not {"factory.py", "architectures.py", "tokenizer.py", "scripted.py"} & {
         f.name for f in PACKAGE.rglob("*.py")}
+
+
+def test_no_two_classes_share_a_name():
+    """One name, one class: a reader (and an import) never has to ask which `Shape`."""
+    where: dict[str, list[str]] = {}
+    for file in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(str(file.relative_to(PACKAGE)))
+    assert {name: files for name, files in where.items() if len(files) > 1} == {}
