@@ -122,8 +122,10 @@ def _check_calls(family: str, turn: Turn, door: str, stream: bool) -> None:
             assert json.loads("".join(pieces)) == arguments
 
 
+# scope="module" runs every test of one family before the next family's: the engine loads
+# each family's model once, not once per test function
 @pytest.mark.parametrize("door", list(DOORS))
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(FAMILIES), scope="module")
 def test_a_familys_calls_and_reasoning_come_through_each_door_whole_streamed_and_answered(served, family, door):
     ask, answered, first = DOORS[door]
     url = served.server.url
@@ -149,7 +151,7 @@ def get_time(city: str) -> str:
     return "12:00"
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(FAMILIES), scope="module")
 def test_a_familys_calls_run_as_llm_tools_and_the_answer_follows(served, family):
     _script(served, family)
     _script(served, family, answer=True)
@@ -163,7 +165,7 @@ def test_a_familys_calls_run_as_llm_tools_and_the_answer_follows(served, family)
 
 
 @pytest.mark.parametrize("door", list(RECORDED))
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(FAMILIES), scope="module")
 def test_the_recorded_agent_requests_render_with_every_familys_template(served, family, door):
     from server_support import call
 

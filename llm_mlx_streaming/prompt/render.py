@@ -18,8 +18,8 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from .messages import METADATA_KEY, PromptError, template_messages
-from .polyfills import fitted, follow_replies
+from .messages import METADATA_KEY, TOKENS, PromptError, shown, template_messages
+from .polyfills import fill_in
 from .tools import check_tool_support
 
 
@@ -42,7 +42,7 @@ def render_prompt(tokenizer, messages, *, thinking: Optional[bool] = None, effor
         return encode_text(tokenizer, raw), "", ()
     start = getattr(tokenizer, "think_start", None)
     end = getattr(tokenizer, "think_end", None)
-    messages, stored = template_messages(messages, start, end)
+    messages = template_messages(messages, start, end)
     uses_tools = bool(tools) or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
     if uses_tools:
         check_tool_support(tokenizer)
@@ -53,20 +53,19 @@ def render_prompt(tokenizer, messages, *, thinking: Optional[bool] = None, effor
         return encode_text(tokenizer, text), "", ()
     extra = template_switches(tokenizer, thinking, effort)
 
-    def rendered(msgs, shown, generation=True):
+    def rendered(msgs, specs, generation=True):
         return tokenizer.apply_chat_template(
-            msgs, add_generation_prompt=generation, tokenize=False, **extra, **({"tools": shown} if shown else {})
+            shown(msgs), add_generation_prompt=generation, tokenize=False, **extra, **({"tools": specs} if specs else {})
         )
 
-    filled, tools, text = fitted(tokenizer, messages, tools, rendered)
-    messages, stored = filled, follow_replies(messages, filled, stored)
+    messages, tools, text = fill_in(tokenizer, messages, tools, rendered)
     render = lambda msgs, generation=True: rendered(msgs, tools, generation)  # noqa: E731
     try:
         head = render(messages, generation=False)
         generation_prompt = text[len(head):] if text.startswith(head) else ""
     except Exception:
         generation_prompt = ""
-    tokens = with_stored_replies(tokenizer, render, messages, stored, text)
+    tokens = with_stored_replies(tokenizer, render, messages, text)
     if tokens is None:
         tokens = encode_text(tokenizer, text)
     return tokens, generation_prompt, boundaries(tokenizer, render, messages, tokens, generation_prompt)
@@ -96,18 +95,20 @@ def boundaries(tokenizer, render, messages: list[dict], tokens: list[int], gener
     return tuple(found)
 
 
-def with_stored_replies(tokenizer, render, messages: list[dict], stored: dict[int, list[int]],
-                        text: str) -> Optional[list[int]]:
-    """`text` (`render(messages)`) encoded with each earlier reply's own ids in place of
-    its re-encoded text, so the next turn reuses the whole reply's KV; None when no
-    stored reply can be kept."""
-    stored = dict(stored)
+def with_stored_replies(tokenizer, render, messages: list[dict], text: str) -> Optional[list[int]]:
+    """`text` (`render(messages)`) encoded with each earlier reply's own ids (its
+    message's TOKENS) in place of its re-encoded text, so the next turn reuses the whole
+    reply's KV; None when no stored reply can be kept."""
+    stored = {}  # message index -> its ids, where they spell its content
     overhang = {}  # message index -> what its ids spell past its content (tool-call markup)
-    for i, ids in list(stored.items()):
-        past = _beyond(tokenizer.decode(ids), messages[i]["content"])
-        if past is None or (past and not messages[i].get("tool_calls")):
-            del stored[i]
-        elif past:
+    for i, message in enumerate(messages):
+        if TOKENS not in message:
+            continue
+        past = _beyond(tokenizer.decode(message[TOKENS]), message["content"])
+        if past is None or (past and not message.get("tool_calls")):
+            continue
+        stored[i] = message[TOKENS]
+        if past:
             overhang[i] = past
     return _spliced(tokenizer, render, messages, stored, text, overhang) if stored else None
 

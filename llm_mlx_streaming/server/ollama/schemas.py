@@ -137,7 +137,7 @@ class OllamaToolCall(RequestModel):
     function: OllamaCalledFunction
 
 
-class Message(RequestModel):
+class OllamaMessage(RequestModel):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     thinking: Optional[str] = Field(None, description="An assistant message's reasoning")
@@ -157,7 +157,7 @@ class Message(RequestModel):
 
 
 class ChatRequest(_Generation):
-    messages: list[Message] = Field(default_factory=list, description="None: load the model (or unload "
+    messages: list[OllamaMessage] = Field(default_factory=list, description="None: load the model (or unload "
                                     "it, with keep_alive 0)")
     tools: Optional[list[ToolSpec]] = None
 

@@ -116,7 +116,7 @@ class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(BaseModel):
+class OpenAIJsonSchema(BaseModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
     name: Optional[str] = None
@@ -128,7 +128,7 @@ class JsonSchemaFormat(BaseModel):
 class ResponseFormat(RequestModel):
 
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: Optional[JsonSchemaFormat] = None
+    json_schema: Optional[OpenAIJsonSchema] = None
 
     def schema_dict(self) -> Optional[dict]:
         """The schema to constrain the reply to (None: free text)."""
@@ -308,7 +308,7 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class ErrorBody(BaseModel):
+class OpenAIErrorBody(BaseModel):
     message: str
     type: str
     param: Optional[str] = None
@@ -316,4 +316,4 @@ class ErrorBody(BaseModel):
 
 
 class ErrorResponse(BaseModel):
-    error: ErrorBody
+    error: OpenAIErrorBody

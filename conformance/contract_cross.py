@@ -1,7 +1,7 @@
 """The contract across architectures: every supported mlx-lm MoE module x pool sizes x
 features, run through the engine as `llm` runs it, printed as a table with the wall time.
 
-    python benchmarks/contract_cross.py [ARCH ...]
+    python conformance/contract_cross.py [ARCH ...]
 
 Each checkpoint is tiny, random and float32 (8 experts, top-2), with head dim 32 so that
 a 4-bit KV cache in groups of 32 applies. Every cell runs at pool sizes all, top-k and 2
