@@ -30,7 +30,7 @@ Grammar = Callable[["Lark", list[dict]], list[str]]
 
 
 @dataclass(frozen=True)
-class Reasoning:
+class ReasoningMarks:
     """Where a reply's reasoning is, as text: the block opens at `start` and ends at
     `end`, and `answer` is what the format writes after the end to begin the answer
     (harmony's final-channel header; "" where the answer simply follows). A thinking
@@ -67,7 +67,7 @@ class ToolFormat:
     write: Optional[Callable[[list[tuple[str, str, dict]]], str]] = None  # calls (id, name, arguments) as written
     call_id: Optional[Callable[[str, int], str]] = None  # the id the model gives the conversation's i-th call
     declare: Optional[Callable[[list[dict]], str]] = None  # function specs -> their description
-    reasoning: Optional[Reasoning] = None
+    reasoning: Optional[ReasoningMarks] = None
 
     @property
     def module(self):

@@ -30,12 +30,12 @@ import json
 import re
 from typing import Any
 
-from .base import Reasoning, ToolFormat, json_calls, json_grammar, literal
+from .base import ReasoningMarks, ToolFormat, json_calls, json_grammar, literal
 
 tool_call_start = "to=functions."
 tool_call_end = ""  # the call ends the turn (<|call|> is an end-of-turn token)
 # The analysis message, and the final channel's header that follows it
-REASONING = Reasoning("<|channel|>analysis<|message|>", "<|end|>", "<|start|>assistant<|channel|>final<|message|>")
+REASONING = ReasoningMarks("<|channel|>analysis<|message|>", "<|end|>", "<|start|>assistant<|channel|>final<|message|>")
 
 RESPONSE_FORMAT = {
     "initial_state": "header",
