@@ -6,6 +6,7 @@ Not run in CI: it installs the CLIs from the npm registry and takes a minute or 
 
     python -m tools.recorder [--clients claude,codex,agents,sdk]
         [--claude-version latest] [--codex-version latest] [--no-install] [--scrub-only]
+        [--runs claude_code.session2,claude_code.interactive,claude_code.first_party]
 
 One module per concern: replies.py (the scripted answers), server.py (the recorder),
 clients.py (running each client), scrub.py (the requests made reproducible),
@@ -29,7 +30,11 @@ What it does:
    repository, removed afterwards), the second continuing the first session (`claude -p
    --continue`, `codex exec resume --last`), with the clients' telemetry, update checks
    and nonessential traffic switched off; then Claude Code once more as most users run
-   it (a Claude model name, nonessential traffic on). Every client talks only to the
+   it (a Claude model name, nonessential traffic on), and the EXTRA_RUNS, each in a
+   scratch HOME of its own: a second `claude -p` session with another task, and one turn
+   of an interactive session driven in tmux (as is, and taking the recorder for
+   Anthropic's own API). `--runs` records only some of those and adds their files to
+   what is there, rewriting nothing else. Every client talks only to the
    recorder (the CLIs get no other base URL), and each runs under a timeout in its own
    process group, killed at the end.
 4. Scrubs the requests (auth values, scratch paths, host name, ids, dates, unix times,

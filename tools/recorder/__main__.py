@@ -14,7 +14,8 @@ from pathlib import Path
 from conformance.agent_clis import CACHE, ROOT, make_scratch, npm_install, versions
 
 from . import __doc__ as ABOUT
-from .clients import agents_venv, pip_version, record_agents, record_claude, record_codex, record_sdks
+from .clients import (EXTRA_RUNS, agents_venv, pip_version, record_agents, record_claude, record_codex,
+                      record_sdks)
 from .scrub import scrub
 from .server import Recorder
 
@@ -36,8 +37,16 @@ def main() -> int:
     ap.add_argument("--scrub-only", action="store_true", help="re-scrub the last raw recording")
     ap.add_argument("--keep-scratch", action="store_true")
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--runs", help="record only these runs and add their files to --out, leaving the "
+                    f"others as they are (comma-separated: {', '.join(EXTRA_RUNS)})")
     args = ap.parse_args()
     clients = set(args.clients.split(","))
+    added = args.runs.split(",") if args.runs else None
+    if added:
+        unknown = set(added) - set(EXTRA_RUNS)
+        if unknown:
+            ap.error(f"--runs: no run {', '.join(sorted(unknown))} (there are {', '.join(EXTRA_RUNS)})")
+        clients = {"claude"}
     meta_path = RAW / "meta.json"
 
     if args.scrub_only:
@@ -59,18 +68,22 @@ def main() -> int:
     if RAW.exists():
         shutil.rmtree(RAW)
     scratch = make_scratch("record-agents-")
+    scratches = [scratch]
     runs = []
     record_start = time.monotonic()
     with Recorder(RAW) as rec:
         print(f"recorder on 127.0.0.1:{rec.port}, raw requests in {RAW}", flush=True)
-        if "claude" in clients:
+        if "claude" in clients and not added:
             runs += record_claude(rec, scratch)
-        if "codex" in clients:
+        if "codex" in clients and not added:
             runs += record_codex(rec, scratch, args.codex_sandbox)
-        if "agents" in clients:
+        if "agents" in clients and not added:
             runs += record_agents(rec, scratch, python)
-        if "sdk" in clients:
+        if "sdk" in clients and not added:
             runs += record_sdks(rec)
+        for name in added or (EXTRA_RUNS if "claude" in clients else ()):
+            scratches.append(make_scratch("record-agents-"))  # each a session of its own
+            runs += EXTRA_RUNS[name](rec, scratches[-1])
         rec.label = "after"
         time.sleep(0.5)  # a straggling request still lands in the log
         port = rec.port
@@ -85,12 +98,14 @@ def main() -> int:
         print(f"  {s['seq']:3d} {s['label']:28s} {s['method']:5s} {s['path'][:60]:60s} "
               f"{s['body_bytes']:8d} B -> {s['status']} {s['reply']}")
     meta = {"versions": vers, "port": port, "dates": _recording_dates(),
-            "scratch": {k: str(v) for k, v in scratch.items()},
+            "scratch": [{k: str(v) for k, v in one.items()} for one in scratches],
             "recorded_with": {"node": _cmd_out(["node", "--version"]), "npm": _cmd_out(["npm", "--version"]),
                               "python": platform.python_version(), "setup_seconds": round(setup_s, 1),
                               "record_seconds": round(record_s, 1)},
             "runs": [{k: r.get(k) for k in ("label", "cmd", "rc", "timed_out", "seconds", "error")}
                      for r in runs]}
+    if added:
+        meta["added_runs"] = added
     for r in meta["runs"]:
         if r.get("cmd"):
             r["cmd"] = [c if not c.startswith(("/", "import")) else _short(c) for c in r["cmd"]]
@@ -99,7 +114,8 @@ def main() -> int:
     index = scrub(RAW, args.out, meta)
     _report(index, meta)
     if not args.keep_scratch:
-        shutil.rmtree(scratch["work"], ignore_errors=True)
+        for one in scratches:
+            shutil.rmtree(one["work"], ignore_errors=True)
     return 0
 
 

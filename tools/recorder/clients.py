@@ -1,7 +1,11 @@
-"""Running each client against the recorder, for two turns in a scratch HOME."""
+"""Running each client against the recorder, for two turns in a scratch HOME; the extra
+Claude Code runs (EXTRA_RUNS, picked by --runs) each in a scratch HOME of its own."""
 
 from __future__ import annotations
 
+import json
+import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -11,7 +15,8 @@ from pathlib import Path
 
 from conformance.agent_clis import BIN, CACHE, base_env, claude_quiet, codex_flags, run
 
-from .replies import CLAUDE_MODEL, MODEL, PROMPT_LATER, PROMPT_TOOL, PROMPT_WEATHER
+from .replies import (CLAUDE_MODEL, FINAL_TEXT, MODEL, PROMPT_LATER, PROMPT_SESSION2, PROMPT_TOOL,
+                      PROMPT_WEATHER)
 from .server import Recorder
 
 AGENTS_VENV = CACHE / "agents-venv"
@@ -37,12 +42,16 @@ def pip_version(python: Path | str, dist: str) -> str | None:
     return r.stdout.strip() or None
 
 
-def record_claude(rec: Recorder, scratch: dict) -> list[dict]:
-    claude = BIN / "claude"
-    env = base_env(scratch["home"]) | claude_quiet(scratch["home"]) | {
+def claude_env(rec: Recorder, scratch: dict) -> dict:
+    return base_env(scratch["home"]) | claude_quiet(scratch["home"]) | {
         "ANTHROPIC_BASE_URL": f"http://127.0.0.1:{rec.port}",
         "ANTHROPIC_API_KEY": "sk-ant-recorder-dummy",
     }
+
+
+def record_claude(rec: Recorder, scratch: dict) -> list[dict]:
+    claude = BIN / "claude"
+    env = claude_env(rec, scratch)
     results = []
     for label, args in (("claude_code.turn1", ["-p", PROMPT_TOOL, "--model", MODEL]),
                         ("claude_code.turn2", ["-p", PROMPT_LATER, "--continue", "--model", MODEL])):
@@ -61,6 +70,91 @@ def record_claude(rec: Recorder, scratch: dict) -> list[dict]:
         [str(claude), "-p", PROMPT_TOOL, "--model", CLAUDE_MODEL, "--dangerously-skip-permissions"],
         env=env, cwd=project)})
     return results
+
+
+def record_claude_session2(rec: Recorder, scratch: dict) -> list[dict]:
+    """A second, separate `claude -p` session (its own scratch HOME) with another task:
+    the billing line's per-session hash (`cc_version=<version>.<3 hex>`) may differ."""
+    rec.label = "claude_code.session2"
+    return [{"label": rec.label, **run(
+        [str(BIN / "claude"), "-p", PROMPT_SESSION2, "--model", MODEL, "--dangerously-skip-permissions"],
+        env=claude_env(rec, scratch), cwd=scratch["project"])}]
+
+
+def record_claude_interactive(rec: Recorder, scratch: dict, first_party: bool = False,
+                              timeout: float = 60) -> list[dict]:
+    """One turn of an interactive session (no -p), typed into Claude Code in a private
+    tmux server (the first-run dialogs: theme, the API key, trusting the folder, bypassing
+    permissions, answered in its config). Its billing line says `cc_entrypoint=cli`. The
+    per-request nonce (`cch=<5 hex>;`) and the prompt/turn fields come only with a base URL
+    Claude Code takes for Anthropic's own (api.anthropic.com, -p or not): `first_party` makes
+    it take the recorder's so (its internal `_CLAUDE_CODE_ASSUME_FIRST_PARTY_BASE_URL=1`)."""
+    label = rec.label = "claude_code.first_party" if first_party else "claude_code.interactive"
+    tmux = shutil.which("tmux")
+    if not tmux:
+        return [{"label": label, "rc": None, "error": "tmux not found"}]
+    key = "sk-ant-recorder-dummy"
+    env = claude_env(rec, scratch) | {"TERM": "xterm-256color"}
+    if first_party:
+        env["_CLAUDE_CODE_ASSUME_FIRST_PARTY_BASE_URL"] = "1"
+    env.pop("NO_COLOR")
+    config = Path(env["CLAUDE_CONFIG_DIR"])
+    config.mkdir(parents=True, exist_ok=True)
+    (config / ".claude.json").write_text(json.dumps({
+        "hasCompletedOnboarding": True, "theme": "dark", "numStartups": 1,
+        "customApiKeyResponses": {"approved": [key[-20:]], "rejected": []},
+        "projects": {str(scratch["project"]): {"hasTrustDialogAccepted": True,
+                                                "hasCompletedProjectOnboarding": True}}}))
+    (config / "settings.json").write_text(json.dumps({"skipDangerousModePermissionPrompt": True}))
+    cmd = [str(BIN / "claude"), "--model", MODEL, "--dangerously-skip-permissions"]
+    socket_name = f"record-agents-{os.getpid()}"
+    t = [tmux, "-L", socket_name, "-f", "/dev/null"]
+    start = time.monotonic()
+
+    def screen() -> str:
+        return subprocess.run([*t, "capture-pane", "-p", "-t", "rec"], capture_output=True, text=True).stdout
+
+    def main_requests() -> list[dict]:
+        return [s for s in rec.summary if s["label"] == label and s["method"] == "POST"
+                and s["path"].split("?")[0].endswith("/messages")]
+
+    def wait(until) -> bool:
+        while time.monotonic() - start < timeout:
+            if until():
+                return True
+            time.sleep(0.5)
+        return False
+
+    subprocess.run([*t, "new-session", "-d", "-s", "rec", "-x", "160", "-y", "50", "-c", str(scratch["project"]),
+                    # the pane stays after an exit, to be read
+                    shlex.join(["env", "-i", *(f"{k}={v}" for k, v in env.items()), *cmd]) + "; sleep 600"],
+                   check=True)
+    try:
+        ready = wait(lambda: "bypass permissions on" in screen())
+        subprocess.run([*t, "send-keys", "-t", "rec", "-l", PROMPT_TOOL], check=True)
+        time.sleep(0.5)
+        subprocess.run([*t, "send-keys", "-t", "rec", "Enter"], check=True)
+        # the turn: its request, the tool call, the request with the result, the answer
+        done = wait(lambda: FINAL_TEXT in screen())
+        time.sleep(1)
+        last = screen()
+        subprocess.run([*t, "send-keys", "-t", "rec", "-l", "/exit"])
+        subprocess.run([*t, "send-keys", "-t", "rec", "Enter"])
+        time.sleep(2)
+    finally:
+        subprocess.run([*t, "kill-server"], capture_output=True)
+    return [{"label": label, "cmd": [*(["_CLAUDE_CODE_ASSUME_FIRST_PARTY_BASE_URL=1"] if first_party else []),
+                                     *cmd, f"(in tmux, typed: {PROMPT_TOOL!r}, then /exit)"],
+             "rc": 0 if done else 1, "timed_out": not done, "ready": ready,
+             "seconds": round(time.monotonic() - start, 1), "requests": len(main_requests()),
+             "stdout": last[-4000:], "stderr": ""}]
+
+
+# The runs that --runs can pick, each in a fresh scratch HOME: their files are added to
+# the recording in --out (index.json and README.md updated) and nothing else is rewritten.
+EXTRA_RUNS = {"claude_code.session2": record_claude_session2,
+              "claude_code.interactive": record_claude_interactive,
+              "claude_code.first_party": lambda rec, scratch: record_claude_interactive(rec, scratch, True)}
 
 
 CODEX_CONFIG = """\

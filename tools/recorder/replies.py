@@ -12,6 +12,7 @@ CUE = "(use a tool)"
 PROMPT_TOOL = f"List the files in the current directory {CUE}, then say done."
 PROMPT_LATER = "Thanks. Now say goodbye in one word."
 PROMPT_WEATHER = f"What is the weather in Paris? {CUE}"
+PROMPT_SESSION2 = f"Print today's date {CUE}, then say done."  # its 5th, 8th, 21st characters differ from PROMPT_TOOL's
 FINAL_TEXT = "Done: the listing came back."
 PLAIN_TEXT = "Hello from the recorder."
 

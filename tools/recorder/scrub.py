@@ -1,5 +1,6 @@
 """Scrubbing the raw requests into tests/data/traffic/: auth values, scratch paths, the
-host, ids, dates and times replaced the same way in every file, each request named."""
+host, ids, dates and times replaced the same way in every file, each request named; a
+recording of only some runs (--runs) added to the files already there."""
 
 from __future__ import annotations
 
@@ -36,11 +37,13 @@ TIME = re.compile(r"\b20\d\d-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?(?:Z|[+-]\d\d:?\d
 class Scrubber:
     """Replaces machine- and run-specific strings, the same way in every file."""
 
-    def __init__(self, scratch: dict, port: int | None, meta_dates: list[str] | None = None):
+    def __init__(self, scratch: dict | list[dict], port: int | None, meta_dates: list[str] | None = None,
+                 first_uuid: int = 1):
         self.uuids: dict[str, str] = {}
+        self.first_uuid = first_uuid
         pairs = []
-        if scratch:
-            work = Path(scratch["work"])
+        for one in scratch if isinstance(scratch, list) else [scratch] if scratch else []:
+            work = Path(one["work"])
             for real, fake in ((work / "home" / "project", "/home/user/project"),
                                (work / "home", "/home/user"), (work, "/home/user/work")):
                 for path in {str(real.resolve()), str(real)}:
@@ -86,7 +89,7 @@ class Scrubber:
     def _uuid(self, m) -> str:
         key = m.group(0).lower()
         if key not in self.uuids:
-            self.uuids[key] = f"00000000-0000-4000-8000-{len(self.uuids) + 1:012d}"
+            self.uuids[key] = f"00000000-0000-4000-8000-{len(self.uuids) + self.first_uuid:012d}"
         return self.uuids[key]
 
     def value(self, v):
@@ -188,20 +191,39 @@ def name_requests(records: list[dict]) -> list[tuple[str, dict]]:
 
 
 def scrub(raw: Path, out: Path, meta: dict) -> dict:
+    """The raw recording into `out`; a recording of only some runs (`added_runs`, from
+    --runs) replaces those runs' files and leaves every other file as it is, its ids
+    and `seq` numbered on from theirs."""
     records = [json.loads(p.read_text()) for p in sorted(raw.glob("*.json"))]
     records = [r for r in records if "seq" in r]
-    scrubber = Scrubber(meta.get("scratch") or {}, meta.get("port"), meta.get("dates"))
-    client_versions = meta.get("versions", {})
+    added = meta.get("added_runs")
+    kept, first_uuid, first_seq = None, 1, 0
     out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("*.json"):
-        stale.unlink()
+    if added:
+        kept = json.loads((out / "index.json").read_text())
+        gone = [f["file"] for f in kept["files"] if f["run"] in added]
+        kept["files"] = [f for f in kept["files"] if f["run"] not in added]
+        kept["runs"] = [r for r in kept["runs"] if r["label"] not in added]
+        for name in gone:
+            (out / name).unlink(missing_ok=True)
+        texts = [(out / f["file"]).read_text() for f in kept["files"]]
+        first_uuid = 1 + max((int(n) for t in texts for n in re.findall(r"00000000-0000-4000-8000-(\d{12})", t)),
+                             default=0)
+        first_seq = max(json.loads(t)["seq"] for t in texts)
+    else:
+        for stale in out.glob("*.json"):
+            stale.unlink()
+    scrubber = Scrubber(meta.get("scratch") or {}, meta.get("port"), meta.get("dates"), first_uuid)
+    client_versions = meta.get("versions", {})
     index = {"recorded_with": meta.get("recorded_with"), "clients": client_versions,
              "runs": scrubber.value(meta.get("runs")), "files": []}
+    if kept:
+        index = kept | {"runs": kept["runs"] + index["runs"]}
     for stem, r in name_requests(records):
         client = r["label"].split(".")[0]
         doc = {
             "client": client, "client_version": client_versions.get(client),
-            "run": r["label"], "seq": r["seq"],
+            "run": r["label"], "seq": r["seq"] + first_seq,
             "method": r["method"], "path": scrubber.text(r["path"]),
             "headers": scrubber.headers(r["headers"]),
             "body": scrubber.value(r["body"]),
