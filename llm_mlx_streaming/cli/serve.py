@@ -90,7 +90,8 @@ def serve(ctx, host, port, models, max_models, api_key, max_queue, hosts, origin
         except (RankLost, ValueError) as e:
             raise MlxStreamError(str(e)) from None
 
-    server = Server(host=host, port=port, model=models[0] if models else None, pinned=models,
+    # a pipeline holds one model at a time (max_models 1): one pinned there would refuse every other
+    server = Server(host=host, port=port, model=models[0] if models else None, pinned=() if pipeline_rank else models,
                     max_models=1 if pipeline_rank else max_models, api_key=api_key, max_queue=max_queue,
                     hosts=list(hosts) if hosts else None, origins=list(origins) if origins else None,
                     keeper=_keeper(supervisor), strict=strict, aliases=_aliases(aliases), any_model=any_model)

@@ -108,10 +108,10 @@ class Residents:
                 self._park(engine)
                 move(found.provider, engine)
                 found.provider, engine.carried = engine, found.carried
-            if spec != found.spec:
-                found.spec = spec
-                self._share(engine)
             try:
+                if spec != found.spec:
+                    found.spec = spec
+                    self._share(engine)
                 engine.load_spec(_with_slots(spec, found.slots))
             except LoadError:
                 self.models.pop(path, None)
@@ -165,7 +165,7 @@ class Residents:
             others = list(self.models.values())
             shares = self._shares([*others, new]) if len(others) < self.max_models else None
             if shares is not None:
-                self._apply(list(zip(others, shares)))
+                self._apply(engine, list(zip(others, shares)))
                 return shares[-1]
             victims = sorted((r for r in others if not r.pinned), key=lambda r: r.used)
             if not victims:
@@ -194,12 +194,16 @@ class Residents:
         residents = list(self.models.values())
         shares = self._shares(residents)
         if shares is not None:  # the floors fitted when the last one loaded
-            self._apply(list(zip(residents, shares)))
+            self._apply(engine, list(zip(residents, shares)))
 
     @staticmethod
-    def _apply(pairs: list) -> None:
+    def _apply(engine, pairs: list) -> None:
         """Rebuild the pools whose slot count changes, the shrinking ones first, so the
-        pools never hold more than the budget between two; dense weights and KV stay."""
+        pools never hold more than the budget between two; dense weights and KV stay.
+        The running model's go through the engine's own load (its spec with the new
+        slots): a pipeline's engine turns a one-machine slot list into each rank's plan
+        and has every rank rebuild its own layers' pools, where `configure` would give
+        rank 0's provider the whole model's list."""
         def growth(pair) -> int:
             resident, slots = pair
             if resident.spec.footprint is None:
@@ -209,7 +213,10 @@ class Residents:
 
         for resident, slots in sorted(pairs, key=growth):
             if slots != resident.slots:
-                resident.provider.configure(expert_slots=slots)
+                if resident.provider is engine:
+                    engine.load_spec(_with_slots(resident.spec, slots))
+                else:
+                    resident.provider.configure(expert_slots=slots)
                 resident.slots = slots
 
 

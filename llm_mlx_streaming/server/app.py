@@ -33,7 +33,8 @@ from .service import Service
 def create_app(service: Service) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
-        for name in service.pinned:  # load at start, so the first requests find them warm
+        # load at start, so the first requests find them warm (a pipeline pins none: its default)
+        for name in service.pinned or ([service.default_model] if service.default_model else []):
             service.schedule_load(service.model_for(name))
         yield
 

@@ -40,8 +40,9 @@ class Server:
                  api_key: Optional[str] = None, max_queue: int = 8, hosts: Optional[list[str]] = None,
                  origins: Optional[list[str]] = None, keeper: Optional[int] = None, strict: bool = False,
                  aliases: Optional[dict[str, str]] = None, any_model: bool = False,
-                 pinned: tuple[str, ...] = (), max_models: Optional[int] = None) -> None:
-        """`pinned`: models loaded at start and never unloaded (`model` among them, when given);
+                 pinned: Optional[tuple[str, ...]] = None, max_models: Optional[int] = None) -> None:
+        """`pinned`: models loaded at start and never unloaded (None: `model`, when given; a
+        pipeline's rank 0 gives none, its one model is swapped for the next one asked for);
         `max_models`: most models loaded at once (None: the setting). `keeper`: the pid of a pipeline's supervisor on this machine, which keeps the
         discovery file: the file names it, so that it outlives this rank 0 while the ranks
         restart; this server takes over the file of its stand-in (process/standin.py) and
@@ -62,9 +63,9 @@ class Server:
                                max_queue=max_queue, hosts=tuple(hosts), origins=tuple(origins),
                                max_batch=settings.max_batch, reply_memory=settings.reply_memory, strict=strict,
                                aliases=aliases, any_model=any_model,
-                               pinned=tuple(dict.fromkeys([*([model] if model else []), *pinned])),
+                               pinned=tuple(dict.fromkeys([model] if model and pinned is None else pinned or ())),
                                max_models=max_models)
-        for name in self.service.pinned:
+        for name in self.service.pinned or ([model] if model else []):
             try:
                 self.service.model_for(name)
             except ApiError:
