@@ -106,6 +106,9 @@ def serve(ctx, host, port, model, api_key, max_queue, hosts, origins, strict, al
 
         get_manager().shutdown()
     click.echo("mlx-stream: server stopped", err=True)
+    from ..engine import worker
+
+    worker.stop(0)  # stopped on purpose: status 0, even if the engine cannot rest in time
 
 
 def _supervise(ctx, pipeline, hostfile, backend, ring_port) -> None:

@@ -18,7 +18,7 @@ from .. import syncs
 from ..errors import one_line
 from ..processors import with_history
 from ..stops import StopMatcher
-from . import figures as fig
+from . import figures as fig, worker
 from ..activity import ACTIVITY
 from .generation import Channel, Started
 from .provider import EngineError, ModelProvider
@@ -54,6 +54,12 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
     cache, new_tokens, reused, disk, from_disk = begun.cache, begun.new_tokens, begun.reused, begun.disk, begun.from_disk
 
     prefill_step = request.prefill_step or PREFILL_STEP
+
+    def prefilled(done: int, _total: int) -> None:
+        if provider.leaves_prefills:  # a caller that has gone (or an exit) stops it at its next chunk
+            out.check_cancelled()
+        ACTIVITY.prefilled(flight, done)
+
     try:
         figures = spec.figures_for(request)
         run = None
@@ -62,7 +68,7 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
             if figures.speculation_off is None:
                 run = spec.make_run(request, loaded, cache, prompt[:reused], new_tokens, max_tokens,
                                     carried.drafters, figures, prefill_step=prefill_step,
-                                    kv_kwargs=kv.generate_kwargs())
+                                    kv_kwargs=kv.generate_kwargs(), progress=prefilled)
     except (ValueError, spec.DraftError) as e:
         raise EngineError(one_line(e)) from None
     before, syncs_before = provider.counters(), syncs.count()
@@ -77,11 +83,6 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
 
         responses = stream_speculative(run, loaded.tokenizer)
     else:
-        def prefilled(done: int, _total: int) -> None:
-            if provider.leaves_prefills:  # a caller that has gone (or an exit) stops it at its next chunk
-                out.check_cancelled()
-            ACTIVITY.prefilled(flight, done)
-
         embeddings = None
         if loaded.takes_images:  # the whole prompt's embeddings, images in place; fed from `reused` on
             embeddings = loaded.model.embed(prompt, request.vision)[reused:]
@@ -271,7 +272,8 @@ def save_to_disk(disk, session, from_disk: int, stats: dict, warned: set) -> Non
     if disk is None or not session.tokens:
         return
     try:
-        stats["disk_cache_saved_bytes"] = disk.save(session.cache, session.tokens, stats["reused_tokens"])
+        with worker.whole_write():  # an exit that cannot wait for the engine waits for this
+            stats["disk_cache_saved_bytes"] = disk.save(session.cache, session.tokens, stats["reused_tokens"])
     except Exception as e:  # OSError, a cache class save_prompt_cache cannot write
         stats["disk_cache_error"] = one_line(e)
         _warn_once(warned, "disk_cache", f"conversation cache not saved: {one_line(e)}")
