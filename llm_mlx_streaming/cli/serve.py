@@ -108,7 +108,7 @@ def serve(ctx, host, port, model, api_key, max_queue, hosts, origins, strict, al
     click.echo("mlx-stream: server stopped", err=True)
     from ..engine import worker
 
-    worker.stop(0)  # stopped on purpose: status 0, even if the engine cannot rest in time
+    worker.end_process(0)  # stopped on purpose: status 0, within seconds (docs/server.md)
 
 
 def _supervise(ctx, pipeline, hostfile, backend, ring_port) -> None:

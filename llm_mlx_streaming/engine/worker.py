@@ -69,12 +69,15 @@ def whole_write():
         yield
 
 
-def stop(status: int) -> None:
-    """Stop the engine thread as at exit (`_EngineThread.stop`), now, so that a step still
-    under way when the wait ends ends the process with `status`; nothing if none started."""
+def end_process(status: int) -> None:
+    """End the process now with `status` (a server once stopped): the engine thread
+    stopped as at exit (`_EngineThread.stop`), then no interpreter finalization, which
+    must not run while that thread is inside MLX and whose garbage collection of a
+    model's arrays takes seconds."""
     thread = _engine_thread.made()
     if thread is not None:
         thread.stop(status=status)
+    _end_now(status)
 
 
 class _EngineThread:
