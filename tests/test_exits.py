@@ -85,6 +85,42 @@ def test_a_script_on_the_sync_and_async_models_exits_with_its_own_status(llm_env
         assert set(person) == {"name", "age"} and text == async_text == expected
 
 
+ENDING = """\
+import os, sys, threading, time
+from pathlib import Path
+from llm_mlx_streaming.engine import worker
+
+out, began = Path(sys.argv[1]), threading.Event()
+
+def stuck(channel):  # a step that outlasts the wait, halfway through a write that must be whole
+    with worker.whole_write():
+        began.set()
+        partial = out.with_suffix(".partial")
+        partial.write_text("half")
+        time.sleep(worker.END_WAIT_SECONDS + 1)
+        partial.write_text("whole")
+        os.replace(partial, out)
+    time.sleep(600)
+
+worker.submit(stuck)
+began.wait(30)
+print("ending", end="")  # left in the buffer: the exit flushes it
+worker.end_process(7)
+"""
+
+
+def test_a_process_ended_while_the_engine_is_stuck_finishes_its_write_and_keeps_its_status(tmp_path):
+    """engine/worker.end_process (a stopped server's end): a step that outlasts the wait
+    is not waited for, nor torn down by the interpreter's finalization; the process ends
+    with its own status once the file being written is renamed into place."""
+    out = tmp_path / "cache.safetensors"
+    started = time.monotonic()
+    run = subprocess.run([sys.executable, "-c", ENDING, str(out)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 7 and run.stdout == "ending" and not any(s in run.stderr for s in ABNORMAL), run
+    assert out.read_text() == "whole" and not out.with_suffix(".partial").exists()
+    assert time.monotonic() - started < 30  # not the step's 600 s
+
+
 # -- the server ---------------------------------------------------------------------------
 
 

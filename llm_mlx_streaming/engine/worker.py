@@ -13,7 +13,8 @@ compile cache takes the GIL in its destructor as the thread ends. So it is never
 its work is cancelled and it is left waiting for a job that never comes. A step cannot be
 cut short (a prefill chunk is one MLX evaluation, seconds long on a big prompt or a slow
 disk), so when the thread is still in one as the exit's wait ends, the process ends
-without finalizing (`os._exit`, its own status), once a file being written is whole.
+without finalizing (`os._exit`, with its status where it is known: a stopped server's 0,
+else 1), once a file being written is whole.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def idle() -> bool:
     return _engine_thread().idle
 
 
-EXIT_WAIT_SECONDS = 3.0  # the longest an exit waits for the step under way (a prefill chunk, a load)
+EXIT_WAIT_SECONDS = 30.0  # the longest an exit waits for the step under way (a prefill chunk, a load)
+END_WAIT_SECONDS = 3.0  # the same for `end_process`, which knows the status to end with
 WRITE_WAIT_SECONDS = 30.0  # the longest it then waits for a file being written (`whole_write`)
 UNKNOWN_STATUS = 1  # an exit that cannot wait, where the process's own status is not known (atexit)
 
@@ -76,7 +78,7 @@ def end_process(status: int) -> None:
     model's arrays takes seconds."""
     thread = _engine_thread.made()
     if thread is not None:
-        thread.stop(status=status)
+        thread.stop(END_WAIT_SECONDS, status)
     _end_now(status)
 
 
