@@ -71,6 +71,7 @@ class Totals:
     decode_seconds: float = 0.0  # from the first token to the end
     ttft_buckets: list = field(default_factory=lambda: [0] * len(TTFT_BUCKETS))  # cumulative counts
     ttft_sum: float = 0.0
+    reused_from: dict = field(default_factory=lambda: {"memory": 0, "snapshot": 0, "disk": 0})  # tokens by source
 
 
 class Activity:
@@ -137,6 +138,8 @@ class Activity:
             t.responses += 1
             for key in ("prompt_tokens", "reused_tokens", "prefilled_tokens", "generated_tokens"):
                 setattr(t, key, getattr(t, key) + int(stats.get(key) or 0))
+            if stats.get("reused_from") in t.reused_from:
+                t.reused_from[stats["reused_from"]] += int(stats.get("reused_tokens") or 0)
             if isinstance(ttft, (int, float)):
                 t.prefill_seconds += ttft
                 t.decode_seconds += max(0.0, seconds - ttft)
@@ -154,7 +157,7 @@ class Activity:
                 **{k: stats.get(k) for k in ("prompt_tokens", "reused_tokens", "prefilled_tokens",
                                              "generated_tokens", "prefill_tps", "decode_tps", "hit_rate",
                                              "hits", "misses", "mb_read", "syncs_per_token", "ttft_seconds",
-                                             "seconds", "finish_reason", "batch")},
+                                             "seconds", "finish_reason", "batch", "reused_from", "reuse_note")},
                 "mb_read_per_token": round(mb / generated, 4) if isinstance(mb, (int, float)) and generated else None,
             })
 

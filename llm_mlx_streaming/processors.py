@@ -30,22 +30,47 @@ class Stateless:
         return self.processor(tokens, logits)
 
 
-def reasoning_cap(prompt_length: int, opened: bool, start_id: int, end_id: int, budget: int) -> Stateless:
-    """Close the think block (force `end_id`) once it holds `budget` tokens: a function of
-    the history alone (the reply is what follows the prompt's `prompt_length` tokens), so
-    a cached prefix or a speculative pass sees what a cold run sees."""
+def reasoning_cap(prompt_length: int, opened: bool, start: Sequence[int], end: Sequence[int],
+                  answer: Sequence[int], budget: int) -> Stateless:
+    """Close the reasoning once it holds `budget` tokens: force its `end` tag's ids and
+    then `answer`'s (what the format writes to begin the answer: harmony's final-channel
+    header), one token a step, as the model's own format writes them, until the whole
+    sequence follows the budget. The block opens at the prompt's end when `opened`, else
+    at the reply's first `start`; one that ended within the budget is left alone. A
+    function of the history alone (the reply is what follows the prompt's
+    `prompt_length` tokens), so a cached prefix or a speculative pass sees what a cold
+    run sees."""
+    close = [*end, *answer]
 
     def cap(tokens: mx.array, logits: mx.array) -> mx.array:
         reply = tokens[prompt_length:].tolist()
-        if end_id in reply or not (opened or start_id in reply):
+        at = 0 if opened else _find(reply, start)
+        if at is None:
             return logits
-        used = len(reply) if opened else len(reply) - reply.index(start_id) - 1
-        if used < budget:
+        if not opened:
+            at += len(start)  # the reasoning's first token
+        ended = _find(reply[at:], end)
+        written = reply[at + budget:]
+        if len(reply) - at < budget or (ended is not None and ended < budget) or _find(written, close) is not None:
             return logits
-        only_end = mx.arange(logits.shape[-1]) == end_id
-        return mx.where(only_end, mx.zeros_like(logits), mx.full(logits.shape, -mx.inf, logits.dtype))
+        done = max(k for k in range(len(close)) if k == 0 or written[-k:] == close[:k])  # where it stands
+        only = mx.arange(logits.shape[-1]) == close[done]
+        return mx.where(only, mx.zeros_like(logits), mx.full(logits.shape, -mx.inf, logits.dtype))
 
     return Stateless(cap)
+
+
+def _find(tokens: list[int], part: Sequence[int]) -> int | None:
+    """Where `part` first occurs in `tokens`, or None (list.index finds the candidates:
+    the cap runs once a step over a reply that may be long)."""
+    part, i = list(part), -1
+    while True:
+        try:
+            i = tokens.index(part[0], i + 1)
+        except ValueError:
+            return None
+        if tokens[i : i + len(part)] == part:
+            return i
 
 
 class Budgeted(Protocol):

@@ -81,6 +81,16 @@ def buffer_size(value) -> str:
     return _size(value, "256MB, 1GB, 0, or auto", allow_zero=True)
 
 
+def snapshot_size(value) -> str:
+    """A snapshot_memory as stored: "auto" or a size (0: no snapshots)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    return _size(value, "1GB, 500MB, 0, or auto", allow_zero=True)
+
+
+SNAPSHOT_SHARE, SNAPSHOT_MOST = 0.05, 2 * 2**30  # snapshot_memory auto: this share of the budget, at most this
+
+
 def disk_size(value) -> str:
     """A size on disk as stored (0 allowed)."""
     return _size(value, "2GB, 500MB, 1.5GiB", allow_zero=True)
@@ -223,3 +233,24 @@ def names(value) -> list[str]:
     if any(any(c.isspace() for c in v) for v in found):
         raise ValueError("a name has no spaces in it; separate names with commas")
     return found
+
+
+_DURATION = re.compile(r"^(-?\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)?$")
+_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600, None: 1}
+
+
+def duration_seconds(value) -> float:
+    """Seconds of a duration as Ollama's keep_alive gives one (a number of seconds, or like
+    5m; negative: forever); ValueError if not one."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    match = _DURATION.match(str(value).strip())
+    if not match:
+        raise ValueError(f"{value!r} is not a duration (like 0, 5m, -1)")
+    return float(match.group(1)) * _SECONDS[match.group(2)]
+
+
+def duration(value) -> str:
+    """A keep_alive setting, kept as typed."""
+    duration_seconds(value)
+    return str(value)

@@ -134,7 +134,7 @@ def anthropic(url: str, model: str, messages: list[dict], stream: bool, tools=TO
     import anthropic as sdk
 
     client = sdk.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=120)
-    kwargs = dict(model=model, messages=messages, tools=_anthropic_tools(tools), max_tokens=256, **extra)
+    kwargs = {"max_tokens": 256, **extra, "model": model, "messages": messages, "tools": _anthropic_tools(tools)}
     turn = Turn()
     pieces: dict[int, list] = {}
     if stream:

@@ -13,9 +13,9 @@ def prompt_tokens(vocab_size: int, n: int = 48, seed: int = 0) -> list[int]:
     return [int(t) for t in rng.integers(0, vocab_size, n)]
 
 
-def greedy_tokens(model, prompt: list[int], n: int = 32) -> list[int]:
+def greedy_tokens(model, prompt: list[int], n: int = 32, logits_processors=()) -> list[int]:
     """mlx-lm's own generation loop, greedy, ignoring end-of-sequence."""
-    steps = generate_step(mx.array(prompt), model, max_tokens=n)
+    steps = generate_step(mx.array(prompt), model, max_tokens=n, logits_processors=list(logits_processors) or None)
     return [token for token, _ in steps]
 
 

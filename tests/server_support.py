@@ -24,7 +24,7 @@ def small_server(user_dir, checkpoint, max_batch=1, settings=None, **kwargs):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LLM_USER_PATH", str(user_dir))
         env = LlmEnv(user_dir, checkpoint)
-        env.write_settings(default_model="small", max_context=96, max_batch=max_batch, **(settings or {}),
+        env.write_settings(**{"default_model": "small", "max_context": 96, "max_batch": max_batch, **(settings or {})},
                            models={"small": {"path": str(checkpoint), "aliases": ["sm"], "expert_slots": 4}})
         with serving(env, max_queue=8, **kwargs):
             yield env

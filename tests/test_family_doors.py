@@ -6,7 +6,10 @@ parallel calls, or one where a turn holds one; after the results, an answer). Ea
 must give the reasoning as its own reasoning, the calls as its own tool calls (streamed
 as they are written, whole when not streamed), no markup in the text, and render the
 round trip (the calls and their results back in the template's terms). The recorded
-Claude Code and Codex requests must render for every family (their token counts)."""
+Claude Code and Codex requests must render for every family (their token counts), and
+Claude Code's two thinking shapes (adaptive; enabled with a budget) are answered on every
+family; a budget ends the reasoning with the family's own closing tokens, as stock mlx-lm
+fed the same tokens writes it."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import llm
 import pytest
 
 from doors_support import ASK, DOORS, TOOLS, Turn
+from exactness import greedy_tokens
 from fixtures.families import FAMILIES, build_family_checkpoint, end_of_turn, native_reply
 from fixtures.scripted import Force
 from fixtures.traffic import load
@@ -27,7 +31,11 @@ ANSWER = "It is sunny, and noon."
 ONE_CALL_A_TURN = {"gpt_oss"}  # harmony: a turn ends at its call
 # DeepSeek-V3.1 calls tools in non-thinking mode: after the results its template opens no think block
 ANSWERS_WITHOUT_REASONING = {"deepseek_v31"}
-RECORDED = {"anthropic": ("claude_code_turn1", "claude_code_tool_result"), "responses": ("codex_turn1", "codex_tool_output")}
+RECORDED = {"anthropic": ("claude_code_turn1", "claude_code_tool_result", "claude_code_sonnet_turn1"),
+            "responses": ("codex_turn1", "codex_tool_output")}
+# Claude Code's thinking shapes: its default tier's (adaptive) and its Sonnet tier's (enabled, budget 31999 of 32000)
+CLAUDE_CODE = {"adaptive": "claude_code_turn1", "budget": "claude_code_sonnet_turn1"}
+BUDGET = 8
 FINISH = {"openai": "tool_calls", "responses": "completed", "anthropic": "tool_use", "ollama": "stop"}
 # Each API's own way to turn the template's thinking switch on
 THINKING = {"openai": {"reasoning_effort": "medium"}, "responses": {"reasoning": {"effort": "medium"}},
@@ -114,8 +122,10 @@ def _check_calls(family: str, turn: Turn, door: str, stream: bool) -> None:
             assert json.loads("".join(pieces)) == arguments
 
 
+# scope="module" runs every test of one family before the next family's: the engine loads
+# each family's model once, not once per test function
 @pytest.mark.parametrize("door", list(DOORS))
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(FAMILIES), scope="module")
 def test_a_familys_calls_and_reasoning_come_through_each_door_whole_streamed_and_answered(served, family, door):
     ask, answered, first = DOORS[door]
     url = served.server.url
@@ -141,7 +151,7 @@ def get_time(city: str) -> str:
     return "12:00"
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(FAMILIES), scope="module")
 def test_a_familys_calls_run_as_llm_tools_and_the_answer_follows(served, family):
     _script(served, family)
     _script(served, family, answer=True)
@@ -155,7 +165,7 @@ def test_a_familys_calls_run_as_llm_tools_and_the_answer_follows(served, family)
 
 
 @pytest.mark.parametrize("door", list(RECORDED))
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(FAMILIES), scope="module")
 def test_the_recorded_agent_requests_render_with_every_familys_template(served, family, door):
     from server_support import call
 
@@ -166,3 +176,139 @@ def test_the_recorded_agent_requests_render_with_every_familys_template(served, 
             body.pop(key, None)
         status, _, reply = call(served, "POST", path, body)
         assert status == 200 and reply["input_tokens"] > 1000, (name, reply)
+
+
+@pytest.mark.parametrize("shape", list(CLAUDE_CODE))
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_claude_codes_thinking_shapes_are_answered_on_every_family_whole_and_streamed(served, family, shape):
+    body = load(CLAUDE_CODE[shape])["body"]
+    ask, _, first = DOORS["anthropic"]
+    request = first(ASK)
+    for stream in (False, True):
+        _script(served, family)
+        turn = ask(served.server.url, family, request, stream, thinking=body["thinking"], max_tokens=body["max_tokens"])
+        _check_calls(family, turn, "anthropic", stream)
+    assert not served.script
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if not FAMILIES[f].reasons and not FAMILIES[f].thinking_kwarg])
+def test_a_budget_for_a_family_that_does_not_reason_is_accepted_and_named(served, family):
+    from server_support import call
+
+    _script(served, family, answer=True)
+    status, headers, reply = call(served, "POST", "/v1/messages", {
+        "model": family, "max_tokens": 64, "messages": [{"role": "user", "content": ASK}],
+        "thinking": {"type": "enabled", "budget_tokens": BUDGET}})
+    assert status == 200 and reply["content"][-1]["text"].strip() == ANSWER, reply
+    assert "thinking" in headers["x-mlx-stream-ignored"].split(", ")
+
+
+class Writes:
+    """A logits processor put before the plugin's own: the reply's token at each
+    position `script(reply so far)` names is forced (None: the logits pass as they are),
+    and the reply it saw is kept (mlx-lm computes a step past the end of the turn, so
+    it holds the token that ended it)."""
+
+    def __init__(self, script):
+        self.script, self.prompt, self.reply = script, None, []
+
+    def __call__(self, tokens, logits):
+        import mlx.core as mx
+
+        history = tokens.tolist()
+        self.prompt = history if self.prompt is None else self.prompt
+        self.reply = history[len(self.prompt):]
+        token = self.script(self.reply)
+        if token is None:
+            return logits
+        hit = mx.arange(logits.shape[-1]) == token
+        return mx.where(hit, mx.zeros_like(logits), mx.full(logits.shape, -mx.inf, dtype=logits.dtype))
+
+
+@pytest.fixture
+def first(served, monkeypatch):
+    """Processors the next generations run before their own, one each, in order."""
+    from llm_mlx_streaming.engine.manager import get_manager
+
+    engine, pending = get_manager(), []
+    scripted = engine.run
+
+    def run(load_spec, request):
+        if pending:
+            request.logits_processors.insert(0, pending.pop(0))
+        return scripted(load_spec, request)
+
+    monkeypatch.setattr(engine, "run", run)
+    return pending
+
+
+def _closing(family: str, tokenizer) -> tuple[list[int], list[int]]:
+    """(the ids that open the family's reasoning, those that close it and begin the
+    answer), from the text its model writes (fixtures/families.py)."""
+    reply = native_reply(family, reasoning="\0", text="\1")
+    opening, rest = reply.split("\0")
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    return encode(opening.rstrip("\n")), encode(rest.split("\1")[0])  # Gemma's line break is reasoning
+
+
+def _position(reply: list[int], part: list[int]):
+    return next((i for i in range(len(reply)) if reply[i:i + len(part)] == part), None)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma4"])
+def test_a_budget_ends_the_reasoning_with_the_familys_closing_tokens_and_the_answer_follows(served, first, family):
+    tokenizer = served.tokenizer(family)
+    opening, close = _closing(family, tokenizer)
+    thought = tokenizer.encode(" ".join([THOUGHT] * 8), add_special_tokens=False)
+    answer = tokenizer.encode(ANSWER, add_special_tokens=False) + [end_of_turn(family, tokenizer, False)]
+
+    def script(reply):  # a thought that never ends by itself; once closed, the answer
+        at = _position(reply, close)
+        if at is None:
+            return [*opening, *thought][len(reply)] if len(reply) < len(opening) + len(thought) else None
+        done = len(reply) - at - len(close)
+        return answer[done] if done < len(answer) else None  # mlx-lm computes a step past the end
+
+    ask, _, ask_first = DOORS["anthropic"]
+    for stream in (False, True):
+        first.append(writes := Writes(script))
+        turn = ask(served.server.url, family, ask_first(ASK), stream,
+                   thinking={"type": "enabled", "budget_tokens": BUDGET})
+        assert writes.reply == [*opening, *thought[:BUDGET], *close, *answer]
+        assert turn.reasoning.strip() == tokenizer.decode(thought[:BUDGET]).strip()
+        assert turn.text.strip() == ANSWER and not turn.calls, turn
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma4"])
+def test_stock_mlx_lm_fed_the_same_forced_tokens_writes_the_same_reply(served, first, family):
+    """Greedy, the reasoning opened and then free: the budget's closing tokens are the
+    only other forced ones, and stock mlx-lm forced the same at the same places agrees."""
+    from mlx_lm import load as stock_load
+
+    opening, close = _closing(family, served.tokenizer(family))
+    n = len(opening) + BUDGET + len(close) + 6
+    writes = Writes(lambda reply: opening[len(reply)] if len(reply) < len(opening) else None)
+    first.append(writes)
+    DOORS["anthropic"][0](served.server.url, family, DOORS["anthropic"][2](ASK), False, extra_body={"temperature": 0},
+                          max_tokens=n, thinking={"type": "enabled", "budget_tokens": BUDGET})
+    assert writes.reply[len(opening) + BUDGET:][:len(close)] == close
+    forced = {**dict(enumerate(opening)), **{len(opening) + BUDGET + i: t for i, t in enumerate(close)}}
+    stock = greedy_tokens(stock_load(str(served.paths[family]))[0], writes.prompt, n,
+                          [Writes(lambda reply: forced.get(len(reply)))])
+    assert len(writes.reply) > len(opening) + BUDGET + len(close)
+    assert writes.reply == stock[:len(writes.reply)]
+
+
+def test_a_budget_that_cannot_bind_adds_nothing(served, first, family="gpt_oss"):
+    """Claude Code's 31999 of 32000, scaled down: a reply of max_tokens would end before
+    the budget, its closing tokens and a token of answer, so nothing is forced (harmony:
+    the budget would otherwise bind, its opening is shorter than its closing)."""
+    tokenizer = served.tokenizer(family)
+    opening, close = _closing(family, tokenizer)
+    thought = tokenizer.encode(" ".join([THOUGHT] * 8), add_special_tokens=False)
+    script = [*opening, *thought]
+    first.append(writes := Writes(lambda reply: script[len(reply)]))
+    turn = DOORS["anthropic"][0](served.server.url, family, DOORS["anthropic"][2](ASK), False,
+                                 max_tokens=BUDGET + len(close), thinking={"type": "enabled", "budget_tokens": BUDGET})
+    assert writes.reply[:BUDGET + len(close)] == script[:BUDGET + len(close)]
+    assert turn.finish == "max_tokens" and not turn.text.strip(), turn

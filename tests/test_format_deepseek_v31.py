@@ -122,7 +122,7 @@ def test_the_tools_its_template_never_renders_are_described_after_the_system_pro
     from llm_mlx_streaming.prompt.render import render_prompt
 
     def rendered(*messages, tools=TOOLS):
-        tokens, _ = render_prompt(tokenizer, [Message(role=role, parts=[TextPart(text=text)]) for role, text in messages],
+        tokens, _, _ = render_prompt(tokenizer, [Message(role=role, parts=[TextPart(text=text)]) for role, text in messages],
                                   thinking=False, tools=tools)  # the card's calls are in non-thinking mode
         return tokenizer.decode(tokens)
 
@@ -144,6 +144,6 @@ def test_with_the_tools_declared_in_a_system_message_of_their_own_a_reply_keeps_
     assert spelled != tokenizer.encode(answer, add_special_tokens=False)
     turn = [Message(role="user", parts=[TextPart(text="Hi")]), assistant_message(answer, tokens=spelled),
             Message(role="user", parts=[TextPart(text="Weather in Paris?")])]
-    tokens, _ = render_prompt(tokenizer, turn, thinking=False, tools=TOOLS)
+    tokens, _, _ = render_prompt(tokenizer, turn, thinking=False, tools=TOOLS)
     assert DECLARED in tokenizer.decode(tokens)
     assert any(tokens[i:i + len(spelled)] == spelled for i in range(len(tokens)))

@@ -107,5 +107,5 @@ def test_a_reply_after_folded_tool_results_keeps_its_own_token_ids(tokenizer):
                  [user[0], assistant_message("", calls=[call]), tool_result_message("c1", "get_weather", "sunny"),
                   assistant_message(answer, tokens=spelled), user[1], assistant_message("", calls=[call]),
                   tool_result_message("c1", "get_weather", "rainy")]):
-        tokens, _ = render_prompt(tokenizer, turn, tools=[WEATHER])
+        tokens, _, _ = render_prompt(tokenizer, turn, tools=[WEATHER])
         assert any(tokens[i:i + len(spelled)] == spelled for i in range(len(tokens))), tokenizer.decode(tokens)

@@ -83,6 +83,7 @@ def test_claude_gets_the_server_its_key_and_model_everywhere_and_the_started_ser
     assert env["ANTHROPIC_BASE_URL"] == f"http://127.0.0.1:{server['port']}"
     assert env["ANTHROPIC_AUTH_TOKEN"] == server["secret"] and "ANTHROPIC_API_KEY" not in env
     assert env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "8192"  # the server's max_context
+    assert env["CLAUDE_CODE_ATTRIBUTION_HEADER"] == "0"  # no billing line in front of the prompt
     for name in ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL",
                  "ANTHROPIC_DEFAULT_HAIKU_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL"):
         assert env[name] == "mlx-stream/small", name
@@ -138,6 +139,22 @@ def test_a_running_server_is_used_and_left_running(agents):
         assert discovery.read() is not None and not env.server.uvicorn.should_exit
         # a launch for a model other than the one it has loaded is refused: it would swap it out
         assert_one_line_error(env.run("mlxs", "launch", "codex", "tiny-moe"), "serves mlx-stream/small")
+
+
+def test_claude_small_model_maps_the_fast_tier_to_a_second_model_loaded_beside_the_first(agents):
+    from llm_mlx_streaming.cli.background import model_id
+
+    with serving(agents) as env:
+        result = env.run("mlxs", "launch", "claude", "--small-model", "tiny-moe", "--", "-p", "hi")
+        assert result.exit_code == 0, result.output
+        env_ = json.loads(agents.record.read_text())["env"]
+        small = model_id("tiny-moe")
+        for name in ("ANTHROPIC_DEFAULT_HAIKU_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL"):
+            assert env_[name] == small, name
+        for name in ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL"):
+            assert env_[name] == "mlx-stream/small", name
+        loaded = {ids for m in env.server.service.models_figures() for ids in m["ids"]}
+        assert {"mlx-stream/small", small} <= loaded  # both stay loaded: no request swaps one out
 
 
 @pytest.mark.parametrize("agent,package", [("claude", "@anthropic-ai/claude-code"), ("codex", "@openai/codex")])

@@ -160,3 +160,48 @@ def test_the_package_ships_no_test_fixtures():
             assert not any(n == "fixtures" or n.startswith("fixtures.") for n in names), file
     assert not {"factory.py", "architectures.py", "tokenizer.py", "scripted.py"} & {
         f.name for f in PACKAGE.rglob("*.py")}
+
+
+def test_no_two_classes_share_a_name():
+    """One name, one class: a reader (and an import) never has to ask which `Shape`."""
+    where: dict[str, list[str]] = {}
+    for file in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(str(file.relative_to(PACKAGE)))
+    assert {name: files for name, files in where.items() if len(files) > 1} == {}
+
+
+# The repository's folders, each above the ones after it: tests run everything;
+# benchmarks, the conformance matrices and the tools build on the fixtures; the fixtures
+# on the package, which imports none of them.
+REPOSITORY = PACKAGE.parent
+FOLDERS = [{"tests"}, {"benchmarks", "conformance", "tools"}, {"fixtures"}, {"llm_mlx_streaming"}]
+# Sideways arrows among the middle folders that are meant: the recorder installs and
+# runs the agent CLIs as the conformance matrices do (conformance/agent_clis.py).
+KNOWN_SIDEWAYS = {("tools", "conformance")}
+
+
+def _folder_of(name: str, importer: Path) -> str | None:
+    """The repository folder an import reaches: by its package, or, for a script's bare
+    import of a module beside it (they put their own folder on sys.path), its folder."""
+    top = name.split(".")[0]
+    if any(top in layer for layer in FOLDERS):
+        return top
+    if (importer.parent / f"{top}.py").exists():
+        return importer.relative_to(REPOSITORY).parts[0]
+    return None
+
+
+def test_the_repositorys_folders_import_down_their_layers():
+    rank = {folder: i for i, layer in enumerate(FOLDERS) for folder in layer}
+    arrows = set()
+    for folder in rank:
+        for file in (REPOSITORY / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(file.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+                arrows |= {(folder, target) for n in names if (target := _folder_of(n, file)) not in (None, folder)}
+    wrong = {(a, b) for a, b in arrows if rank[a] >= rank[b] and (a, b) not in KNOWN_SIDEWAYS}
+    assert wrong == set()
+    assert ("tools", "conformance") in arrows and ("conformance", "fixtures") in arrows  # the walk sees them

@@ -31,6 +31,8 @@ def test_config_show_set_unset(llm_env):
         "server", "server_hosts", "server_origins", "reply_memory", "max_batch", "max_responses",  # the server
         "image_urls", "max_image_bytes",  # images (#37)
         "conversation_cache", "conversation_cache_size", "conversation_cache_entries",  # features (#11)
+        "snapshot_every", "snapshots", "snapshot_memory",  # an agent's prompt read once (#46)
+        "max_models", "keep_alive",  # several models in one memory (#47)
     }
     assert " set " in lines["default_model"] and " default " in lines["max_tokens"]
 

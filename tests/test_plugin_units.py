@@ -77,10 +77,31 @@ def test_the_reasoning_cap_closes_the_think_block_at_its_budget():
     logits = mx.zeros((1, 10))
 
     def forced(reply, opened):
-        out = reasoning_cap(len(prompt), opened, START, END, budget=2)(mx.array(prompt + reply), logits)
+        out = reasoning_cap(len(prompt), opened, [START], [END], [], budget=2)(mx.array(prompt + reply), logits)
         return out[0].tolist()[END] == 0 and out[0].tolist()[0] == -float("inf")
 
     assert [forced(r, True) for r in ([], [4], [4, 5], [4, 5, 6])] == [False, False, True, True]
     assert not forced([4, 5, END, 6, 6], True)  # closed already: nothing to do
     assert [forced(r, False) for r in ([4, 5, 6], [4, START, 5], [4, START, 5, 6])] == [False, False, True]
 
+
+def test_the_reasoning_cap_writes_a_closing_sequence_after_a_multi_token_opening():
+    """Harmony's shape: the block opens at a sequence, and closing it is the end tag and
+    then the answer's header, forced one token a step."""
+    import mlx.core as mx
+
+    from llm_mlx_streaming.processors import reasoning_cap
+
+    START, END, ANSWER, prompt = [7, 9], [8], [5, 6], [1, 2]
+    cap = reasoning_cap(len(prompt), False, START, END, ANSWER, budget=3)
+
+    def forced(reply):
+        row = cap(mx.array(prompt + reply), mx.zeros((1, 10)))[0].tolist()
+        allowed = [i for i, v in enumerate(row) if v == 0]
+        return allowed[0] if len(allowed) == 1 else None
+
+    thought = [*START, 4, 4, 4]
+    assert [forced(r) for r in ([7], [*START, 4, 4], thought)] == [None, None, 8]
+    assert [forced(thought + [8]), forced(thought + [8, 5]), forced(thought + [8, 5, 6])] == [5, 6, None]
+    assert forced([*START, 4, 8, 4, 4, 4]) is None  # it ended within its budget: left alone
+    assert forced([7, 4, 4, 4, 4]) is None  # the opening is the whole sequence, not its first token

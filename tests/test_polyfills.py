@@ -10,7 +10,7 @@ import pytest
 
 from fixtures.families import build_family_checkpoint
 from llm_mlx_streaming.prompt.messages import PromptError
-from llm_mlx_streaming.prompt.polyfills import fitted
+from llm_mlx_streaming.prompt.polyfills import fill_in
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -43,7 +43,7 @@ def _render(tokenizer, messages, tools=None):
         return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False,
                                              **({"tools": shown} if shown else {}))
 
-    messages, tools, text = fitted(tokenizer, messages, tools, rendered)
+    messages, tools, text = fill_in(tokenizer, messages, tools, rendered)
     return text, messages, tools
 
 
@@ -77,14 +77,14 @@ def test_an_untyped_parameter_is_typed_only_when_the_template_fails_without_a_ty
 
         return Template(strict, undefined=StrictUndefined).render(messages=msgs, tools=shown or [])
 
-    _, fitted_tools, _ = fitted(tokenizer, [{"role": "user", "content": "hi"}], [UNTYPED], rendered)
-    assert fitted_tools[0]["function"]["parameters"]["properties"]["spec"]["type"] == "string"
+    _, tools, _ = fill_in(tokenizer, [{"role": "user", "content": "hi"}], [UNTYPED], rendered)
+    assert tools[0]["function"]["parameters"]["properties"]["spec"]["type"] == "string"
 
 
 def test_a_parameter_gets_the_type_its_schema_implies():
-    from llm_mlx_streaming.prompt.polyfills import typed_tools
+    from llm_mlx_streaming.prompt.polyfills import type_properties
 
-    _, (tool,) = typed_tools([], [UNTYPED])
+    _, (tool,) = type_properties(None, [], [UNTYPED])
     spec = tool["function"]["parameters"]["properties"]
     assert spec["spec"]["type"] == "string" and spec["steps"]["type"] == "array"
 
@@ -108,6 +108,19 @@ def test_mistral_takes_a_later_system_message_as_part_of_the_users_turn(tokenize
     asked = [{"role": "user", "content": "Hi"}, {"role": "system", "content": "Be brief."}]
     text, messages, _ = _render(tokenizers("mistral"), asked)
     assert messages == [{"role": "user", "content": "Hi\n\nBe brief."}]
+
+
+OPENING = [{"role": "system", "content": "Be brief."}, {"role": "system", "content": "Answer in French."},
+           {"role": "user", "content": "Hi"}]
+
+
+def test_opening_system_messages_are_joined_only_where_the_template_drops_or_refuses_the_second(tokenizers):
+    for family in ("gpt_oss", "mistral"):  # gpt-oss renders the first only; Mistral refuses the second
+        text, messages, _ = _render(tokenizers(family), OPENING)
+        assert messages[0] == {"role": "system", "content": "Be brief.\n\nAnswer in French."}, family
+        assert "Be brief.\n\nAnswer in French." in text
+    text, messages, _ = _render(tokenizers("qwen3"), OPENING)
+    assert messages == OPENING and "Answer in French." in text
 
 
 def test_kimi_k2_gets_its_own_call_ids_and_the_instruct_template_the_calls_inline(tokenizers):

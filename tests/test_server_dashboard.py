@@ -91,9 +91,11 @@ def test_metrics_equal_the_stats_after_a_known_sequence_of_requests(dash):
     assert value(m, "mlxs_prefilled_tokens_total") == t["prefilled_tokens"]
     assert value(m, "mlxs_prefill_seconds_total") == pytest.approx(t["prefill_seconds"])
     assert value(m, "mlxs_decode_seconds_total") == pytest.approx(t["decode_seconds"])
+    [loaded] = after["models"]  # the pool and memory figures are each loaded model's, labelled by it
+    model = loaded["model"]
     for name, key in (("expert_hits", "hits"), ("expert_misses", "misses"), ("expert_evictions", "evictions"),
                       ("expert_read_bytes", "bytes_read"), ("expert_reads", "reads")):
-        assert value(m, f"mlxs_{name}_total") == after[key], name
+        assert value(m, f"mlxs_{name}_total", model=model) == after[key] == loaded["counters"][key], name
     assert value(m, "mlxs_host_syncs_total") == after["syncs"]
     # what this sequence added, against what the replies said
     assert t["generated_tokens"] - before["totals"]["generated_tokens"] == tokens_out == 5 + 5 + 4 + 3 + 3 + 2
@@ -106,9 +108,12 @@ def test_metrics_equal_the_stats_after_a_known_sequence_of_requests(dash):
     assert value(m, "mlxs_model_loaded") == 1
     assert value(m, "mlxs_model_info", model="mlx-stream", checkpoint=after["checkpoint"], state="loaded",
                  policy=after["policy"], store=after["store"]) == 1
-    assert value(m, "mlxs_resident_bytes", part="experts") > 0 and value(m, "mlxs_resident_bytes", part="dense") > 0
-    assert value(m, "mlxs_kv_cache_bytes") > 0
-    assert value(m, "mlxs_expert_slots") == 4 * len(after["layers"])
+    assert value(m, "mlxs_resident_bytes", model=model, part="experts") > 0
+    assert value(m, "mlxs_resident_bytes", model=model, part="dense") > 0
+    assert value(m, "mlxs_kv_cache_bytes", model=model) > 0
+    assert value(m, "mlxs_expert_slots", model=model) == 4 * len(after["layers"])
+    assert value(m, "mlxs_model_memory_bytes", model=model) == loaded["memory_bytes"] > 0
+    assert value(m, "mlxs_model_loads_total") == after["model_loads"] >= 1
 
 
 def test_metrics_name_every_figure_the_issue_asks_for(dash):
@@ -132,6 +137,8 @@ def test_the_event_stream_sends_frames_only_while_someone_listens(dash):
     assert rows and all(len(r["resident"]) == r["experts"] == 8 and r["slots"] == 4 for r in rows)
     assert all(r["resident"].count("1") <= 4 for r in rows)
     assert first["memory"]["experts_bytes"] > 0 and first["memory"]["machine_bytes"]
+    [row] = first["models"]  # the dashboard's row per loaded model: its share and its memory
+    assert row["running"] and row["experts_bytes"] == first["memory"]["experts_bytes"] and row["slots"] == 4 * len(rows)
     assert set(first["server"]) >= {"queued", "running", "max_queue"}
     wait_until(lambda: feed.listeners == 0, timeout=10)
     samples = len(feed.samples)

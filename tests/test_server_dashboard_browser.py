@@ -128,6 +128,8 @@ def test_the_page_loads_and_a_layers_cells_change_after_a_request_that_misses(da
     browser.save_screenshot(str(shots / "dashboard-after.png"))
     text = browser.find_element("id", "recent").text
     assert "none yet" not in text  # the response is listed
+    rows = browser.find_elements("css selector", "#models tbody tr[data-model]")  # a row per loaded model
+    assert len(rows) == 1 and "running" in rows[0].text, [r.text for r in rows]
     assert browser.find_element("id", "live").text == "live"
     assert errors(browser) == []
 

@@ -1,4 +1,4 @@
-"""The recorded client traffic in tests/data/traffic/ (benchmarks/record_agents.py): what
+"""The recorded client traffic in tests/data/traffic/ (tools/recorder/): what
 each recording holds, that it was scrubbed, its size, and its size in tokens with the
 realistic tokenizer. The replay of these requests against the server is elsewhere."""
 
@@ -20,7 +20,7 @@ KEY_TURNS = {
     "openai_agents": ["openai_agents_turn1", "openai_agents_tool_output"],
 }
 KEPT_HEADERS = re.compile(r"^(anthropic-|content-type$|accept$|user-agent$|x-stainless-|x-codex-|openai-"
-                          r"|x-app$|x-claude-code-|originator$|session-id$|thread-id$|x-client-request-id$"
+                          r"|x-app$|x-claude-code-|x-claude-1p-|originator$|session-id$|thread-id$|x-client-request-id$"
                           r"|authorization$|x-api-key$)")
 UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 
@@ -120,8 +120,7 @@ def test_claude_codes_first_request_is_its_real_size_in_tokens(realistic, build)
 
 
 def test_the_readme_inventory_is_current():
-    spec = importlib.util.spec_from_file_location("record_agents", ROOT / "benchmarks" / "record_agents.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from tools.recorder.inventory import inventory
+
     readme = (traffic.TRAFFIC / "README.md").read_text()
-    assert module.inventory(traffic.TRAFFIC) in readme
+    assert inventory(traffic.TRAFFIC) in readme

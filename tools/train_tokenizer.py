@@ -2,7 +2,7 @@
 gzipped to tests/data/tokenizer-bpe32k.json.gz.
 
 Run by a maintainer when the tokenizer should change (for example after re-recording
-tests/data/traffic/ with benchmarks/record_agents.py), not by the tests: they read the
+tests/data/traffic/ with tools/recorder/), not by the tests: they read the
 shipped file. Offline and deterministic for the same corpus and `tokenizers` version;
 the corpus is this machine's Python standard library source, this repository's docs and
 the recorded traffic (fixtures.tokenizer.bpe32k_corpus), a few seconds on two cores.

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -31,21 +31,27 @@ class Served:
     key: str  # the discovery secret: accepted as the bearer token, with --api-key too
     model_id: str
     process: Optional[subprocess.Popen] = None  # started here, so stopped by close()
+    small_model_id: Optional[str] = None  # a second model served beside it (an agent's fast tier)
 
     def close(self) -> None:
         if self.process is not None:
             stop(self.process)
 
 
-def serve(model: Optional[str], wait: float) -> Served:
+def serve(model: Optional[str], wait: float, small: Optional[str] = None) -> Served:
     """A server for `model` (None: the running server's model, else the default one),
-    with the model loaded; MlxStreamError in one line when there is none within `wait` s."""
+    with the model loaded, and `small` loaded beside it when given; MlxStreamError in one
+    line when there is none within `wait` s."""
+    deadline = time.monotonic() + wait
     info = discovery.read()
     if info is not None:
         client = ServerClient(info)
         if client.is_ours():
-            return _reuse(client, model, time.monotonic() + wait)
-    return _start(model_id(model), time.monotonic() + wait)
+            served = _reuse(client, model, deadline)
+            if small:
+                client.load(model_id(small), timeout=max(1.0, deadline - time.monotonic()))
+            return replace(served, small_model_id=model_id(small) if small else None)
+    return _start(model_id(model), deadline, model_id(small) if small else None)
 
 
 def model_id(model: Optional[str]) -> str:
@@ -75,7 +81,7 @@ def _reuse(client: ServerClient, model: Optional[str], deadline: float) -> Serve
     return served
 
 
-def _start(want: str, deadline: float) -> Served:
+def _start(want: str, deadline: float, small: Optional[str] = None) -> Served:
     log_path = llm.user_dir() / "mlx-streaming" / LOG_NAME
     log_path.parent.mkdir(parents=True, exist_ok=True)
     _say(f"starting a server for {want} (log: {log_path})")
@@ -83,18 +89,20 @@ def _start(want: str, deadline: float) -> Served:
     with open(log_path, "wb") as log:
         # its own session: Ctrl-C in the agent's terminal is the agent's, and the
         # server is stopped by close() once the agent is done
-        process = subprocess.Popen([sys.executable, "-m", "llm", "mlxs", "serve", "--port", "0", "-m", want,
+        beside = ["-m", small] if small else []
+        process = subprocess.Popen([sys.executable, "-m", "llm", "mlxs", "serve", "--port", "0", "-m", want, *beside,
                                     "--any-model"], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
     try:
         client = _wait_started(process, log_path, deadline)
         _say(f"loading {want}")
-        _wait_loaded(client, want, deadline, lambda: _check_alive(process, log_path))
+        for each in (want, *([small] if small else [])):
+            _wait_loaded(client, each, deadline, lambda: _check_alive(process, log_path))
     except BaseException:
         stop(process)
         raise
     _say(f"{want} loaded in {time.monotonic() - start:.1f} s; serving on {client.url}")
-    return Served(client.url, client.info.secret, want, process)
+    return Served(client.url, client.info.secret, want, process, small)
 
 
 def _wait_started(process: subprocess.Popen, log_path: Path, deadline: float) -> ServerClient:
@@ -117,7 +125,7 @@ def _wait_loaded(client: ServerClient, want: str, deadline: float, check) -> Non
             stats = {}
         if stats.get("state") == "error":
             raise MlxStreamError(f"The server could not load {want}: {stats.get('error')}")
-        if stats.get("state") == "loaded" and stats.get("model") == want:
+        if any(want in m["ids"] for m in stats.get("models", ())):  # loaded, beside others or alone
             return
         time.sleep(POLL_SECONDS)
     raise MlxStreamError(f"{want} was not loaded in time (raise --wait)")

@@ -21,6 +21,7 @@ CODEX_PROVIDER = "mlx-stream"
 # all name the served model, so no request asks for a model the server does not serve.
 CLAUDE_MODEL_VARS = ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL",
                      "ANTHROPIC_DEFAULT_HAIKU_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL")
+CLAUDE_SMALL_VARS = ("ANTHROPIC_DEFAULT_HAIKU_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL")  # `launch --small-model`
 
 
 def claude_env(env: dict, served: Served, context: int) -> dict:
@@ -28,11 +29,15 @@ def claude_env(env: dict, served: Served, context: int) -> dict:
     asked about in every new interactive session (the key changes with each server), and
     one the user has set would be sent here, so it is left out. The context window is
     the server's, so Claude Code compacts the conversation before the server would refuse
-    it (for a model id it does not know it assumes a far larger one)."""
+    it (for a model id it does not know it assumes a far larger one). Its billing line,
+    which differs from one session to the next in front of the whole prompt, is turned
+    off (the server also leaves it out of the prompt: server/anthropic)."""
     out = {k: v for k, v in env.items() if k != "ANTHROPIC_API_KEY"}
     out.update({"ANTHROPIC_BASE_URL": served.url, "ANTHROPIC_AUTH_TOKEN": served.key,
-                "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(context)})
+                "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(context), "CLAUDE_CODE_ATTRIBUTION_HEADER": "0"})
     out.update({name: served.model_id for name in CLAUDE_MODEL_VARS})
+    if served.small_model_id:  # the fast tier and subagents on a second model, loaded beside the first
+        out.update({name: served.small_model_id for name in CLAUDE_SMALL_VARS})
     return out
 
 

@@ -49,3 +49,9 @@ def report_problems(problems: list[str], failure: str) -> None:
     if problems:
         raise MlxStreamError(failure)
 
+
+def slots_text(slots) -> str:
+    """Slots per layer in a few characters: one count, or the range of a list."""
+    if isinstance(slots, list) and slots:
+        return str(slots[0]) if len(set(slots)) == 1 else f"{min(slots)}-{max(slots)}"
+    return "-" if slots is None else str(slots)

@@ -38,8 +38,11 @@ class _PassThrough(click.Command):
 @click.argument("model", required=False)
 @click.option("--wait", default=900, show_default=True, type=click.IntRange(1),
               help="Seconds the model may take to load before launch gives up")
+@click.option("--small-model", metavar="NAME",
+              help="Claude Code: a second model, loaded beside MODEL, for its fast tier and subagents "
+              "(ANTHROPIC_DEFAULT_HAIKU_MODEL)")
 @click.pass_context
-def launch(ctx, agent, model, wait):
+def launch(ctx, agent, model, wait, small_model):
     """Run Claude Code (claude) or Codex (codex) on MODEL, served by `llm mlxs serve`.
 
     Uses the server running for this llm user dir, or starts one for MODEL (the default
@@ -55,7 +58,7 @@ def launch(ctx, agent, model, wait):
     command = shutil.which(spec.command)
     if command is None:
         raise MlxStreamError(f"{spec.command} is not on PATH; install it with: npm install -g {spec.package}")
-    served = serve(model, wait)
+    served = serve(model, wait, small_model)
     try:
         env = spec.environment(dict(os.environ), served, _context(served.model_id))
         status = _foreground([command, *ctx.meta.get(PASSED, [])], env)

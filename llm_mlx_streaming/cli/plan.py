@@ -11,11 +11,12 @@ from pydantic import ValidationError
 from ..options import registry
 from ..engine.planner import DEFAULT_HIT_RATES, default_reserve
 from ..errors import MlxStreamError, SettingsError, one_line
-from ..options.run_config import budget_value, kv_spec, planned_context
+from ..options.run_config import budget_value, kv_spec, planned_context, snapshot_budget
 from ..options.knobs import AUTO_BUDGET_SHARE, BUNDLED_NAME
 from ..options.settings import budget_bytes, load_settings
 from ..sizes import format_size
 
+from .common import slots_text, table
 from .group import mlxs
 from .lookup import find_checkpoint
 from ..engine.planner import PlanError, plan_memory
@@ -23,7 +24,7 @@ from ..errors import CheckpointError
 
 
 @mlxs.command(short_help="How a memory budget is spent; slots per layer (loads nothing).")
-@click.argument("name", required=False)
+@click.argument("names", nargs=-1)
 @click.option("--budget", metavar="SIZE", help="Memory budget, e.g. 12GB or auto (default: the memory_budget setting)")
 @click.option("--max-context", type=click.IntRange(1), help="Tokens of KV cache to plan for (default: the max_context setting)")
 @click.option("--kv-bits", metavar="BITS", help="KV cache quantization to plan for: off, 4 or 8 (default: the kv_bits setting)")
@@ -31,20 +32,28 @@ from ..errors import CheckpointError
 @click.option("--budgets", metavar="SIZE,SIZE,...",
               help="A pipeline of hosts (llm mlxs serve --hosts): each host's budget, rank 0's first")
 @click.option("json_", "--json", is_flag=True, help="Output as JSON")
-def plan(name, budget, max_context, kv_bits, hit_rate, budgets, json_):
+def plan(names, budget, max_context, kv_bits, hit_rate, budgets, json_):
     """How a memory budget is spent: dense weights, KV cache, reserve, expert slots.
 
     Reads only config.json and the safetensors headers; loads nothing. NAME is a
     model name or alias, mlx-stream (the default model, also when omitted) or a
-    checkpoint directory.
+    checkpoint directory. Several NAMEs: how `llm mlxs serve` splits the budget among
+    them loaded at once (each one's slots per layer).
 
     \b
     llm mlxs plan q30 --budget 12GB
     llm mlxs plan ~/models/Qwen3-30B-A3B-4bit --budget 16GB --max-context 8192 --json
     llm mlxs plan q30 --budget 12GB --max-context 65536 --kv-bits 4
     llm mlxs plan q30 --budgets 24GB,24GB
+    llm mlxs plan q30 coder --budget 24GB
     """
     settings = load_settings()
+    if len(names) > 1:
+        if budgets:
+            raise MlxStreamError("--budgets plans one model over a pipeline; give one NAME")
+        return _plan_shared(names, _options(memory_budget=budget, kv_bits=kv_bits, max_context=max_context),
+                            settings, json_)
+    name = names[0] if names else None
     label, path, entry = find_checkpoint(name, settings)
     options = _options(memory_budget=budget, kv_bits=kv_bits)
     kv = kv_spec(options, settings)
@@ -55,7 +64,7 @@ def plan(name, budget, max_context, kv_bits, hit_rate, budgets, json_):
     value = budget_value(options, settings)
     nbytes = budget_bytes(value)
     try:
-        result = plan_memory(path, nbytes, max_context=context, kv=kv)
+        result = plan_memory(path, nbytes, max_context=context, kv=kv, snapshot_bytes=snapshot_budget(settings, nbytes))
     except PlanError as exc:
         prefix = f"memory_budget auto ({AUTO_BUDGET_SHARE:.0%} of this machine's memory): " if value == "auto" else ""
         raise MlxStreamError(prefix + str(exc)) from None
@@ -82,6 +91,37 @@ def plan(name, budget, max_context, kv_bits, hit_rate, budgets, json_):
             f"-o memory_budget {value} uses the plan.",
             err=True,
         )
+
+
+def _plan_shared(names, options, settings, json_) -> None:
+    """The split `llm mlxs serve` makes of one budget among `names` loaded at once
+    (engine/sharing.py), each model configured as the server configures it."""
+    from ..engine.sharing import claim_of, least_bytes, pool_bytes, split
+    from ..options.run_config import configure
+
+    runs = [configure(name, options, settings) for name in names]
+    unbudgeted = [n for n, r in zip(names, runs) if r.load.footprint is None]
+    if unbudgeted:
+        raise MlxStreamError(f"Cannot plan {', '.join(unbudgeted)} within a shared budget (no memory plan)")
+    claims = [claim_of(r.load) for r in runs]
+    budget = runs[0].load.budget
+    shares = split(budget, claims)
+    if shares is None:
+        raise MlxStreamError(f"{', '.join(names)} do not fit in {format_size(budget)} at once: at top_k slots "
+                             f"per layer they need {format_size(least_bytes(claims))}")
+    rows = [{"model": name, "fixed_bytes": c.footprint.fixed_bytes, "slots_per_layer": list(slots),
+             "wanted_per_layer": list(c.wanted), "pool_bytes": pool_bytes(c.footprint, slots),
+             "memory_bytes": c.footprint.fixed_bytes + pool_bytes(c.footprint, slots)}
+            for name, c, slots in zip(names, claims, shares)]
+    reserve = max(c.footprint.reserve_bytes for c in claims)
+    if json_:
+        click.echo(json.dumps({"budget": budget, "reserve_bytes": reserve, "models": rows}, indent=2))
+        return
+    click.echo(f"Memory budget {format_size(budget)} shared by {len(names)} models loaded at once "
+               f"(llm mlxs serve; reserve {format_size(reserve)}, counted once):")
+    table(["model", "dense + KV", "slots per layer", "of wanted", "expert pool", "holds"],
+          [[r["model"], format_size(r["fixed_bytes"]), slots_text(r["slots_per_layer"]), slots_text(r["wanted_per_layer"]),
+            format_size(r["pool_bytes"]), format_size(r["memory_bytes"])] for r in rows], indent="  ")
 
 
 def _plan_ranks(label, path, budgets: str, context: int, kv, hit_rate, json_) -> None:
@@ -181,6 +221,8 @@ def format_plan(plan, hit_rate: float | None = None) -> str:
     if plan.image_tokens:
         lines.append(f"  {'  image tokens':<{width}}{plan.image_tokens:>10}  in the KV cache beyond max_context: "
                      f"{plan.image_note}")
+    if plan.snapshot_bytes:
+        row("prompt snapshots", plan.snapshot_bytes, "at most (snapshot_memory): this cache cannot be rewound")
     row("reserve", plan.reserve_bytes, reserve_note)
     if plan.num_moe_layers:
         total_slots = sum(plan.slots_per_layer)

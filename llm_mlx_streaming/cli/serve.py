@@ -15,7 +15,11 @@ from .group import mlxs
               help="Address to listen on; anything but loopback needs --api-key")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535),
               help="Port (0: any free port)")
-@click.option("-m", "--model", "model", help="Model to load at start and answer by default (e.g. mlx-stream/qwen3)")
+@click.option("-m", "--model", "models", multiple=True,
+              help="Model to load at start and keep loaded (pinned); the first answers by default "
+              "(e.g. mlx-stream/qwen3; repeatable)")
+@click.option("--max-models", type=click.IntRange(1, 64),
+              help="Most models kept loaded at once, sharing memory_budget (default: `llm mlxs config max_models`)")
 @click.option("--api-key", help="Bearer token every endpoint but /health requires")
 @click.option("--max-queue", default=8, show_default=True, type=click.IntRange(0),
               help="Requests that may wait for the engine; more get 503 with Retry-After")
@@ -52,7 +56,7 @@ from .group import mlxs
 @click.option("--pipeline-error", hidden=True)
 @click.option("--supervisor", hidden=True)  # HOST:PID
 @click.pass_context
-def serve(ctx, host, port, model, api_key, max_queue, hosts, origins, strict, aliases, any_model, pipeline, hostfile,
+def serve(ctx, host, port, models, max_models, api_key, max_queue, hosts, origins, strict, aliases, any_model, pipeline, hostfile,
           backend,
           budgets, ring_port, restarts, pipeline_rank, pipeline_restarts, pipeline_error, supervisor):
     """Serve the mlx-stream models over HTTP: the OpenAI, Anthropic Messages and Ollama APIs.
@@ -86,7 +90,8 @@ def serve(ctx, host, port, model, api_key, max_queue, hosts, origins, strict, al
         except (RankLost, ValueError) as e:
             raise MlxStreamError(str(e)) from None
 
-    server = Server(host=host, port=port, model=model, api_key=api_key, max_queue=max_queue,
+    server = Server(host=host, port=port, model=models[0] if models else None, pinned=models,
+                    max_models=1 if pipeline_rank else max_models, api_key=api_key, max_queue=max_queue,
                     hosts=list(hosts) if hosts else None, origins=list(origins) if origins else None,
                     keeper=_keeper(supervisor), strict=strict, aliases=_aliases(aliases), any_model=any_model)
     if engine is not None:
@@ -123,11 +128,12 @@ def _supervise(ctx, pipeline, hostfile, backend, ring_port) -> None:
     sizes = _budgets(ctx.params["budgets"])  # a bad one is refused before any rank starts
     if sizes and pipeline and len(sizes) != len(pipeline.split(",")):
         raise MlxStreamError(f"--budgets gives {len(sizes)} sizes for {len(pipeline.split(','))} hosts")
-    for name in ("host", "model", "api_key", "max_queue", "budgets"):  # the supervisor adds the port
+    for name in ("host", "api_key", "max_queue", "budgets"):  # the supervisor adds the port
         value = ctx.params[name]
         if value is not None:
             passed += [f"--{name.replace('_', '-')}", str(value)]
-    for flag, values in (("--allow-host", ctx.params["hosts"]), ("--allow-origin", ctx.params["origins"])):
+    for flag, values in (("--allow-host", ctx.params["hosts"]), ("--allow-origin", ctx.params["origins"]),
+                         ("--model", ctx.params["models"])):
         for value in values:
             passed += [flag, value]
     for alias in ctx.params["aliases"]:

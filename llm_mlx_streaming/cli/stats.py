@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 from pathlib import Path
 
 import click
@@ -17,7 +18,7 @@ from ..options import registry
 
 from .group import mlxs
 from ..sizes import format_size
-from .common import table
+from .common import slots_text, table
 from ..client.client import running_server
 from .plot import check_path, plot_live, plot_logged
 
@@ -85,6 +86,9 @@ def aggregate(rows: list[dict]) -> dict:
         "responses": len(rows),
         "prompt_tokens": total("prompt_tokens"),
         "reused_tokens": total("reused_tokens"),
+        "reused_from": {source: sum(_num(x, "reused_tokens") for x in s if x.get("reused_from") == source)
+                        for source in ("memory", "snapshot", "disk")},
+        "reuse_note": next((x["reuse_note"] for x in reversed(s) if x.get("reuse_note")), None),
         "prefilled_tokens": total("prefilled_tokens"),
         "generated_tokens": generated,
         "prefill_tps": round(total("prefilled_tokens") / prefill_seconds, 2) if prefill_seconds else None,
@@ -173,12 +177,6 @@ def _speculation_line(st: dict) -> list[str] | None:
     return ["speculation", text]
 
 
-def _slots_text(slots) -> str:
-    if isinstance(slots, list) and slots:
-        return str(slots[0]) if len(set(slots)) == 1 else f"{min(slots)}-{max(slots)}"
-    return "-" if slots is None else str(slots)
-
-
 def _stat_lines(st: dict) -> list[list[str]]:
     def n(key, fmt="{}"):
         v = st.get(key)
@@ -203,13 +201,16 @@ def _stat_lines(st: dict) -> list[list[str]]:
     ]
     if st.get("read_mb_per_s") is not None:
         lines[6][1] += f" ({n('read_mb_per_s', '{} MB/s')})"
+    if isinstance(st.get("reused_from"), dict) and st.get("reused_tokens"):
+        lines[0][1] += " from " + ", ".join(f"{source} {int(n)}" for source, n in st["reused_from"].items() if n)
+
     if "mb_read_per_token" in st:
         lines.insert(7, ["read per token", n("mb_read_per_token", "{} MB")])
     if "expert_slots" in st or "policy" in st:
         policy = st.get("policy") if isinstance(st.get("policy"), str) else "-"
         source = {"plan": "memory plan", "model": "model's --expert-slots", "setting": "expert_slots setting",
                   "bundled": "bundled default", "option": "-o expert_slots"}.get(st.get("slots_from"))
-        lines.append(["pool", f"{_slots_text(st.get('expert_slots'))} slots per layer, {policy}"
+        lines.append(["pool", f"{slots_text(st.get('expert_slots'))} slots per layer, {policy}"
                       + (f" ({source})" if source else "")])
     if isinstance(st.get("store"), str):
         extra = []
@@ -225,6 +226,8 @@ def _stat_lines(st: dict) -> list[list[str]]:
         lines.append(["batch", f"decoded in a batch of up to {st['batch']} requests"])
     if (spec := _speculation_line(st)) is not None:
         lines.append(spec)
+    if st.get("reuse_note"):
+        lines.append(["prompt cache", f"last miss: {st['reuse_note']}"])
     return lines
 
 
@@ -311,6 +314,22 @@ def _live(json_: bool, plot: Path | None = None) -> None:
     table(None, _stat_lines(figures)[4:], indent="  ")
     if st.get("ranks"):
         _rank_table("ranks (a pipeline; the figures above are rank 0's), since the start:", st["ranks"])
+    if st.get("models"):
+        _models_table(st["models"], st.get("model_loads"))
+
+
+def _models_table(models: list[dict], loads) -> None:
+    """Each loaded model (several share the memory budget): its share, slots, lookups and expiry."""
+    budget = models[0].get("memory_budget_bytes")
+    click.echo(f"  loaded models ({len(models)} of at most {models[0].get('max_models')}"
+               + (f", sharing {format_size(budget)}" if budget else "") + f"; {loads} loads since the start):")
+    table(["model", "state", "slots", "memory", "hits", "misses", "unloads"],
+          [[m["model"], ("running" if m["running"] else "waiting") + (", pinned" if m["pinned"] else ""),
+            slots_text(m["expert_slots"]), "-" if m["memory_bytes"] is None else format_size(m["memory_bytes"]),
+            m["counters"]["hits"], m["counters"]["misses"],
+            "when its room is needed" if m["expires_at"] is None else time.strftime("%H:%M:%S",
+                                                                                     time.localtime(m["expires_at"]))]
+           for m in models], indent="  ")
 
 
 def _rank_table(title: str, ranks: list[dict]) -> None:

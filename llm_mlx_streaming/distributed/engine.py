@@ -147,7 +147,7 @@ class PipelineEngine(EngineManager):
                          "kv": [request.kv.bits, request.kv.group_size, request.kv.start],
                          "prefill_step": request.prefill_step}
         self._cache_off = request.conversation_cache is not None
-        request = replace(request, conversation_cache=None, max_tokens=max_tokens,
+        request = replace(request, conversation_cache=None, snapshots=None, max_tokens=max_tokens,
                           sampler=leading_sampler(self.group, request.make_sampler()))
         self._out = out
         try:

@@ -22,6 +22,7 @@ from .generation import Channel
 from .request import Injected, Request
 from .respond import begin, save_to_disk, stopped, token_logprobs
 from .planner import PREFILL_STEP
+from .snapshots import positions
 
 TILE = 2048  # longer chunks take TiledAttention's path, written for one sequence's cache
 
@@ -74,6 +75,9 @@ class Member:
     largest: int = 1  # the largest batch it ran in
     last: Any = None  # its last GenerationResponse
     flight: Any = None  # activity.py: the dashboard's request in flight
+    reuse: Any = None  # engine/session.Reuse
+    marks: dict = field(default_factory=dict)  # snapshot position -> kind (engine/snapshots.py)
+    snapshots: list = field(default_factory=list)  # [(position, cache)] taken at its marks
 
 
 class Batch:
@@ -97,13 +101,18 @@ class Batch:
         b = begin(engine, request, out, engine.carried, engine.max_tokens)
         engine.session.reset()  # the batch owns that cache now; a later request must not trim it
         tokenizer = engine.loaded.tokenizer
+        store = engine.session.snapshots
+        marks = dict(positions(b.reused, len(b.prompt), request.boundaries, store.spec.every)) if store else {}
+        cuts = [b.reused, *marks, len(b.prompt)]  # mlx-lm ends a prefill chunk at each segment's end
         (uid,) = self.generator.insert_segments(
-            [[b.new_tokens]], max_tokens=[b.max_tokens], caches=[b.cache], all_tokens=[b.prompt[:b.reused]],
+            [[b.prompt[i:j] for i, j in zip(cuts, cuts[1:])]], max_tokens=[b.max_tokens], caches=[b.cache],
+            all_tokens=[b.prompt[:b.reused]],
             samplers=[request.make_sampler()], logits_processors=[list(request.logits_processors)],
             stop_sequences=[StopSequences([[t] for t in tokenizer.eos_token_ids])],
         )
         self.members[uid] = Member(request, out, b.prompt, b.reused, len(b.new_tokens), b.kv, b.kv_note, b.disk,
-                                   b.from_disk, StopMatcher(request.stop), tokenizer.detokenizer, engine.counters())
+                                   b.from_disk, StopMatcher(request.stop), tokenizer.detokenizer, engine.counters(),
+                                   reuse=b.reuse, marks=marks)
         self.members[uid].flight = ACTIVITY.begin(len(b.prompt), b.reused, len(b.new_tokens), self.prefill_step,
                                                   len(engine.loaded.layers))
 
@@ -127,12 +136,23 @@ class Batch:
         for p in prompts:  # prefill progress, per chunk
             if p.uid in self.members:
                 ACTIVITY.prefilled(self.members[p.uid].flight, p.progress[0])
+                self._snapshot(p)
         share = (syncs.count() - before) / len(self.members)
         for member in self.members.values():
             member.syncs += share
             member.largest = max(member.largest, len(self.members))
         for r in responses:
             self._emit(r)
+
+    def _snapshot(self, p) -> None:
+        """Keep a snapshot of a member's cache where its prompt reached one of its marks."""
+        member = self.members[p.uid]
+        position = member.reused + p.progress[0]
+        if not p.end_of_segment or p.end_of_prompt or position not in member.marks:
+            return
+        cache, tokens = self.generator.extract_cache([p.uid])[p.uid]
+        kept = self.engine.session.snapshots.take(member.kv, list(tokens), cache, member.marks[position], copied=True)
+        member.snapshots.append((position, kept))
 
     def _emit(self, r) -> None:
         from mlx_lm.generate import GenerationResponse
@@ -179,10 +199,11 @@ class Batch:
         stats.update(figures_for(member.request).as_dict())
         ttft = None if member.first is None else member.first - member.start
         stats.update(fig.kv_figures(cache, member.kv, member.kv_note, self.prefill_step, ttft))
+        stats.update(fig.reuse_figures(member.reuse, engine.session.snapshots, len(member.snapshots)))
         stats["batch"] = member.largest
         if member.stops.hit is not None:
             stats["stop_sequence"] = member.stops.hit
-        save_to_disk(member.disk, engine.session, member.from_disk, stats, engine.carried.warned)
+        save_to_disk(member.disk, engine.session, member.from_disk, stats, engine.carried.warned, member.snapshots)
         engine.finished(stats)
         member.out.put("done", stats)
         self._leave(uid, kept=True)

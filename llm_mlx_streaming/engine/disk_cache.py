@@ -29,7 +29,9 @@ loaded (a notice). Writes go to a temporary name and are renamed into place; a s
 chain replaces the shorter ones its tokens extend (all but its own segments and those
 another segment still extends); the whole tree is kept under a size and a count of
 conversations by evicting the least recently used ones, each with all its segments
-(a prompt reads every file's header, so the count bounds what each request costs).
+(a prompt reads every file's header, so the count bounds what each request costs). A
+cache with a layer that cannot be cut back keeps the shorter chains: each is where a
+later prompt can resume.
 """
 
 from __future__ import annotations
@@ -263,11 +265,32 @@ class DiskCache:
             remove(self.folder / name)
         return None
 
-    def save(self, cache, tokens: list[int], kept: int) -> int:
+    def save(self, cache, tokens: list[int], kept: int, snapshots=()) -> int:
         """Write `cache`, which has seen exactly `tokens`, the first `kept` of them
         before this response: as a segment on the chain this process wrote or loaded it
-        from where there is one, else whole; drop the saved chains it extends; keep the
-        tree under its size bound. Returns the bytes written."""
+        from where there is one, else whole; before it, a segment ending at each of
+        `snapshots` ((position, the cache as it was there), engine/snapshots.py) past
+        that chain, so a prompt that shares only that much resumes there; drop the saved
+        chains it extends; keep the tree under its size bound. Returns the bytes written."""
+        links = self._base(tokens, kept)
+        same = self._mirror.same(cache) if links else [False] * len(cache)
+        end = links[-1].end if links else 0
+        size, own = 0, set()
+        for position, part in [*((p, c) for p, c in snapshots if end < p < len(tokens)), (len(tokens), cache)]:
+            links, written = self._write(part, tokens[:position], links, same)
+            same, size = [True] * len(cache), size + written  # the next segment extends this one
+            own.update(link.name for link in links)  # a chain that starts over keeps the snapshots before it
+        self._mirror = _Mirror.of(cache, tokens, links)
+        if all(layer_kind(c) is not None for c in for_saving(cache)):  # a longer chain serves a shorter one
+            self._prune(tokens, own)
+        self.bytes, self.entries = evict(self.spec.root, self.spec.max_bytes, self.spec.max_entries)
+        return size
+
+    def _write(self, cache, tokens: list[int], links: list[_Link], same: list[bool]) -> tuple[list[_Link], int]:
+        """One segment: `cache` (which has seen `tokens`) past the chain `links`, its
+        growing layers appended where `same` says the chain holds their earlier positions;
+        a file of that name and checksum already there is kept. Returns the chain's links
+        and the bytes written."""
         import mlx.core as mx
         from mlx.utils import tree_flatten
         from mlx_lm.models.cache import save_prompt_cache
@@ -275,8 +298,6 @@ class DiskCache:
         layers = for_saving(cache)  # only classes load_prompt_cache knows
         n = len(tokens)
         kinds = tuple(layer_kind(c) for c in layers)
-        links = self._base(tokens, kept)
-        same = self._mirror.same(cache) if links else [False] * len(layers)
         before = links[-1].kinds if links else kinds
         appends = [kind is not None and kind == was and held for kind, was, held in zip(kinds, before, same)]
         if not any(appends):
@@ -290,6 +311,11 @@ class DiskCache:
         mx.eval([leaf for _, leaf in tree_flatten([c.state for c in parts]) if isinstance(leaf, mx.array)])
         digest = checksum(parts)
         name = f"{n}-{prefix_hash(tokens)}{SUFFIX}"
+        final = self.folder / name
+        parent = links[-1].name if links else ""
+        header = saved_header(final)
+        if header is not None and header.checksum == digest and header.parent == parent:
+            return links + [_Link(n, name, digest, kinds)], 0
         self.folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".partial-", suffix=SUFFIX)
         os.close(fd)
@@ -297,19 +323,13 @@ class DiskCache:
             save_prompt_cache(tmp, parts, {
                 "format": FORMAT, "namespace": self.space, "tokens": str(n),
                 "token_ids": json.dumps([int(t) for t in tokens[end:]]),
-                "parent": links[-1].name if links else "", "parent_checksum": links[-1].checksum if links else "",
+                "parent": parent, "parent_checksum": links[-1].checksum if links else "",
                 "checksum": digest, "layers": json.dumps(starts)})
-            final = self.folder / name
             os.replace(tmp, final)
         except BaseException:
             remove(Path(tmp))
             raise
-        links = links + [_Link(n, name, digest, kinds)]
-        self._mirror = _Mirror.of(cache, tokens, links)
-        self._prune(tokens, {link.name for link in links})
-        size = final.stat().st_size
-        self.bytes, self.entries = evict(self.spec.root, self.spec.max_bytes, self.spec.max_entries)
-        return size
+        return links + [_Link(n, name, digest, kinds)], final.stat().st_size
 
     def _base(self, tokens: list[int], kept: int) -> list[_Link]:
         """The links of the chain last written or loaded, up to the last segment within

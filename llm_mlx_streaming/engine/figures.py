@@ -110,6 +110,15 @@ def response_figures(provider, before: PoolCounters, last, prompt: int, reused: 
     }
 
 
+def reuse_figures(reuse, snapshots, taken: int) -> dict:
+    """Where a prompt's reused tokens came from (memory, snapshot, disk), why not more,
+    and the snapshots this generation took and the store holds (engine/snapshots.py)."""
+    figures = {"reused_from": reuse.source, "reuse_note": reuse.note}
+    if snapshots is not None:
+        figures.update(snapshots_taken=taken, snapshots=snapshots.count, snapshot_bytes=snapshots.nbytes)
+    return figures
+
+
 def kv_figures(cache, kv, kv_note, prefill_step: int, ttft: float | None) -> dict:
     """The KV cache a generation left and how its prompt was prefilled."""
     figures = {
@@ -166,10 +175,13 @@ def cache_figures(manager) -> dict:
     import mlx.core as mx
 
     session, carried = manager.session, manager.carried
-    disk = carried.disk
+    disk, snaps = carried.disk, session.snapshots if session else None
     return {
         "kv_session": {"tokens": len(session.tokens) if session else 0,
                        "bytes": cache_bytes(session.cache) if session else 0, "max_tokens": manager.context_length},
+        "snapshots": {"entries": snaps.count if snaps else 0, "bytes": snaps.nbytes if snaps else 0,
+                      "max_entries": snaps.spec.max_count if snaps else None,
+                      "max_bytes": snaps.spec.max_bytes if snaps else None},
         "buffer_cache": {"bytes": int(mx.get_cache_memory()), "max_bytes": manager.buffer_cache},
         "conversation_cache": {"bytes": disk.bytes if disk else None,
                                "max_bytes": disk.spec.max_bytes if disk else None,

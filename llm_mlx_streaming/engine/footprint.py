@@ -18,7 +18,7 @@ from ..checkpoints.config import config_field, decoder_shape, expert_container_p
 from ..checkpoints.vision import is_vision_tensor, takes_images
 from ..errors import CheckpointError
 from ..experts.index import CheckpointIndex
-from .kv import FULL_PRECISION, KVSpec, blocker
+from .kv import FULL_PRECISION, KVSpec, blocker, config_rewinds
 from .kv import bytes_per_element as bytes_per_element_of
 from .vision_footprint import typical_image_tokens
 
@@ -265,3 +265,28 @@ def attention_tile_bytes(config: dict, context: int) -> int:
     fused kernel for a full-precision cache does not, so there this over-estimates)."""
     heads = decoder_shape(config)[2]
     return ATTENTION_TILE * heads * context * 4
+
+
+# -- one model's share of a budget -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What one loaded model holds besides its expert pools, and what a slot costs in each
+    MoE layer: the figures a budget shared by several models is split with (engine/sharing.py)."""
+
+    fixed_bytes: int  # dense weights + the KV cache at max_context
+    reserve_bytes: int  # the working reserve; the models run in turn, so the largest counts once
+    expert_bytes: tuple[int, ...]  # one expert, per MoE layer
+    num_experts: int
+    floor: int  # the fewest slots per layer a shrunk pool keeps: top_k
+
+
+def model_footprint(layout: Layout, max_context: int, kv: KVSpec, reserve: int, snapshot_bytes: int = 0) -> Footprint:
+    """A checkpoint's Footprint for a context, a KV layout and the plan's working reserve;
+    `snapshot_bytes` of prompt snapshots count for a cache that cannot be rewound."""
+    kv_bytes, _ = kv_cache_bytes(layout.config, max_context, None, kv, layout.kv_blocker, layout.image_tokens)
+    snapshots = 0 if config_rewinds(layout.config) else snapshot_bytes
+    floor = min(layout.num_experts, max(1, layout.top_k)) if layout.layer_keys else 0
+    return Footprint(layout.dense_bytes + kv_bytes + snapshots, reserve, tuple(layout.expert_bytes),
+                     layout.num_experts, floor)

@@ -100,6 +100,20 @@ def blocker(config: dict, weight_names: Iterable[str]) -> Optional[str]:
     return None
 
 
+def config_rewinds(config: dict) -> bool:
+    """Whether every layer's cache of this model can be cut back to any prefix (plain
+    growing attention), from its config alone; False for linear attention, sliding
+    windows and chunked attention, which keep prompt snapshots (engine/snapshots.py)."""
+    text = config.get("text_config") or config
+    if any(kind not in ("full_attention", "attention", "global") for kind in text.get("layer_types") or ()):
+        return False
+    if text.get("sliding_window") and text.get("use_sliding_window", True) is not False:
+        return False
+    return not any(text.get(key) for key in (
+        "attention_chunk_size", "linear_num_value_heads", "linear_conv_kernel_dim", "full_attention_interval",
+        "hybrid_override_pattern", "ssm_state_size", "mamba_d_state", "layers_block_type", "attn_layer_indices"))
+
+
 def head_dims(config: dict) -> set[int]:
     """The last dimensions of the cached keys and values (what a group must divide)."""
     heads = int(_field(config, "num_attention_heads") or 1)

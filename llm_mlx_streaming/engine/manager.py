@@ -1,4 +1,4 @@
-"""The process-wide engine: one loaded model, one generation at a time, live settings.
+"""The process-wide engine: its loaded models, one generation at a time, live settings.
 
 `llm chat` and Python code that keep a conversation hold on to the same manager, so
 the dense weights, the expert pools and the KV cache survive between turns. The
@@ -6,12 +6,14 @@ manager is the model provider (engine/provider.py) with the queue in front of it
 every load and generation runs on the engine thread (engine/worker.py) as one
 operation under the provider's lock, load the request's checkpoint if it is not
 loaded, then generate (engine/respond.py). So a response always runs on, and
-reports, the checkpoint it asked for.
+reports, the checkpoint it asked for. Several models stay loaded under one memory
+budget (engine/residents.py): the engine is the provider of the one that runs.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 from .. import syncs
@@ -20,6 +22,7 @@ from ..activity import ACTIVITY
 from .generation import Channel, Generation, Started
 from .provider import ModelProvider
 from .request import LoadSpec, Request
+from .residents import Residents
 from .batch import Batch, admit_or_refuse, alone_reason
 from .respond import Carried, respond
 
@@ -40,17 +43,41 @@ class EngineManager(ModelProvider):
         self.largest_batch = 0
         self._count_lock = threading.Lock()
         self.carried = Carried()
+        self.residents = Residents()
 
     @property
     def drafters(self) -> dict:
         return self.carried.drafters
 
     def unload(self) -> None:
-        """Unload, and drop what was kept for that model: its drafter holds it (a draft
-        model's or MTP head's weights), its conversation cache is opened for its checkpoint."""
+        """Unload every model, and drop what was kept for each: its drafter holds it (a
+        draft model's or MTP head's weights), its conversation cache is opened for its checkpoint."""
         with self._lock:
-            super().unload()
+            self.residents.unload_all(self)
+            self.drop_running()
+
+    def drop_running(self) -> None:
+        """Unload the model that runs, and what was kept for it, leaving the others loaded."""
+        with self._lock:
+            super().drop_running()
             self.carried = Carried(warned=self.carried.warned)
+
+    def admit(self, spec: LoadSpec) -> None:
+        """Run `spec`'s model: the loaded one, another one loaded (kept as it was), or
+        loaded beside them within the memory budget (engine/residents.py)."""
+        with self._lock:
+            self.residents.admit(self, spec, time.monotonic())
+
+    def queue_release(self, path) -> Generation:
+        """Queue "unload the model at `path`" (an idle time ran out, keep_alive 0), in
+        turn with the generations; the others' pools grow back."""
+
+        def job(out: Channel) -> None:
+            with self._lock:
+                self.residents.release(self, path)
+            out.put("done", None)
+
+        return worker.submit(job)
 
     def run(self, load: LoadSpec | None, request: Request) -> Generation:
         """Queue "load `load` if needed (None: whatever is loaded), then generate `request`".
@@ -72,7 +99,7 @@ class EngineManager(ModelProvider):
         def job(out: Channel) -> None:
             with self._lock:
                 out.check_cancelled()
-                self.load_spec(load)
+                self.admit(load)
                 out.put("started", Started(self.tokenizer, self.checkpoint, [], 0))
             out.put("done", None)
 
@@ -81,8 +108,9 @@ class EngineManager(ModelProvider):
     def tokenizer_for(self, load: LoadSpec) -> Generation:
         """A handle whose `tokenizer` renders prompts for `load`'s checkpoint: at once
         when that checkpoint is loaded, else once the engine thread has loaded it."""
-        loaded = self.loaded
-        if loaded is not None and loaded.path == Path(load.path).expanduser().resolve():
+        resident = self.residents.models.get(Path(load.path).expanduser().resolve())
+        loaded = resident.provider.loaded if resident is not None else None
+        if loaded is not None:
             ready = Generation()
             ready.started, ready.done = Started(loaded.tokenizer, loaded.path, [], 0), True
             return ready
@@ -95,7 +123,7 @@ class EngineManager(ModelProvider):
         with self._lock:
             out.check_cancelled()
             if load is not None:
-                self.load_spec(load)
+                self.admit(load)
             self.require_loaded()
             if self.batches and alone_reason(request, self.loaded.model) is None:
                 return self._batch(load, request, out)

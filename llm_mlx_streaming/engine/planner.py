@@ -27,7 +27,7 @@ from typing import Sequence
 from ..sizes import format_size, parse_size
 from ..values import DEFAULT_MAX_CONTEXT, KV_SHARE
 from .footprint import ATTENTION_TILE, KV_STEP, PREFILL_STEP, Layout, attention_tile_bytes, checkpoint_layout, kv_cache_bytes, prefill_bytes_per_token
-from .kv import FULL_PRECISION, KVSpec, check_model
+from .kv import FULL_PRECISION, KVSpec, check_model, config_rewinds
 
 __all__ = [
     "ATTENTION_TILE",
@@ -128,6 +128,7 @@ class Plan:
     vision_bytes: int = 0  # a vision-language model's vision tower and projector, within dense_bytes
     image_tokens: int = 0  # tokens of one typical image, planned into the KV cache beyond max_context
     image_note: str = ""
+    snapshot_bytes: int = 0  # prompt snapshots of a cache that cannot be rewound (engine/snapshots.py)
 
     @property
     def unused_bytes(self) -> int:
@@ -194,6 +195,7 @@ def plan_memory(
     whole_order: Sequence[int] | None = None,
     kv: KVSpec | None = None,
     layout: Layout | None = None,
+    snapshot_bytes: int = 0,
 ) -> Plan:
     """The slot count of every MoE layer that fits `budget_bytes` (an int or "12GB").
 
@@ -206,6 +208,8 @@ def plan_memory(
     0, 1, 2, ...); e.g. layers sorted by a measured hit rate, worst first. `kv`: the KV
     cache layout (quantized caches take less of the budget; default full precision).
     `layout`: the checkpoint's (checkpoint_layout), when the caller has read it already.
+    `snapshot_bytes`: the most the prompt snapshots may take, planned only for a model
+    whose cache cannot be rewound (engine/kv.config_rewinds).
 
     Raises PlanError (one line, naming the shortfall and the budget that would do)
     when the budget cannot give every MoE layer `min_slots` slots, KVError for a KV
@@ -227,7 +231,8 @@ def plan_memory(
                                  layout.image_tokens)
     reserve = default_reserve(budget) if reserve_bytes is None else parse_size(reserve_bytes)
     m = min(E, max(1, min_slots if min_slots is not None else layout.top_k)) if L else 0
-    fixed = layout.dense_bytes + kv
+    snapshots = 0 if config_rewinds(layout.config) else snapshot_bytes
+    fixed = layout.dense_bytes + kv + snapshots
     floor_pool = m * sum(b)
     available = budget - fixed - reserve
     if available < floor_pool:
@@ -244,6 +249,7 @@ def plan_memory(
         budget=budget,
         dense_bytes=layout.dense_bytes,
         kv_bytes=kv,
+        snapshot_bytes=snapshots,
         reserve_bytes=reserve,
         expert_bytes_per_layer=list(b),
         slots_per_layer=slots,

@@ -86,7 +86,7 @@ class ModelProvider:
                     self.configure(expert_slots=expert_slots, policy=policy, overlap=overlap,
                                    threads=io["threads"], page_cache=io["page_cache"])
                     return
-            self.unload()
+            self.drop_running()
             self.state, self.error = "loading", None
             from .loading import load_streaming
 
@@ -165,6 +165,11 @@ class ModelProvider:
         self.threads, self.page_cache = threads, page_cache
 
     def unload(self) -> None:
+        """Unload everything this provider holds."""
+        self.drop_running()
+
+    def drop_running(self) -> None:
+        """Unload the model it runs (an engine keeps its other loaded models)."""
         with self._lock:
             if self.loaded is not None:
                 for pool in self.loaded.all_pools:

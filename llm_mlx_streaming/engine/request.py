@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from ..experts.policies import DEFAULT_POLICY
 from .kv import FULL_PRECISION, KVSpec
+
+if TYPE_CHECKING:
+    from .footprint import Footprint
 
 Slots = Union[int, Sequence[int], None]  # one count, one per MoE layer, or a slot per expert
 
@@ -29,6 +32,8 @@ class LoadSpec:
     overlap: Optional[str] = None  # "auto" | "on" | "off" (experts/prefetch.py)
     packed: Optional[bool] = None
     buffer_cache: Optional[int] = None  # bytes of freed buffers MLX keeps for reuse (engine/memory.py)
+    budget: Optional[int] = None  # bytes every loaded model shares (engine/sharing.py); None: unbudgeted
+    footprint: Optional["Footprint"] = None  # what the model holds beside its pools; None: unbudgeted
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,8 @@ class Request:
     # -- features --
     stop: Sequence[str] = ()  # the reply ends before the first of these in its text
     conversation_cache: Optional[Any] = None  # engine.disk_cache.DiskCacheSpec: save/load KV on disk
+    snapshots: Optional[Any] = None  # engine.snapshots.SnapshotSpec: resume caches that cannot be rewound
+    boundaries: Sequence = ()  # engine.snapshots.Boundary: where the rendered prompt's stable parts end
     # -- speculation --------------------------------------------------
     k: Union[int, str] = 0  # drafts per verify pass; 0: plain mlx-lm decoding; "auto": adaptive
     draft: str = "ngram"  # a drafter kind (speculation/drafter.py) or an added model's name

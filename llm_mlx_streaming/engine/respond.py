@@ -23,6 +23,7 @@ from ..activity import ACTIVITY
 from .generation import Channel, Started
 from .provider import EngineError, ModelProvider
 from .request import Request
+from .session import Reuse
 from .disk_cache import DiskCache, namespace
 from .kv import KVError, layout_for, make_cache
 from .planner import PREFILL_STEP
@@ -54,23 +55,14 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
     cache, new_tokens, reused, disk, from_disk = begun.cache, begun.new_tokens, begun.reused, begun.disk, begun.from_disk
 
     prefill_step = request.prefill_step or PREFILL_STEP
+    # the dashboard's request in flight (activity.py)
+    flight = ACTIVITY.begin(len(prompt), reused, len(new_tokens), prefill_step, len(loaded.layers))
 
-    def prefilled(done: int, _total: int) -> None:
+    def prefilled(done: int, _total: int = 0) -> None:
         if provider.leaves_prefills:  # a caller that has gone (or an exit) stops it at its next chunk
             out.check_cancelled()
         ACTIVITY.prefilled(flight, done)
 
-    try:
-        figures = spec.figures_for(request)
-        run = None
-        if figures.k != 0:  # k > 0 runs the draft-and-verify loop
-            figures.speculation_off = spec.off_reason(request, loaded)
-            if figures.speculation_off is None:
-                run = spec.make_run(request, loaded, cache, prompt[:reused], new_tokens, max_tokens,
-                                    carried.drafters, figures, prefill_step=prefill_step,
-                                    kv_kwargs=kv.generate_kwargs(), progress=prefilled)
-    except (ValueError, spec.DraftError) as e:
-        raise EngineError(one_line(e)) from None
     before, syncs_before = provider.counters(), syncs.count()
     mx.reset_peak_memory()
     start = time.perf_counter()
@@ -78,26 +70,38 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
     generated: list[int] = []
     recorder = _recorder(loaded, request.trace_path)
     stops = StopMatcher(request.stop)
-    if run is not None:
-        from ..speculation.decode import stream_speculative
-
-        responses = stream_speculative(run, loaded.tokenizer)
-    else:
-        embeddings = None
-        if loaded.takes_images:  # the whole prompt's embeddings, images in place; fed from `reused` on
-            embeddings = loaded.model.embed(prompt, request.vision)[reused:]
-        responses = stream_generate(
-            loaded.model, loaded.tokenizer, new_tokens, input_embeddings=embeddings,
-            max_tokens=max_tokens, sampler=request.make_sampler(),
-            logits_processors=with_history(request.logits_processors, prompt[:reused]) or None,
-            prompt_cache=cache,
-            prefill_step_size=prefill_step, **kv.generate_kwargs(),
-            prompt_progress_callback=prefilled,
-        )
-    responses = provider.steps(responses)
-    # the dashboard's request in flight (activity.py)
-    flight = ACTIVITY.begin(len(prompt), reused, len(new_tokens), prefill_step, len(loaded.layers))
+    run = None
     try:
+        fed, snapshots = snapshot_prefill(loaded, session, request, prompt, reused, kv, prefill_step,
+                                          lambda done: prefilled(done - reused))
+        try:
+            figures = spec.figures_for(request)
+            if figures.k != 0:  # k > 0 runs the draft-and-verify loop
+                figures.speculation_off = spec.off_reason(request, loaded)
+                if figures.speculation_off is None:
+                    run = spec.make_run(request, loaded, cache, prompt[:fed], prompt[fed:], max_tokens,
+                                        carried.drafters, figures, prefill_step=prefill_step,
+                                        kv_kwargs=kv.generate_kwargs(),
+                                        progress=lambda done, total: prefilled(fed - reused + done))
+        except (ValueError, spec.DraftError) as e:
+            raise EngineError(one_line(e)) from None
+        if run is not None:
+            from ..speculation.decode import stream_speculative
+
+            responses = stream_speculative(run, loaded.tokenizer)
+        else:
+            embeddings = None
+            if loaded.takes_images:  # the whole prompt's embeddings, images in place; fed from `reused` on
+                embeddings = loaded.model.embed(prompt, request.vision)[reused:]
+            responses = stream_generate(
+                loaded.model, loaded.tokenizer, prompt[fed:], input_embeddings=embeddings,
+                max_tokens=max_tokens, sampler=request.make_sampler(),
+                logits_processors=with_history(request.logits_processors, prompt[:fed]) or None,
+                prompt_cache=cache,
+                prefill_step_size=prefill_step, **kv.generate_kwargs(),
+                prompt_progress_callback=lambda done, total: prefilled(fed - reused + done),
+            )
+        responses = provider.steps(responses)
         for response in responses:
             if ttft is None:
                 ttft = time.perf_counter() - start
@@ -118,10 +122,11 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
         mx.synchronize()  # nothing may still read a slot when the pools change
         if recorder is not None:
             recorder.__exit__(None, None, None)
+    session.fed(prompt[reused:fed])
     if run is not None:
         session.fed(run.fed)  # the drafts it rejected were rolled back
     else:
-        session.fed(new_tokens)
+        session.fed(prompt[fed:])
         session.fed(generated)
     stats = fig.response_figures(provider, before, last, len(prompt), reused, len(new_tokens),
                                  time.perf_counter() - start, syncs.count() - syncs_before)
@@ -131,10 +136,26 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
         stats["disk_cache_off"] = off
     stats.update(figures.as_dict())
     stats.update(fig.kv_figures(session.cache, kv, kv_note, prefill_step, ttft))
+    stats.update(fig.reuse_figures(begun.reuse, session.snapshots, len(snapshots)))
     if recorder is not None:
         _write_trace(recorder, request.trace_path, provider.checkpoint.name, stats, carried.warned)
-    save_to_disk(disk, session, from_disk, stats, carried.warned)
+    save_to_disk(disk, session, from_disk, stats, carried.warned, snapshots)
     return stats
+
+
+def snapshot_prefill(loaded, session, request: Request, prompt: list[int], reused: int, kv, step: int,
+                     on_chunk) -> tuple[int, list]:
+    """Prefill up to the last snapshot position of `prompt` past `reused`, keeping a
+    snapshot at each (engine/snapshots.py), when the session keeps them; returns (the
+    tokens now in the cache, the [(position, snapshot)] taken)."""
+    from .snapshots import feed, positions
+
+    if session.snapshots is None or disk_cache_off(loaded, request):  # images: tokens do not tell them apart
+        return reused, []
+    marks = positions(reused, len(prompt), request.boundaries, session.snapshots.spec.every)
+    if not marks:
+        return reused, []
+    return feed(loaded.model, session.cache, prompt, reused, marks, step, kv, session.snapshots, on_chunk)
 
 
 @dataclass
@@ -151,6 +172,7 @@ class Begun:
     reused: int
     disk: Any
     from_disk: int
+    reuse: Any  # engine/session.Reuse: where the reused tokens came from, why not more
 
 
 def begin(provider: ModelProvider, request: Request, out: Channel, carried: Carried,
@@ -162,11 +184,12 @@ def begin(provider: ModelProvider, request: Request, out: Channel, carried: Carr
     for processor in request.budget_aware:  # constrained decoding closes within it
         processor.limit_tokens(max_tokens)
     kv, kv_note = kv_layout(loaded, request.kv)
+    session.keep_snapshots(request.snapshots)
     cache, new_tokens, reused = session.reuse_for(prompt, kv, images_of(request))
     disk = None if disk_cache_off(loaded, request) else disk_cache_for(provider, request, kv, carried)
     cache, new_tokens, reused, from_disk = cache_from_disk(disk, session, loaded, prompt, kv, cache, new_tokens, reused)
     out.put("started", Started(loaded.tokenizer, provider.checkpoint, prompt, reused))
-    return Begun(prompt, max_tokens, kv, kv_note, cache, new_tokens, reused, disk, from_disk)
+    return Begun(prompt, max_tokens, kv, kv_note, cache, new_tokens, reused, disk, from_disk, session.last)
 
 
 def disk_cache_off(loaded, request: Request) -> str | None:
@@ -260,20 +283,24 @@ def cache_from_disk(disk, session, loaded, prompt, kv, cache, new_tokens, reused
     found = disk.lookup(prompt, reused, make_cache(loaded.model, kv))
     if found is None:
         return cache, new_tokens, reused, 0
+    note = session.last.note
     session.adopt(found.cache, found.tokens, kv)
     cache, new_tokens, reused = session.reuse_for(prompt, kv)
+    session.last = Reuse(reused, "disk", note if reused < len(prompt) - 1 else None)
     return cache, new_tokens, reused, reused
 
 
-def save_to_disk(disk, session, from_disk: int, stats: dict, warned: set) -> None:
-    """Save the session's cache for a later process; a failed write is a warning and a
-    figure, never a lost reply."""
+def save_to_disk(disk, session, from_disk: int, stats: dict, warned: set, snapshots=()) -> None:
+    """Save the session's cache for a later process, a segment ending at each of this
+    generation's `snapshots` ((position, cache)) so that a later prompt can resume there
+    too; a failed write is a warning and a figure, never a lost reply."""
     stats["disk_cache_tokens"] = from_disk
     if disk is None or not session.tokens:
         return
     try:
         with worker.whole_write():  # an exit that cannot wait for the engine waits for this
-            stats["disk_cache_saved_bytes"] = disk.save(session.cache, session.tokens, stats["reused_tokens"])
+            stats["disk_cache_saved_bytes"] = disk.save(session.cache, session.tokens, stats["reused_tokens"],
+                                                        snapshots)
     except Exception as e:  # OSError, a cache class save_prompt_cache cannot write
         stats["disk_cache_error"] = one_line(e)
         _warn_once(warned, "disk_cache", f"conversation cache not saved: {one_line(e)}")

@@ -30,6 +30,18 @@ Grammar = Callable[["Lark", list[dict]], list[str]]
 
 
 @dataclass(frozen=True)
+class ReasoningMarks:
+    """Where a reply's reasoning is, as text: the block opens at `start` and ends at
+    `end`, and `answer` is what the format writes after the end to begin the answer
+    (harmony's final-channel header; "" where the answer simply follows). A thinking
+    budget closes the block by forcing `end` + `answer`."""
+
+    start: str
+    end: str
+    answer: str = ""
+
+
+@dataclass(frozen=True)
 class ToolFormat:
     """A family's tool-call format. `parser` names a module with mlx-lm's parser
     interface. `reading` and `grammar` are None where calls are given whole when their
@@ -41,7 +53,8 @@ class ToolFormat:
     `call_id`: where the model names its calls itself (Kimi's functions.NAME:i), the id
     its template expects back for the conversation's i-th call. `declare`: the tools
     described as the model's publishers have the system prompt describe them, for a
-    template that renders no `tools`."""
+    template that renders no `tools`. `reasoning`: where a format that writes in
+    channels reasons (think tags are mlx-lm's to find)."""
 
     name: str
     parser: str
@@ -54,6 +67,7 @@ class ToolFormat:
     write: Optional[Callable[[list[tuple[str, str, dict]]], str]] = None  # calls (id, name, arguments) as written
     call_id: Optional[Callable[[str, int], str]] = None  # the id the model gives the conversation's i-th call
     declare: Optional[Callable[[list[dict]], str]] = None  # function specs -> their description
+    reasoning: Optional[ReasoningMarks] = None
 
     @property
     def module(self):

@@ -30,20 +30,22 @@ import json
 import re
 from typing import Any
 
-from .base import ToolFormat, json_calls, json_grammar, literal
+from .base import ReasoningMarks, ToolFormat, json_calls, json_grammar, literal
 
 tool_call_start = "to=functions."
 tool_call_end = ""  # the call ends the turn (<|call|> is an end-of-turn token)
+# The analysis message, and the final channel's header that follows it
+REASONING = ReasoningMarks("<|channel|>analysis<|message|>", "<|end|>", "<|start|>assistant<|channel|>final<|message|>")
 
 RESPONSE_FORMAT = {
     "initial_state": "header",
     "transitions": {
         "header": [
-            ("<|channel|>analysis<|message|>", "reasoning"),
+            (REASONING.start, "reasoning"),
             (tool_call_start, "tool"),
             ("<|message|>", "normal"),  # final, a preamble in commentary
         ],
-        "reasoning": [("<|end|>", "header")],
+        "reasoning": [(REASONING.end, "header")],
         "normal": [("<|end|>", "header")],
         "tool": [("<|call|>", "header")],  # where <|call|> is not an end-of-turn token
     },
@@ -68,5 +70,6 @@ FORMAT = ToolFormat(
     detect=lambda template, vocab: all(tag in template or tag in vocab
                                        for tag in ("<|channel|>", "<|message|>", "<|constrain|>")),
     response_format=RESPONSE_FORMAT,
+    reasoning=REASONING,
     lead="<|channel|>commentary ",
 )

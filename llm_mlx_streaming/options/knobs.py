@@ -91,8 +91,8 @@ KNOBS: tuple[Knob, ...] = (
     ),
     _option_only(
         name="thinking_budget", type=int, bounds={"ge": 1},
-        description="Most tokens of reasoning: the think block is closed after this many (for models "
-        "whose think tags are single tokens, as Qwen3's)",
+        description="Most tokens of reasoning: after this many the reasoning is closed with the model's "
+        "own closing tokens and the answer follows",
     ),
     _option_only(
         name="tool_choice", type=str, check=values.tool_choice,
@@ -220,6 +220,17 @@ KNOBS: tuple[Knob, ...] = (
         "requests at once; for one request, the largest batch it may join (1: it runs alone).",
     ),
     _setting_only(
+        name="max_models", type=int, default=3, bounds={"ge": 1, "le": 64},
+        description="Most models `llm mlxs serve` keeps loaded at once, sharing memory_budget: a model that "
+        "joins shrinks the others' expert pools (never below top_k slots per layer) before the least recently "
+        "used is unloaded; models named with -m at start are never unloaded (`--max-models` for one run).",
+    ),
+    _setting_only(
+        name="keep_alive", type=str, default="-1", check=values.duration,
+        description="How long `llm mlxs serve` keeps a model loaded after its last request (seconds, or a "
+        "duration like 5m; negative: until it needs the room); a request's keep_alive field wins.",
+    ),
+    _setting_only(
         name="image_urls", type=Literal[values.IMAGE_URL_MODES], default="off",
         description="on: `llm mlxs serve` fetches an image a request gives as an http(s) URL (bounded by "
         "max_image_bytes and a time limit); off: such a request is refused, and images come inline (data "
@@ -234,6 +245,25 @@ KNOBS: tuple[Knob, ...] = (
         name="max_responses", type=int, default=100, bounds={"ge": 1, "le": 100_000},
         description="Responses `llm mlxs serve` keeps for the Responses API's previous_response_id and "
         "GET /v1/responses/ID (with their conversations); past this many the oldest is dropped.",
+    ),
+    # -- prompt snapshots (engine/snapshots.py) ---------------------------------------
+    _setting_only(
+        name="snapshot_every", type=int, default=4096, bounds={"ge": 0},
+        description="A cache that cannot be rewound (linear attention, a sliding window, chunked attention) is "
+        "copied while a prompt is prefilled, where its system prompt and earlier turns end and every this many "
+        "tokens (0: only there), so a later prompt sharing that prefix resumes inside it instead of reading it "
+        "again; such a copy is also a segment of the conversation cache on disk.",
+    ),
+    _setting_only(
+        name="snapshots", type=int, default=16, bounds={"ge": 0, "le": 10_000},
+        description="Most prompt snapshots kept in memory (every-N ones go first, those at the end of a system "
+        "prompt last); 0: none.",
+    ),
+    _setting_only(
+        name="snapshot_memory", type=str, default="auto", check=values.snapshot_size,
+        description="Most memory the prompt snapshots take, part of the memory plan for a model whose cache "
+        f"cannot be rewound (`llm mlxs plan`): a size like 1GB, 0 (none), or auto: {values.SNAPSHOT_SHARE:.0%} "
+        f"of memory_budget, at most {values.SNAPSHOT_MOST // 2**30} GiB.",
     ),
     # -- the conversation cache on disk ----------------------------------------------
     _setting_only(

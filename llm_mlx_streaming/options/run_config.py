@@ -23,8 +23,10 @@ from ..experts.policies import DEFAULT_POLICY
 from .knobs import AUTO_BUDGET_SHARE, BUNDLED_NAME, BUNDLED_REPETITION_PENALTY
 from .settings import Settings, budget_bytes, trace_file
 from ..sizes import parse_size
-from ..values import DEFAULT_MAX_CONTEXT
+from ..values import DEFAULT_MAX_CONTEXT, SNAPSHOT_MOST, SNAPSHOT_SHARE
 from ..engine.disk_cache import DiskCacheSpec
+from ..engine.snapshots import SnapshotSpec
+from ..engine.footprint import model_footprint
 from ..engine.planner import (PlanError, auto_context, checkpoint_layout, default_reserve, model_context, plan_memory,
                               prefill_step_for)
 
@@ -53,6 +55,7 @@ class RunConfig:
     draft_path: Optional[Path] = None
     trace_path: Optional[Path] = None
     conversation_cache: Any = None  # engine.disk_cache.DiskCacheSpec, None: off
+    snapshots: Any = None  # engine.snapshots.SnapshotSpec, None: off
     max_batch: int = 1
     plan_figures: dict = field(default_factory=dict)
 
@@ -60,6 +63,7 @@ class RunConfig:
         """The engine request for the prompt's token ids."""
         return Request(
             prompt=tokens, max_tokens=self.max_tokens, stop=self.stop, conversation_cache=self.conversation_cache,
+            snapshots=self.snapshots,
             logits_processors=logits_processors, budget_aware=budget_aware, sampling=self.sampling,
             max_context=self.max_context,
             top_logprobs=self.top_logprobs,
@@ -86,7 +90,8 @@ def configure(name: Optional[str], options, settings: Settings) -> RunConfig:
     if source == "plan":
         value = budget_value(options, settings)
         budget = budget_bytes(value)
-        slots, layout = plan_slots(name, path, value, budget, context, kv)
+        slots, layout = plan_slots(name, path, value, budget, context, kv, snapshot_budget(settings, budget))
+    shared, footprint = shared_budget(options, settings, path, budget, context, kv, layout)
     return RunConfig(
         name=name,
         path=path,
@@ -95,6 +100,7 @@ def configure(name: Optional[str], options, settings: Settings) -> RunConfig:
             path=path, expert_slots=slots, policy=options.policy or settings.policy or DEFAULT_POLICY,
             threads=settings.threads, page_cache=settings.page_cache, packed=settings.packed != "off",
             overlap=settings.overlap, buffer_cache=buffer_cache(options, settings, budget),
+            budget=shared, footprint=footprint,
         ),
         slots_source=source,
         budget=budget,
@@ -113,6 +119,7 @@ def configure(name: Optional[str], options, settings: Settings) -> RunConfig:
         draft_path=draft_path,
         trace_path=trace_file(name) if settings.trace else None,
         conversation_cache=conversation_cache_spec(settings),
+        snapshots=snapshot_spec(settings, budget),
         # one process's own prompts come one at a time; `llm mlxs serve` batches (server/service.py)
         max_batch=options.max_batch or 1,
         plan_figures={"slots_from": source, **({"memory_budget_bytes": budget} if budget is not None else {})},
@@ -202,13 +209,13 @@ def drafter(options, settings: Settings) -> tuple[str, Optional[Path]]:
     return draft, path
 
 
-def plan_slots(name: str, path, value: str, budget: int, max_context: int, kv=None):
+def plan_slots(name: str, path, value: str, budget: int, max_context: int, kv=None, snapshot_bytes: int = 0):
     """(Slots per MoE layer that fit `budget` bytes, None for a model without MoE layers;
     the checkpoint layout the plan read, for the prefill step), with the KV cache sized
     for layout `kv`. A budget too small for the model is the planner's one-line error."""
     try:
         layout = checkpoint_layout(path)
-        plan = plan_memory(path, budget, max_context=max_context, kv=kv, layout=layout)
+        plan = plan_memory(path, budget, max_context=max_context, kv=kv, layout=layout, snapshot_bytes=snapshot_bytes)
     except PlanError as exc:
         if value == "auto":
             raise MlxStreamError(
@@ -235,6 +242,17 @@ def prefill_step(options, settings: Settings, path, budget: Optional[int], kv, l
         return None
 
 
+def shared_budget(options, settings: Settings, path, budget: Optional[int], context: int, kv, layout=None):
+    """(The memory budget every loaded model shares, the model's footprint in it), or
+    (None, None) when either cannot be told: the model is then loaded unbudgeted."""
+    try:
+        budget = budget_bytes(budget_value(options, settings)) if budget is None else budget
+        layout = layout or checkpoint_layout(path)
+    except (MlxStreamError, CheckpointError, ValueError, OSError):
+        return None, None
+    return budget, model_footprint(layout, context, kv, default_reserve(budget), snapshot_budget(settings, budget))
+
+
 def buffer_cache(options, settings: Settings, budget: Optional[int]) -> int:
     """Bytes of freed buffers MLX may keep: the setting, or auto: the memory plan's
     working reserve, where activations and temporary buffers are budgeted (its floor
@@ -247,6 +265,24 @@ def buffer_cache(options, settings: Settings, budget: Optional[int]) -> int:
     except (MlxStreamError, ValueError):
         budget = 0
     return default_reserve(budget)
+
+
+def snapshot_spec(settings: Settings, budget: Optional[int]):
+    """How prompt snapshots are taken and kept (None: they are off)."""
+    most = snapshot_budget(settings, budget)
+    return SnapshotSpec(settings.snapshot_every, settings.snapshots, most) if most else None
+
+
+def snapshot_budget(settings: Settings, budget: Optional[int]) -> int:
+    """The bytes prompt snapshots may take (0: they are off); auto: a share of the memory
+    budget (of the auto budget when the pools are not planned)."""
+    if not settings.snapshots:
+        return 0
+    if settings.snapshot_memory != "auto":
+        return parse_size(settings.snapshot_memory)
+    if budget is None:
+        budget = budget_bytes("auto")
+    return min(SNAPSHOT_MOST, int(SNAPSHOT_SHARE * budget))
 
 
 def conversation_cache_spec(settings: Settings):

@@ -28,7 +28,9 @@ def hex_rgb(colour: str) -> tuple[int, int, int]:
 
 
 @dataclass
-class Shape:
+class Mark:
+    """One thing drawn (rect, line, circle or text), kept until the drawing is written."""
+
     kind: str  # rect | line | circle | text
     args: dict
     data: dict = field(default_factory=dict)
@@ -37,25 +39,25 @@ class Shape:
 class Drawing:
     def __init__(self, width: int, height: int, background: str = "#ffffff") -> None:
         self.width, self.height, self.background = int(width), int(height), background
-        self.shapes: list[Shape] = []
+        self.marks: list[Mark] = []
         self.figures: dict = {}  # what the picture was drawn from (the PNG's tEXt, the SVG's metadata)
 
-    # -- shapes -------------------------------------------------------------------------
+    # -- marks --------------------------------------------------------------------------
     def rect(self, x, y, w, h, fill: str, **data) -> None:
-        self.shapes.append(Shape("rect", {"x": x, "y": y, "w": w, "h": h, "fill": fill}, data))
+        self.marks.append(Mark("rect", {"x": x, "y": y, "w": w, "h": h, "fill": fill}, data))
 
     def line(self, points, stroke: str, width: float = 1.5, dash: bool = False, **data) -> None:
         if len(points) >= 2:
-            self.shapes.append(Shape("line", {"points": [(float(x), float(y)) for x, y in points],
+            self.marks.append(Mark("line", {"points": [(float(x), float(y)) for x, y in points],
                                               "stroke": stroke, "width": width, "dash": dash}, data))
 
     def circle(self, x, y, r, fill: str, **data) -> None:
-        self.shapes.append(Shape("circle", {"x": x, "y": y, "r": r, "fill": fill}, data))
+        self.marks.append(Mark("circle", {"x": x, "y": y, "r": r, "fill": fill}, data))
 
     def text(self, x, y, text: str, size: int = 11, fill: str = "#1d2733", anchor: str = "start",
              bold: bool = False) -> None:
         """`y` is the text's baseline; `anchor` start, middle or end."""
-        self.shapes.append(Shape("text", {"x": x, "y": y, "text": str(text), "size": size, "fill": fill,
+        self.marks.append(Mark("text", {"x": x, "y": y, "text": str(text), "size": size, "fill": fill,
                                           "anchor": anchor, "bold": bold}))
 
     # -- SVG ----------------------------------------------------------------------------
@@ -64,7 +66,7 @@ class Drawing:
                f'viewBox="0 0 {self.width} {self.height}" font-family="system-ui, Helvetica, Arial, sans-serif">',
                f"<metadata id=\"{PNG_KEYWORD}\">{escape(json.dumps(self.figures, sort_keys=True))}</metadata>",
                f'<rect width="100%" height="100%" fill="{self.background}"/>']
-        for s in self.shapes:
+        for s in self.marks:
             a, data = s.args, "".join(f" data-{k.replace('_', '-')}={quoteattr(_attr(v))}" for k, v in s.data.items())
             if s.kind == "rect":
                 out.append(f'<rect x="{a["x"]:g}" y="{a["y"]:g}" width="{a["w"]:g}" height="{a["h"]:g}" '
@@ -89,7 +91,7 @@ class Drawing:
         """The drawing rasterised: (height, width, 3) uint8."""
         img = np.empty((self.height, self.width, 3), dtype=np.uint8)
         img[:] = hex_rgb(self.background)
-        for s in self.shapes:
+        for s in self.marks:
             a = s.args
             if s.kind == "rect":
                 _fill(img, a["x"], a["y"], a["w"], a["h"], hex_rgb(a["fill"]))

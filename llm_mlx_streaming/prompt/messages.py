@@ -13,6 +13,7 @@ from .images import attachment_data_url, attachment_part
 from .tools import assistant_tool_calls, tool_result_messages
 
 METADATA_KEY = "mlx-stream"
+TOKENS = "tokens"  # a template message's key for the ids its reply was generated as (never shown to the template)
 
 
 class PromptError(ValueError):
@@ -37,9 +38,9 @@ def stored_tokens(message) -> Optional[list[int]]:
     return found
 
 
-def template_messages(messages, think_start=None, think_end=None,
-                      images: Optional[list] = None) -> tuple[list[dict], dict[int, list[int]]]:
-    """Template dicts for the chain, and {message index: stored token ids}.
+def template_messages(messages, think_start=None, think_end=None, images: Optional[list] = None) -> list[dict]:
+    """Template dicts for the chain; an earlier reply's dict carries its stored token ids
+    under TOKENS, so a fill-in that adds, folds or moves messages carries them along.
 
     Earlier replies keep their reasoning inside the think tags, so the
     rendered conversation is what the model generated; a model with no think tags
@@ -48,7 +49,7 @@ def template_messages(messages, think_start=None, think_end=None,
     (`"images"`; the vision model's own format places them, prompt/images.py);
     without, an image is a NoImages error.
     """
-    out, stored = [], {}
+    out = []
     for message in messages:
         if message.role == "tool":  # results of the tools the model called
             out.extend(tool_result_messages(message))
@@ -69,11 +70,16 @@ def template_messages(messages, think_start=None, think_end=None,
         if message.role == "assistant":
             tokens = stored_tokens(message)
             if tokens is not None:
-                stored[len(out)] = tokens
+                item[TOKENS] = tokens
             if calls := assistant_tool_calls(message.parts):
                 item["tool_calls"] = calls
         out.append(item)
-    return out, stored
+    return out
+
+
+def shown(messages: list[dict]) -> list[dict]:
+    """The template dicts as the template sees them: without their stored ids."""
+    return [{k: v for k, v in m.items() if k != TOKENS} if TOKENS in m else m for m in messages]
 
 
 def openai_messages(messages) -> list[dict]:

@@ -18,8 +18,8 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from .messages import METADATA_KEY, PromptError, template_messages
-from .polyfills import fitted, follow_replies
+from .messages import METADATA_KEY, TOKENS, PromptError, shown, template_messages
+from .polyfills import fill_in
 from .tools import check_tool_support
 
 
@@ -31,17 +31,18 @@ def raw_text(messages) -> Optional[str]:
 
 
 def render_prompt(tokenizer, messages, *, thinking: Optional[bool] = None, effort: Optional[str] = None,
-                  tools: Optional[list[dict]] = None) -> tuple[list[int], str]:
-    """Token ids for the conversation (llm's `Message`s), plus the text of the generation prompt.
+                  tools: Optional[list[dict]] = None) -> tuple[list[int], str, tuple]:
+    """Token ids for the conversation (llm's `Message`s), the text of the generation
+    prompt, and where the prompt's stable parts end (`boundaries`).
 
     `thinking` and `effort` set the template's thinking switch (None: the template's default);
     `tools` are function specs for the template (tools.py)."""
     raw = raw_text(messages)
     if raw is not None:
-        return encode_text(tokenizer, raw), ""
+        return encode_text(tokenizer, raw), "", ()
     start = getattr(tokenizer, "think_start", None)
     end = getattr(tokenizer, "think_end", None)
-    messages, stored = template_messages(messages, start, end)
+    messages = template_messages(messages, start, end)
     uses_tools = bool(tools) or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
     if uses_tools:
         check_tool_support(tokenizer)
@@ -49,40 +50,65 @@ def render_prompt(tokenizer, messages, *, thinking: Optional[bool] = None, effor
         if thinking is not None or effort is not None:
             raise PromptError("-o thinking: this model has no chat template, so no thinking switch")
         text = "\n\n".join(m["content"] for m in messages)
-        return encode_text(tokenizer, text), ""
+        return encode_text(tokenizer, text), "", ()
     extra = template_switches(tokenizer, thinking, effort)
 
-    def rendered(msgs, shown, generation=True):
+    def rendered(msgs, specs, generation=True):
         return tokenizer.apply_chat_template(
-            msgs, add_generation_prompt=generation, tokenize=False, **extra, **({"tools": shown} if shown else {})
+            shown(msgs), add_generation_prompt=generation, tokenize=False, **extra, **({"tools": specs} if specs else {})
         )
 
-    filled, tools, text = fitted(tokenizer, messages, tools, rendered)
-    messages, stored = filled, follow_replies(messages, filled, stored)
+    messages, tools, text = fill_in(tokenizer, messages, tools, rendered)
     render = lambda msgs, generation=True: rendered(msgs, tools, generation)  # noqa: E731
     try:
         head = render(messages, generation=False)
         generation_prompt = text[len(head):] if text.startswith(head) else ""
     except Exception:
         generation_prompt = ""
-    tokens = with_stored_replies(tokenizer, render, messages, stored, text)
+    tokens = with_stored_replies(tokenizer, render, messages, text)
     if tokens is None:
         tokens = encode_text(tokenizer, text)
-    return tokens, generation_prompt
+    return tokens, generation_prompt, boundaries(tokenizer, render, messages, tokens, generation_prompt)
 
 
-def with_stored_replies(tokenizer, render, messages: list[dict], stored: dict[int, list[int]],
-                        text: str) -> Optional[list[int]]:
-    """`text` (`render(messages)`) encoded with each earlier reply's own ids in place of
-    its re-encoded text, so the next turn reuses the whole reply's KV; None when no
-    stored reply can be kept."""
-    stored = dict(stored)
+def boundaries(tokenizer, render, messages: list[dict], tokens: list[int], generation_prompt: str) -> tuple:
+    """Where the prompt's stable parts end, as engine/snapshots.Boundary: the system
+    prompt and tools (found as mlx-lm's server finds it: the template rendered with the
+    system messages and an empty user message), and the earlier turns (the start of the
+    generation prompt, which a thinking template may not render again the next turn)."""
+    from mlx_lm.utils import common_prefix_len
+
+    from ..engine.snapshots import SYSTEM, TURNS, Boundary
+
+    found = []
+    system = [m for m in messages[:next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))]]
+    try:
+        head = encode_text(tokenizer, render([*system, {"role": "user", "content": ""}], generation=False))
+    except Exception:  # a template that refuses an empty user message
+        head = []
+    end = common_prefix_len(head, tokens)
+    if 0 < end < len(tokens):
+        found.append(Boundary(end, SYSTEM))
+    tail = encode_text(tokenizer, generation_prompt) if generation_prompt else []
+    if tail and tokens[-len(tail):] == tail and len(tokens) - len(tail) > end:
+        found.append(Boundary(len(tokens) - len(tail), TURNS))
+    return tuple(found)
+
+
+def with_stored_replies(tokenizer, render, messages: list[dict], text: str) -> Optional[list[int]]:
+    """`text` (`render(messages)`) encoded with each earlier reply's own ids (its
+    message's TOKENS) in place of its re-encoded text, so the next turn reuses the whole
+    reply's KV; None when no stored reply can be kept."""
+    stored = {}  # message index -> its ids, where they spell its content
     overhang = {}  # message index -> what its ids spell past its content (tool-call markup)
-    for i, ids in list(stored.items()):
-        past = _beyond(tokenizer.decode(ids), messages[i]["content"])
-        if past is None or (past and not messages[i].get("tool_calls")):
-            del stored[i]
-        elif past:
+    for i, message in enumerate(messages):
+        if TOKENS not in message:
+            continue
+        past = _beyond(tokenizer.decode(message[TOKENS]), message["content"])
+        if past is None or (past and not message.get("tool_calls")):
+            continue
+        stored[i] = message[TOKENS]
+        if past:
             overhang[i] = past
     return _spliced(tokenizer, render, messages, stored, text, overhang) if stored else None
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..formats.base import ReasoningMarks
 from ..formats.registry import format_of
 
 TEXT, REASONING, TOOL = "text", "reasoning", "tool_call"
@@ -90,3 +91,13 @@ def opens_thinking(generation_prompt: str, start: Optional[str], end: Optional[s
         return False
     i = generation_prompt.rfind(start)
     return i >= 0 and generation_prompt.find(end, i) < 0
+
+
+def reasoning_of(tokenizer) -> Optional[ReasoningMarks]:
+    """Where the tokenizer's model reasons: between mlx-lm's think tags, else in its
+    format's reasoning channel (harmony's analysis), else nowhere (None)."""
+    start, end = getattr(tokenizer, "think_start", None), getattr(tokenizer, "think_end", None)
+    if start and end:
+        return ReasoningMarks(start, end)
+    fmt = format_of(tokenizer)
+    return fmt.reasoning if fmt is not None else None

@@ -10,7 +10,7 @@ from typing import Optional
 
 from ..engine.request import VisionInput
 from ..errors import one_line
-from .messages import PromptError, template_messages
+from .messages import TOKENS, PromptError, shown, template_messages
 from .render import encode_text, template_switches, with_stored_replies
 
 
@@ -32,8 +32,8 @@ def render_with_images(tokenizer, messages, *, thinking: Optional[bool] = None, 
 
     processor, config = tokenizer.vision.processor, tokenizer.vision.config
     attached: list = []
-    dicts, stored = template_messages(messages, getattr(tokenizer, "think_start", None),
-                                 getattr(tokenizer, "think_end", None), images=attached)
+    dicts = template_messages(messages, getattr(tokenizer, "think_start", None),
+                              getattr(tokenizer, "think_end", None), images=attached)
     pictures, digests = zip(*(_picture(i + 1, a) for i, a in enumerate(attached)))
     switches = template_switches(tokenizer, thinking, effort)
     model_type = config["model_type"]
@@ -41,8 +41,8 @@ def render_with_images(tokenizer, messages, *, thinking: Optional[bool] = None, 
     dicts = [get_message_json(model_type, d["content"], d["role"], num_images=d.pop("images"))
              if "images" in d else d for d in dicts]
 
-    def render(generation: bool, shown: Optional[list] = None) -> str:
-        return apply_chat_template(processor, config, dicts if shown is None else shown,
+    def render(generation: bool, msgs: Optional[list] = None) -> str:
+        return apply_chat_template(processor, config, shown(dicts if msgs is None else msgs),
                                    add_generation_prompt=generation, num_images=len(pictures), **switches)
 
     text, head = render(True), render(False)
@@ -57,8 +57,8 @@ def render_with_images(tokenizer, messages, *, thinking: Optional[bool] = None, 
     # on the thread whose streams built them, as the engine thread lacks those streams.
     mx.eval([v for v in (inputs.get("pixel_values"), *arrays.values()) if isinstance(v, mx.array)])
     tokens = [int(t) for t in inputs["input_ids"][0].tolist()]
-    if stored and not any(len(tokens) in getattr(v, "shape", ()) for v in arrays.values()):
-        replies = with_stored_replies(tokenizer, lambda shown: render(True, shown), dicts, stored, text)
+    if any(TOKENS in d for d in dicts) and not any(len(tokens) in getattr(v, "shape", ()) for v in arrays.values()):
+        replies = with_stored_replies(tokenizer, lambda msgs: render(True, msgs), dicts, text)
         if replies is not None:
             tokens = _both_edits(encode_text(tokenizer, text), tokens, replies) or tokens
     generation_prompt = text[len(head):] if text.startswith(head) else ""

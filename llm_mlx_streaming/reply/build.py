@@ -14,8 +14,8 @@ from ..options.run_config import RunConfig
 from ..prompt.constrained import SchemaError, SchemaProcessor, schema_grammar, text_grammar
 from ..prompt.vision import has_images, render_with_images
 from ..prompt.messages import NoImages, PromptError
-from ..prompt.render import fill_in_the_middle, raw_text, render_prompt
-from ..prompt.split import opens_thinking
+from ..prompt.render import encode_text, fill_in_the_middle, raw_text, render_prompt
+from ..prompt.split import opens_thinking, reasoning_of
 from ..prompt.tools import AUTO, NONE, ToolError, check_tool_choice, forced_call_grammar, shown_tools
 
 
@@ -61,27 +61,27 @@ def prepare(tokenizer, run: RunConfig, ask: Ask, grammar: Optional[str]) -> Prep
     tools = shown_tools(tools, options.tool_choice)
     vision = None
     if ask.suffix is not None:
-        tokens, generation_prompt = fill_in_the_middle(tokenizer, raw_text(ask.messages), ask.suffix), ""
+        tokens, generation_prompt, boundaries = fill_in_the_middle(tokenizer, raw_text(ask.messages), ask.suffix), "", ()
     elif _with_images(tokenizer, ask):
         if tools:
             raise PromptError("tools and images in one prompt are not supported yet")
         tokens, generation_prompt, vision = render_with_images(tokenizer, ask.messages, thinking=options.thinking,
                                                               effort=options.reasoning_effort)
+        boundaries = ()
     else:
         try:
-            tokens, generation_prompt = render_prompt(tokenizer, ask.messages, thinking=options.thinking,
-                                                      effort=options.reasoning_effort,
-                                                      tools=tools)
+            tokens, generation_prompt, boundaries = render_prompt(tokenizer, ask.messages, thinking=options.thinking,
+                                                                  effort=options.reasoning_effort, tools=tools)
         except NoImages as e:
             raise PromptError(f"{run.name} {e}") from None
     processors = repetition_processors(run.repetition_penalty)
     if options.thinking_budget and options.thinking is not False:
-        processors.append(_reasoning_cap(tokenizer, tokens, generation_prompt, options.thinking_budget))
+        processors += _reasoning_cap(tokenizer, tokens, generation_prompt, options.thinking_budget, run.max_tokens)
     if forced is not None:
         grammar = forced(generation_prompt)
     budget_aware = (SchemaProcessor(grammar, tokenizer),) if grammar is not None else ()
     request = run.request(tokens, [*processors, *budget_aware], budget_aware)
-    request.vision = vision
+    request.vision, request.boundaries = vision, boundaries
     end_tag = tokenizer.tool_call_end if tools else None
     if end_tag and options.parallel_tool_calls is False:  # the reply ends with its first call
         request.stop = (*request.stop, end_tag)
@@ -100,8 +100,8 @@ def count(tokenizer, ask: Ask) -> int:
     if _with_images(tokenizer, ask):
         return len(render_with_images(tokenizer, ask.messages, thinking=ask.options.thinking,
                                       effort=ask.options.reasoning_effort)[0])
-    tokens, _ = render_prompt(tokenizer, ask.messages, thinking=ask.options.thinking,
-                              effort=ask.options.reasoning_effort, tools=tools or None)
+    tokens, _, _ = render_prompt(tokenizer, ask.messages, thinking=ask.options.thinking,
+                                 effort=ask.options.reasoning_effort, tools=tools or None)
     return len(tokens)
 
 
@@ -119,15 +119,21 @@ def repetition_processors(penalty: float) -> list:
                                                           repetition_context_size=REPETITION_CONTEXT)]
 
 
-def _reasoning_cap(tokenizer, tokens: list[int], generation_prompt: str, budget: int):
+def _reasoning_cap(tokenizer, tokens: list[int], generation_prompt: str, budget: int, max_tokens: int) -> list:
+    """[the processor that closes the reasoning after `budget` tokens with the format's
+    own closing tokens], or [] where a budget cannot bind: the model marks no reasoning,
+    or a reply of `max_tokens` ends before the budget, the closing tokens and a token of
+    answer (Claude Code's budget of 31999 in 32000)."""
     from ..processors import reasoning_cap
 
-    start, end = getattr(tokenizer, "think_start", None), getattr(tokenizer, "think_end", None)
-    ids = [tokenizer.encode(tag, add_special_tokens=False) if tag else [] for tag in (start, end)]
-    if not all(len(i) == 1 for i in ids):
-        raise PromptError("thinking_budget: this model's think tags are not single tokens, so the block "
-                          "cannot be closed at a budget")
-    return reasoning_cap(len(tokens), opens_thinking(generation_prompt, start, end), ids[0][0], ids[1][0], budget)
+    found = reasoning_of(tokenizer)
+    if found is None:
+        return []
+    end, answer = encode_text(tokenizer, found.end), encode_text(tokenizer, found.answer)
+    if max_tokens >= 1 and budget + len(end) + len(answer) >= max_tokens:
+        return []
+    return [reasoning_cap(len(tokens), opens_thinking(generation_prompt, found.start, found.end),
+                          encode_text(tokenizer, found.start), end, answer, budget)]
 
 
 def _forcing(tokenizer, tools: list[dict], options, grammar):

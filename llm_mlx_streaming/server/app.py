@@ -33,8 +33,8 @@ from .service import Service
 def create_app(service: Service) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
-        if service.default_model:  # load at start, so the first request finds it warm
-            service.schedule_load(service.model_for(service.default_model))
+        for name in service.pinned:  # load at start, so the first requests find them warm
+            service.schedule_load(service.model_for(name))
         yield
 
     app = FastAPI(title="llm-mlx-streaming", summary="The OpenAI, Anthropic and Ollama APIs of `llm mlxs serve`",

@@ -105,10 +105,17 @@ class EngineCollector:
             requests.add_metric([api, status], n)
         yield requests
 
-        for metric, key, text in POOL_COUNTERS:
-            yield _counter(name(metric), text, st.get(key))
+        models = st.get("models") or ()
+        for metric, key, text in POOL_COUNTERS:  # each loaded model's, since its load
+            yield _by_model(CounterMetricFamily, name(metric), text, [(m["model"], m["counters"][key]) for m in models])
         for metric, key, text in TOKEN_COUNTERS:
             yield _counter(name(metric), text, totals.get(key))
+        reused = CounterMetricFamily(name("reused_tokens_by_source"), "Prompt tokens reused, by where they came "
+                                     "from: this conversation's cache (memory), a prompt snapshot, the disk",
+                                     labels=["source"])
+        for source, n in (totals.get("reused_from") or {}).items():
+            reused.add_metric([source], n)
+        yield reused
         yield _counter(name("generations"), "Generations that ran to their end", st.get("requests_served"))
         yield _counter(name("host_syncs"), "Host synchronisations (engine waits for a device value)", st.get("syncs"))
         yield _counter(name("unplaced_routes"), "Routes without their expert's slot (must stay 0)", st.get("unplaced"))
@@ -129,18 +136,27 @@ class EngineCollector:
         yield _gauge(name("batch_size_max"), "Largest batch decoded since the start", st.get("largest_batch") or 0)
 
         memory = self.feed.memory(self.service) if self.feed is not None else {}
-        resident = GaugeMetricFamily(name("resident_bytes"), "Bytes of the loaded model in memory, by part",
-                                     labels=["part"])
-        for part in ("dense", "experts"):
-            resident.add_metric([part], memory.get(f"{part}_bytes") or 0)
+        held = memory.get("models") or ()
+        resident = GaugeMetricFamily(name("resident_bytes"), "Bytes of each loaded model in memory, by part",
+                                     labels=["model", "part"])
+        for m in held:
+            for part in ("dense", "experts"):
+                resident.add_metric([m["model"], part], m[f"{part}_bytes"])
         yield resident
-        yield _gauge(name("kv_cache_bytes"), "Bytes the conversation's KV cache holds", memory.get("kv_bytes") or 0)
-        yield _gauge(name("memory_budget_bytes"), "The memory budget pools are planned within",
+        yield _by_model(GaugeMetricFamily, name("kv_cache_bytes"), "Bytes each model's KV cache holds",
+                        [(m["model"], m["kv_bytes"]) for m in held])
+        yield _by_model(GaugeMetricFamily, name("model_memory_bytes"), "Bytes each model's share of the budget holds "
+                        "(its plan: dense weights, KV at max_context, its pools)",
+                        [(m["model"], m["memory_bytes"]) for m in models if m["memory_bytes"] is not None])
+        yield _gauge(name("memory_budget_bytes"), "The memory budget the loaded models share",
                      memory.get("budget_bytes"))
         yield _gauge(name("machine_memory_bytes"), "Physical memory of this machine", memory.get("machine_bytes"))
         yield _gauge(name("mlx_active_memory_bytes"), "MLX's active memory", st.get("mlx_active_memory_bytes"))
         yield _gauge(name("peak_rss_bytes"), "Peak resident set size of the server process", st.get("peak_rss_bytes"))
-        yield _gauge(name("expert_slots"), "Expert slots over every MoE layer", memory.get("slots"))
+        yield _by_model(GaugeMetricFamily, name("expert_slots"), "Expert slots over every MoE layer of each model",
+                        [(m["model"], m["slots"]) for m in held])
+        yield _counter(name("model_loads"), "Models loaded since the start (0 more while requests alternate "
+                       "between loaded ones)", st.get("model_loads"))
         yield _gauge(name("dashboard_clients"), "Dashboards receiving the event stream",
                      self.feed.listeners if self.feed is not None else 0)
 
@@ -159,6 +175,14 @@ def _bound(b) -> str:
 def _counter(name: str, text: str, value) -> CounterMetricFamily:
     family = CounterMetricFamily(name, text)
     family.add_metric([], float(value or 0))
+    return family
+
+
+def _by_model(kind, name: str, text: str, values) -> object:
+    """A family with one sample per loaded model, labelled `model`."""
+    family = kind(name, text, labels=["model"])
+    for model, value in values:
+        family.add_metric([model], float(value or 0))
     return family
 
 

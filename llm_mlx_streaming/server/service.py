@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from fastapi import Request
 
+from .. import values
 from ..errors import MlxStreamError, SettingsError, one_line
 from ..options import registry
 from ..options.run_config import configure
@@ -39,8 +40,11 @@ class Service:
     def __init__(self, *, default_model: Optional[str] = None, api_key: Optional[str] = None,
                  secret: Optional[str] = None, max_queue: int = 8, hosts: tuple[str, ...] = (),
                  origins: tuple[str, ...] = (), max_batch: int = 1, reply_memory: int, strict: bool = False,
-                 aliases: Optional[dict[str, str]] = None, any_model: bool = False) -> None:
+                 aliases: Optional[dict[str, str]] = None, any_model: bool = False,
+                 pinned: tuple[str, ...] = (), max_models: Optional[int] = None) -> None:
         self.default_model = default_model
+        self.pinned = tuple(pinned)  # model names loaded at start and never unloaded (engine/residents.py)
+        _engine().residents.max_models = max_models or load_settings().max_models
         self.aliases = dict(aliases or {})  # a client's model name -> a model served here
         self.any_model = any_model  # every other unknown name: the default model
         self.strict = strict  # an undeclared field is a 400 (fields.py)
@@ -61,8 +65,8 @@ class Service:
         self.turns: set = set()  # the replies in flight (turns.Turn)
         self.stopping = False
         self._tasks: set = set()
-        self._unload_timer: Optional[asyncio.TimerHandle] = None  # Ollama's keep_alive
-        self.unload_due: Optional[float] = None  # when it unloads the model (a time.time())
+        self._unload_timers: dict[str, asyncio.TimerHandle] = {}  # model id -> its idle unload (keep_alive)
+        self.unload_due: dict[str, float] = {}  # model id -> when it is unloaded (a time.time())
 
     # -- requests -------------------------------------------------------------
     async def check_api_key(self, request: Request) -> None:
@@ -134,29 +138,67 @@ class Service:
     async def load(self, model_id: str) -> None:
         """Load `model_id` in its turn, and return once it is loaded."""
         async with await Turn.take(self):
-            self.keep_loaded()
+            self.keep_loaded(model_id)
             self.model_id = model_id
             await self._load_model(model_id)
 
-    async def unload(self, first: bool = False) -> None:
-        """Unload the model in its turn (`first`: right after the run now going)."""
+    async def unload(self, model_id: Optional[str] = None, first: bool = False) -> None:
+        """Unload `model_id` (None: every model) in its turn (`first`: right after the run
+        now going); the others' pools grow back."""
         async with await Turn.take(self, first=first):
-            await asyncio.to_thread(_engine().unload)
+            if model_id is None:
+                await asyncio.to_thread(_engine().unload)
+            else:
+                self.keep_loaded(model_id)
+                async for _ in _engine().queue_release(self.path_of(model_id)):
+                    pass
 
-    def schedule_unload(self, first: bool = True) -> None:
-        self._spawn(self.unload(first=first))
+    def schedule_unload(self, model_id: Optional[str] = None, first: bool = True) -> None:
+        self._spawn(self.unload(model_id, first=first))
 
-    def unload_after(self, seconds: float) -> None:
-        """Unload once `seconds` have passed without another request (Ollama's keep_alive)."""
-        self.keep_loaded()
-        self._unload_timer = asyncio.get_running_loop().call_later(seconds, self.schedule_unload, False)
-        self.unload_due = time.time() + seconds
+    def unload_after(self, model_id: str, seconds: Optional[float]) -> None:
+        """Unload `model_id` once `seconds` have passed without another request for it
+        (keep_alive; None: the server's keep_alive setting; negative: never)."""
+        self.keep_loaded(model_id)
+        if seconds is None:  # a pinned model outlives the server's idle time
+            seconds = -1 if self.is_pinned(model_id) else values.duration_seconds(load_settings().keep_alive)
+        if seconds < 0:
+            return
+        self._unload_timers[model_id] = asyncio.get_running_loop().call_later(
+            seconds, self.schedule_unload, model_id, False)
+        self.unload_due[model_id] = time.time() + seconds
 
-    def keep_loaded(self) -> None:
-        """A request came: an unload timed by an earlier one's keep_alive is off."""
-        if self._unload_timer is not None:
-            self._unload_timer.cancel()
-        self._unload_timer = self.unload_due = None
+    def keep_loaded(self, model_id: str) -> None:
+        """A request for `model_id` came: an unload timed by an earlier one's keep_alive is off."""
+        timer = self._unload_timers.pop(model_id, None)
+        if timer is not None:
+            timer.cancel()
+        self.unload_due.pop(model_id, None)
+
+    def is_pinned(self, model_id: str) -> bool:
+        return model_id in {self.model_for(name) for name in self.pinned}
+
+    def path_of(self, model_id: str):
+        found = checkpoint(model_id)
+        return found.path.resolve() if found is not None else None
+
+    def resident(self) -> dict[str, Any]:
+        """The loaded models by model id (engine/residents.Resident), one id per checkpoint."""
+        return {ids[0]: resident for ids, resident in self._loaded()}
+
+    def loaded_ids(self) -> set[str]:
+        """Every model id that names a loaded model (an alias of one is loaded too)."""
+        return {name for ids, _ in self._loaded() for name in ids}
+
+    def _loaded(self) -> list[tuple[list[str], Any]]:
+        """(Every model id that names it, the Resident) of each loaded model."""
+        models = dict(_engine().residents.models)  # a copy: the engine thread changes it
+        ids: dict[Any, list[str]] = {}
+        for model_id in registry.model_ids():
+            path = self.path_of(model_id)
+            if path in models:
+                ids.setdefault(path, []).append(model_id)
+        return [(names, models[path]) for path, names in ids.items()]
 
     def stop(self) -> None:
         """The server stops: every reply in flight ends now (a stream with an error frame
@@ -206,6 +248,8 @@ class Service:
 
     async def _load_model(self, model_id: str) -> None:
         run = await asyncio.to_thread(configure, self.name_of(model_id), self.runtime.options(), load_settings())
+        if self.is_pinned(model_id):
+            _engine().residents.pinned.add(run.path.resolve())
         async for _ in _engine().queue_load(run.load):
             pass
 
@@ -228,10 +272,22 @@ class Service:
                        "max_queue": self.gate.max_waiting, "served": self.served,
                        "disconnects": self.disconnects, "threads": _thread_pools()},
             "layers": layer_figures(engine.loaded),
+            "models": self.models_figures(),
+            "model_loads": engine.residents.loads,
         })
         out["caches"]["reply_memory"] = {"entries": len(self.replies), "max_entries": self.replies.size}
         out["caches"]["responses"] = {"entries": len(self.responses), "max_entries": self.responses.size}
         return out
+
+    def models_figures(self) -> list[dict]:
+        """Each loaded model: its share of the memory budget (engine/residents.py) and its
+        pools' counters since it was loaded (/metrics labels them by model)."""
+        residents = _engine().residents
+        return [{"model": ids[0], "ids": ids, "memory_bytes": r.held_bytes(), "expert_slots": r.slots, "pinned": r.pinned,
+                 "running": r.provider is _engine(), "expires_at": self.unload_due.get(ids[0]),
+                 "memory_budget_bytes": residents.budget, "max_models": residents.max_models,
+                 "counters": r.provider.counters().as_dict()}
+                for ids, r in self._loaded()]
 
 
 def _thread_pools() -> dict[str, int]:

@@ -115,14 +115,15 @@ async def _disconnected(request: Request) -> None:
 
 
 def unswitched(service, request: Request, model_id: str, fields: dict) -> None:
-    """A thinking field for a model whose template cannot think is accepted as off (and
-    named), as clients send it to every model."""
+    """A thinking switch for a model whose template has none is accepted and named, as
+    clients send it to every model. A budget stays: a model that always reasons (its
+    generation prompt opens the block) is held to it, and one that never does has
+    nothing for it to close (reply/build.py)."""
     if not service.thinks(model_id):
         if fields.pop("thinking", None):
             service.ignore(request, ["thinking"])
         if fields.pop("reasoning_effort", None) not in (None, "none", "minimal"):
             service.ignore(request, ["reasoning_effort"])
-        fields.pop("thinking_budget", None)
 
 
 async def count(service, request: Request, model_id: str, messages: list, fields: dict, tools: Sequence[dict]) -> int:
@@ -143,7 +144,7 @@ async def answer(service, request: Request, shape: Shape, model_id: str, message
     must follow and the `suffix` it fills up to, in `shape`."""
     unswitched(service, request, model_id, fields)
     turn = await Turn.take(service, request=request)
-    service.keep_loaded()
+    service.unload_after(model_id, None)  # the server's keep_alive; an Ollama request's own follows
     try:
         if service.stopping:
             raise _stopping()

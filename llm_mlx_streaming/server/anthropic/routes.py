@@ -14,6 +14,7 @@ from ...reply.events import ToolCall
 from ..conversation import ChatMessage, ImagePart, llm_chain, text_message
 from ..errors import ApiError, api_routes
 from ..openai.schemas import engine_values
+from ..keep_alive import after_reply
 from ..turns import answer, count
 from .schemas import AnthropicEngineOptions, AnthropicError, CountTokensRequest, MessagesRequest
 from .shapes import MessageShape, error_body
@@ -52,6 +53,16 @@ def chat_messages(body) -> list[ChatMessage]:
     return out
 
 
+def accept(service, request: Request, body) -> None:
+    """The hints a request gave that change nothing are named, the billing line among them."""
+    service.accept(request, body)
+    if body.billing_line():
+        service.ignore(request, [BILLING_HINT])
+
+
+BILLING_HINT = "system.x-anthropic-billing-header"
+
+
 def _image(block, where: str) -> ImagePart:
     try:
         return ImagePart(block.url())
@@ -85,15 +96,17 @@ def router(service) -> APIRouter:
 
     @api.post("/v1/messages", description="Anthropic's Messages API; with stream: true its event stream")
     async def messages(body: MessagesRequest, request: Request):
-        service.accept(request, body)
+        accept(service, request, body)
         model_id = service.model_for(body.model)
         chain = await llm_chain(service, model_id, chat_messages(body))
-        return await answer(service, request, MessageShape(model_id), model_id, chain, engine_options(body),
-                            body.schema_dict(), body.stream, function_specs(body))
+        reply = await answer(service, request, MessageShape(model_id), model_id, chain, engine_options(body),
+                             body.schema_dict(), body.stream, function_specs(body))
+        await after_reply(service, model_id, body, body.stream)
+        return reply
 
     @api.post("/v1/messages/count_tokens", description="The prompt's tokens, rendered as /v1/messages would")
     async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
-        service.accept(request, body)
+        accept(service, request, body)
         model_id = service.model_for(body.model)
         chain = await llm_chain(service, model_id, chat_messages(body))
         return {"input_tokens": await count(service, request, model_id, chain, engine_options(body),

@@ -17,6 +17,7 @@ from pydantic import Field, model_validator
 
 from ..fields import RequestModel, hint
 from ..openai.schemas import engine_fields
+from ..keep_alive import KeepAlive
 
 
 CACHED = "the engine reuses its KV cache for every prefix anyway"
@@ -165,6 +166,9 @@ class OutputConfig(RequestModel):
     effort: Optional[str] = hint("the chat template has no effort level (thinking is its switch)")
 
 
+BILLING = "x-anthropic-billing-header:"
+
+
 class _Conversation(RequestModel):
     """What both routes read: the model, the system prompt, the messages, the tools."""
 
@@ -182,9 +186,21 @@ class _Conversation(RequestModel):
     container: Optional[Any] = hint("no code-execution container here")
 
     def system_text(self) -> Optional[str]:
+        """The system prompt, less Claude Code's billing line (`billing_line`)."""
         if isinstance(self.system, list):
-            return "".join(block.text for block in self.system)
+            return "".join(block.text for block in self.system if not block.text.startswith(BILLING))
+        if self.system is not None and self.system.startswith(BILLING):
+            return self.system.partition("\n")[2]
         return self.system
+
+    def billing_line(self) -> bool:
+        """Whether the system prompt starts with Claude Code's `x-anthropic-billing-header:`
+        line: meant for Anthropic's billing, not the model, with a suffix that follows the
+        session's first prompt and (toward Anthropic's own URL) a nonce that changes each
+        request, in front of everything else, so kept in the prompt it would leave no
+        prefix for the KV cache to reuse."""
+        blocks = self.system if isinstance(self.system, list) else [self.system or ""]
+        return any(getattr(block, "text", block).startswith(BILLING) for block in blocks)
 
     def schema_dict(self) -> Optional[dict]:
         fmt = self.output_config.format if self.output_config else None
@@ -208,7 +224,7 @@ RENAMED = {"stop": "stop_sequences", "thinking_budget": "thinking.budget_tokens"
            "parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}
 
 
-class MessagesRequest(_Conversation, AnthropicEngineOptions):
+class MessagesRequest(_Conversation, AnthropicEngineOptions, KeepAlive):
     max_tokens: int = Field(ge=1, description="Most tokens generated (also capped by the context)")
     stop_sequences: Optional[list[str]] = Field(None, description="End the reply before any of these")
     stream: bool = False

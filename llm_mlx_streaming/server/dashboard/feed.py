@@ -38,47 +38,48 @@ class Feed:
         self.listeners = 0
         self.samples: deque[dict] = deque(maxlen=SERIES_SECONDS * FRAMES_PER_SECOND + 8)
         self.points: deque[dict] = deque(maxlen=SERIES_SECONDS * FRAMES_PER_SECOND + 8)
-        self._sizes_key = None
-        self._sizes = (0, 0, 0)
+        self._sizes: dict[int, tuple] = {}  # id(loaded) -> (its pools' ids, (dense, pool, slots))
 
     # -- memory -----------------------------------------------------------------------
     def _model_sizes(self, loaded) -> tuple[int, int, int]:
-        """(dense bytes, pool bytes, slots) of the loaded model, recomputed after a load or
+        """(dense bytes, pool bytes, slots) of a loaded model, recomputed after its load or
         a pool rebuild only."""
         pools = [p for p in loaded.all_pools if p is not None]
-        key = (id(loaded), tuple(id(p) for p in pools))
-        if key != self._sizes_key:
+        key = tuple(id(p) for p in pools)
+        cached = self._sizes.get(id(loaded))
+        if cached is None or cached[0] != key:
             from mlx.utils import tree_flatten
 
             try:
                 params = sum(v.nbytes for _, v in tree_flatten(loaded.model.parameters()))
             except RuntimeError:  # the model changed while it was walked (a rebuild): next frame
-                return self._sizes
+                return cached[1] if cached else (0, 0, 0)
             in_model = sum(a.nbytes for p in loaded.pools if p is not None for a in p.arrays.values())
             pool = sum(a.nbytes for p in pools for a in p.arrays.values())
-            self._sizes_key, self._sizes = key, (params - in_model, pool, sum(p.slots for p in pools))
-        return self._sizes
+            cached = self._sizes[id(loaded)] = (key, (params - in_model, pool, sum(p.slots for p in pools)))
+        return cached[1]
 
     def memory(self, service) -> dict:
-        from ...engine.kv import cache_bytes
+        """The memory in use, summed over the loaded models and one entry per model
+        (`models`: the dashboard's rows, /metrics' `model` label)."""
         from ...options.settings import budget_bytes, physical_memory
 
-        engine = _engine()
-        loaded, session = engine.loaded, engine.session
-        dense = pool = slots = 0
-        if loaded is not None:
-            dense, pool, slots = self._model_sizes(loaded)
-        try:  # the session's cache, or a running batch's (which took it over)
-            batch = ACTIVITY.batch
-            kv = (cache_bytes(session.cache) if session is not None else 0) + (batch.kv_bytes() if batch else 0)
-        except Exception:  # a cache being swapped on the engine thread: next frame
-            kv = 0
+        models = []
+        for model_id, resident in service.resident().items():
+            provider = resident.provider
+            if provider.loaded is None:  # being moved on the engine thread: next frame
+                continue
+            dense, pool, slots = self._model_sizes(provider.loaded)
+            models.append({"model": model_id, "dense_bytes": dense, "experts_bytes": pool, "slots": slots,
+                           "kv_bytes": _kv_bytes(provider.session, provider is _engine())})
+        live = {id(r.provider.loaded) for r in service.resident().values()}
+        self._sizes = {k: v for k, v in self._sizes.items() if k in live}
         try:
             budget = budget_bytes(str(service.config().get("memory_budget") or "auto"))
         except Exception:
             budget = None
-        return {"dense_bytes": dense, "experts_bytes": pool, "kv_bytes": kv, "slots": slots,
-                "budget_bytes": budget, "machine_bytes": physical_memory()}
+        total = {k: sum(m[k] for m in models) for k in ("dense_bytes", "experts_bytes", "kv_bytes", "slots")}
+        return {**total, "budget_bytes": budget, "machine_bytes": physical_memory(), "models": models}
 
     # -- the heatmap ------------------------------------------------------------------
     @staticmethod
@@ -145,11 +146,14 @@ class Feed:
             client.last_point = series[-1]["t"]
         if recent:
             client.last_response = recent[-1]["n"]
+        memory = self.memory(service)
+        held = {m["model"]: m for m in memory["models"]}
         return {
             "t": round(now, 3),
             **{k: stats.get(k) for k in keep if k in stats},
             "max_batch": service.gate.capacity,
-            "memory": self.memory(service),
+            "memory": memory,
+            "models": [{**m, **held.get(m["model"], {})} for m in stats.get("models") or ()],  # a row each
             "heatmap": self.heatmap(client.seen),
             "recent": recent,
             "series": series,
@@ -165,6 +169,17 @@ class Client:
         self.seen: dict = {}  # pool id -> (lookups, misses) per expert, as last sent
         self.last_point = 0.0  # the last curve point sent (its time)
         self.last_response = 0  # the last finished response sent (its number)
+
+
+def _kv_bytes(session, running: bool) -> int:
+    """A model's KV cache: its session's, and a running batch's (which took it over)."""
+    from ...engine.kv import cache_bytes
+
+    try:
+        batch = ACTIVITY.batch if running else None
+        return (cache_bytes(session.cache) if session is not None else 0) + (batch.kv_bytes() if batch else 0)
+    except Exception:  # a cache being swapped on the engine thread: next frame
+        return 0
 
 
 def _sparse(values: np.ndarray) -> list[list[int]]:

@@ -20,6 +20,7 @@ from ..catalog import Checkpoint, checkpoint
 from ..conversation import ChatMessage, ImagePart, llm_chain, text_message
 from ..errors import ApiError, api_routes
 from ..openai.tools import function_specs
+from ..keep_alive import after_reply
 from ..turns import answer
 from .schemas import ChatRequest, GenerateRequest, OllamaError, ShowRequest
 from .shapes import GenerateShape, OllamaChatShape, error_body, stamp
@@ -80,18 +81,14 @@ def router(service) -> APIRouter:
         model_id = service.model_for(body.model)
         if not messages:  # Ollama's way to load a model, or to unload it with keep_alive 0
             if body.unloads():
-                await service.unload()
+                await service.unload(model_id)
                 return shape.status("unload")
             await service.load(model_id)
             reply = shape.status("load")
         else:
             reply = await answer(service, request, shape, model_id, messages, body.engine(), body.schema_dict(),
                                  body.stream, tools)
-        seconds = body.keep_seconds()
-        if seconds == 0:  # after this reply: a stream holds its turn until it ends
-            service.schedule_unload() if body.stream else await service.unload()
-        elif seconds is not None:
-            service.unload_after(seconds)
+        await after_reply(service, model_id, body, body.stream)
         return reply
 
     @api.post("/api/chat", description="Ollama's chat; NDJSON chunks unless stream is false")
@@ -133,17 +130,16 @@ def router(service) -> APIRouter:
                 "model_info": info, "capabilities": capabilities,
                 **({"modified_at": stamp(found.modified_at)} if found else {})}
 
-    @api.get("/api/ps", description="The model loaded now, if any")
+    @api.get("/api/ps", description="The models loaded now: memory, expert slots per layer, expiry")
     async def ps() -> dict:
-        from ...engine.manager import get_manager
-
-        engine = get_manager()
-        if engine.state != "loaded" or service.model_id is None:
-            return {"models": []}
-        due = service.unload_due
-        expires = stamp(due) if due is not None else "9999-12-31T23:59:59Z"  # loaded until told
-        return {"models": [{**listed(service.model_id), "expires_at": expires, "size_vram": 0,
-                            "context_length": await service.context(service.model_id)}]}
+        models = []
+        for model_id, resident in service.resident().items():
+            due = service.unload_due.get(model_id)
+            held = resident.held_bytes()
+            models.append({**listed(model_id), "size_vram": 0, "context_length": await service.context(model_id),
+                           "expires_at": stamp(due) if due is not None else "9999-12-31T23:59:59Z",  # until told
+                           "memory_bytes": held, "expert_slots": resident.slots, "pinned": resident.pinned})
+        return {"models": models}
 
     @api.get("/api/version")
     async def ollama_version() -> dict:

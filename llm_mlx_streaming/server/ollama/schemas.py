@@ -10,7 +10,6 @@ the plugin's name where Ollama has its own is a 400 naming Ollama's.
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal, Optional, Union
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
@@ -18,6 +17,7 @@ from pydantic import AliasChoices, Field, field_validator, model_validator
 from ...options.knobs import BY_NAME, REPETITION_CONTEXT
 from ..openai.tools import ToolSpec
 from ..fields import RequestModel, hint
+from ..keep_alive import KeepAlive
 from ..openai.schemas import engine_fields
 
 # Engine options this API has under its own name: max_tokens is num_predict, repetition_penalty
@@ -91,30 +91,12 @@ class Options(OllamaEngineOptions):
         return fields
 
 
-KeepAlive = Union[float, str]
-_DURATION = re.compile(r"^(-?\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)?$")
-_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600, None: 1}
-
-
-def keep_alive_seconds(value: KeepAlive) -> float:
-    """Seconds of a keep_alive (a number of seconds or a duration like 5m); ValueError if not one."""
-    if isinstance(value, (int, float)):
-        return float(value)
-    match = _DURATION.match(value.strip())
-    if not match:
-        raise ValueError(f"{value!r} is not a duration (like 0, 5m, -1)")
-    return float(match.group(1)) * _SECONDS[match.group(2)]
-
-
-class _Generation(RequestModel):
+class _Generation(KeepAlive):
     model: str = Field(min_length=1, description="A model from /api/tags")
     stream: bool = Field(True, description="NDJSON chunks (the default), or one body with false")
     format: Union[Literal["", "json"], dict[str, Any], None] = Field(
         None, description="json or a JSON schema: the reply is constrained to it")
     options: Optional[Options] = None
-    keep_alive: Optional[KeepAlive] = Field(None, description="How long the model stays loaded after this "
-                                            "request (seconds, or a duration like 5m): 0 unloads it now; negative, "
-                                            "or left out: until told (another request cancels a pending unload)")
     think: Union[bool, Literal["low", "medium", "high"], None] = Field(
         None, description="The chat template's thinking switch, or gpt-oss's reasoning effort; the reasoning "
         "comes as `thinking`")
@@ -122,13 +104,6 @@ class _Generation(RequestModel):
                                      "(`logprobs`; streamed: in the last line)")
     top_logprobs: Optional[int] = Field(None, ge=0, le=20, description="With logprobs: this many most likely "
                                         "alternatives of each token")
-
-    @field_validator("keep_alive")
-    @classmethod
-    def _a_duration(cls, value):
-        if value is not None:
-            keep_alive_seconds(value)
-        return value
 
     @model_validator(mode="after")
     def _top_logprobs_with_logprobs(self):
@@ -140,15 +115,6 @@ class _Generation(RequestModel):
         if self.format == "json":
             return {"type": "object"}
         return self.format or None
-
-    def keep_seconds(self) -> Optional[float]:
-        """Seconds the model stays loaded after this request; None: until told."""
-        if self.keep_alive is None or keep_alive_seconds(self.keep_alive) < 0:
-            return None
-        return keep_alive_seconds(self.keep_alive)
-
-    def unloads(self) -> bool:
-        return self.keep_seconds() == 0
 
     def engine(self) -> dict:
         fields = self.options.engine() if self.options else {}
@@ -171,7 +137,7 @@ class OllamaToolCall(RequestModel):
     function: OllamaCalledFunction
 
 
-class Message(RequestModel):
+class OllamaMessage(RequestModel):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     thinking: Optional[str] = Field(None, description="An assistant message's reasoning")
@@ -191,7 +157,7 @@ class Message(RequestModel):
 
 
 class ChatRequest(_Generation):
-    messages: list[Message] = Field(default_factory=list, description="None: load the model (or unload "
+    messages: list[OllamaMessage] = Field(default_factory=list, description="None: load the model (or unload "
                                     "it, with keep_alive 0)")
     tools: Optional[list[ToolSpec]] = None
 

@@ -14,6 +14,7 @@ from ...options.registry import model_ids
 from ...prompt.messages import raw_message
 from ..errors import api_routes
 from ..conversation import llm_chain
+from ..keep_alive import after_reply
 from ..turns import answer
 from .schemas import (ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse, ModelList,
                       engine_option_names)
@@ -31,14 +32,16 @@ def router(service) -> APIRouter:
         tool_choice and parallel_tool_calls) with `messages` (llm's) and `tools` (function specs)."""
         model_id = service.model_for(body.model)
         schema = body.response_format.schema_dict() if body.response_format else None
-        return await answer(service, request, shape(model_id, body), model_id, messages,
-                            body.engine_fields(engine_option_names()), schema, body.stream, tools, suffix=suffix)
+        reply = await answer(service, request, shape(model_id, body), model_id, messages,
+                             body.engine_fields(engine_option_names()), schema, body.stream, tools, suffix=suffix)
+        await after_reply(service, model_id, body, body.stream)
+        return reply
 
     @api.get("/v1/models", response_model=ModelList)
     async def models() -> dict:
-        created = int(time.time())
-        return {"object": "list", "data": [{"id": i, "object": "model", "created": created, "owned_by": "mlx-stream"}
-                                           for i in model_ids()]}
+        created, loaded = int(time.time()), service.loaded_ids()
+        return {"object": "list", "data": [{"id": i, "object": "model", "created": created, "owned_by": "mlx-stream",
+                                            "loaded": i in loaded} for i in model_ids()]}
 
     @api.post("/v1/chat/completions", responses={200: {"model": ChatCompletion, "description":
               "The reply, or with stream: true an SSE stream of chat.completion.chunk objects"}})

@@ -20,6 +20,7 @@ from ...options.knobs import build_options
 from ...options.settings import Options
 from ..conversation import ChatMessage, ImagePart
 from ..fields import RequestModel, hint
+from ..keep_alive import KeepAlive
 from .tools import OpenAIToolCall, ToolChoice, ToolSpec, choice_option
 
 # Options fields that mean nothing inside the server (it always runs in-process).
@@ -115,7 +116,7 @@ class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(BaseModel):
+class OpenAIJsonSchema(BaseModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
     name: Optional[str] = None
@@ -127,7 +128,7 @@ class JsonSchemaFormat(BaseModel):
 class ResponseFormat(RequestModel):
 
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: Optional[JsonSchemaFormat] = None
+    json_schema: Optional[OpenAIJsonSchema] = None
 
     def schema_dict(self) -> Optional[dict]:
         """The schema to constrain the reply to (None: free text)."""
@@ -138,7 +139,7 @@ class ResponseFormat(RequestModel):
         return None
 
 
-class _GenerationRequest(Options):
+class _GenerationRequest(Options, KeepAlive):
     """What both generation routes take: the plugin's options plus OpenAI's fields."""
 
     model_config = ConfigDict(extra="allow")
@@ -299,6 +300,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "mlx-stream"
+    loaded: bool = Field(False, description="An extension: whether the model is loaded now (GET /api/ps says more)")
 
 
 class ModelList(BaseModel):
@@ -306,7 +308,7 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class ErrorBody(BaseModel):
+class OpenAIErrorBody(BaseModel):
     message: str
     type: str
     param: Optional[str] = None
@@ -314,4 +316,4 @@ class ErrorBody(BaseModel):
 
 
 class ErrorResponse(BaseModel):
-    error: ErrorBody
+    error: OpenAIErrorBody

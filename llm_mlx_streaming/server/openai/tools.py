@@ -43,13 +43,13 @@ class NamedFunction(RequestModel):
         return value
 
 
-class NamedToolChoice(RequestModel):
+class OpenAINamedToolChoice(RequestModel):
 
     type: Literal["function"]
     function: NamedFunction
 
 
-ToolChoice = Union[Literal["auto", "none", "required"], NamedToolChoice]
+ToolChoice = Union[Literal["auto", "none", "required"], OpenAINamedToolChoice]
 
 
 class OpenAICalledFunction(RequestModel):
@@ -82,7 +82,7 @@ def function_specs(specs: Optional[list[ToolSpec]]) -> list[dict]:
 
 def choice_option(choice: Optional[ToolChoice]) -> Optional[str]:
     """`tool_choice` as the plugin's option: auto, none, required or the tool's name."""
-    return choice.function.name if isinstance(choice, NamedToolChoice) else choice
+    return choice.function.name if isinstance(choice, OpenAINamedToolChoice) else choice
 
 
 def reply_calls(calls) -> list[dict]:

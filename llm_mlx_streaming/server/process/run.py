@@ -39,8 +39,10 @@ class Server:
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0, model: Optional[str] = None,
                  api_key: Optional[str] = None, max_queue: int = 8, hosts: Optional[list[str]] = None,
                  origins: Optional[list[str]] = None, keeper: Optional[int] = None, strict: bool = False,
-                 aliases: Optional[dict[str, str]] = None, any_model: bool = False) -> None:
-        """`keeper`: the pid of a pipeline's supervisor on this machine, which keeps the
+                 aliases: Optional[dict[str, str]] = None, any_model: bool = False,
+                 pinned: tuple[str, ...] = (), max_models: Optional[int] = None) -> None:
+        """`pinned`: models loaded at start and never unloaded (`model` among them, when given);
+        `max_models`: most models loaded at once (None: the setting). `keeper`: the pid of a pipeline's supervisor on this machine, which keeps the
         discovery file: the file names it, so that it outlives this rank 0 while the ranks
         restart; this server takes over the file of its stand-in (process/standin.py) and
         leaves the file behind."""
@@ -59,12 +61,14 @@ class Server:
         self.service = Service(default_model=model, api_key=api_key, secret=discovery.new_secret(),
                                max_queue=max_queue, hosts=tuple(hosts), origins=tuple(origins),
                                max_batch=settings.max_batch, reply_memory=settings.reply_memory, strict=strict,
-                               aliases=aliases, any_model=any_model)
-        if model:
+                               aliases=aliases, any_model=any_model,
+                               pinned=tuple(dict.fromkeys([*([model] if model else []), *pinned])),
+                               max_models=max_models)
+        for name in self.service.pinned:
             try:
-                self.service.model_for(model)
+                self.service.model_for(name)
             except ApiError:
-                raise MlxStreamError(f"Unknown model '{model}'; see `llm mlxs models`") from None
+                raise MlxStreamError(f"Unknown model '{name}'; see `llm mlxs models`") from None
         for alias, target in (aliases or {}).items():
             try:
                 registry.model_id_for(target)

@@ -24,6 +24,7 @@ from ..errors import ApiError, api_routes
 from ..openai.schemas import ErrorResponse, engine_values
 from ..response_store import Kept
 from ..transcript import Transcript
+from ..keep_alive import after_reply
 from ..turns import answer, count
 from .schemas import (CustomTool, CustomToolCallItem, CustomToolCallOutputItem, FilePart, FunctionCallItem,
                       FunctionCallOutputItem, FunctionTool, InputImage, JsonObjectFormat, JsonSchemaFormat, MessageItem,
@@ -182,7 +183,7 @@ def router(service) -> APIRouter:
     @api.post("/v1/responses", description="OpenAI's Responses API; with stream: true its event stream")
     async def create(body: ResponseRequest, request: Request):
         model_id, system, chat, fields, tools, forced_custom, grammar = read(body, request)
-        messages = await llm_chain(service, model_id, _one_system_message([*system, *chat]))
+        messages = await llm_chain(service, model_id, [*system, *chat])
         store = body.store is not False
 
         def finish(transcript: Transcript, response: dict) -> None:
@@ -194,13 +195,15 @@ def router(service) -> APIRouter:
         shape = ResponseShape(model_id, _echo(body), custom=frozenset(tools.custom), namespaces=tools.namespaces,
                               forced_custom=forced_custom, on_finish=finish)
         specs = [] if forced_custom is not None else tools.specs
-        return await answer(service, request, shape, model_id, messages, fields, _schema(body), body.stream,
-                            specs, grammar=grammar)
+        reply = await answer(service, request, shape, model_id, messages, fields, _schema(body), body.stream,
+                             specs, grammar=grammar)
+        await after_reply(service, model_id, body, body.stream)
+        return reply
 
     @api.post("/v1/responses/input_tokens", description="The input's tokens, rendered as /v1/responses would")
     async def input_tokens(body: ResponseRequest, request: Request) -> dict:
         model_id, system, chat, fields, tools, forced_custom, _ = read(body, request)
-        messages = await llm_chain(service, model_id, _one_system_message([*system, *chat]))
+        messages = await llm_chain(service, model_id, [*system, *chat])
         specs = [] if forced_custom is not None else tools.specs
         return {"object": "response.input_tokens",
                 "input_tokens": await count(service, request, model_id, messages, fields, specs)}
@@ -258,18 +261,6 @@ def _echo(body: ResponseRequest) -> dict:
             "store": body.store is not False, "text": body.text.model_dump(by_alias=True) if body.text else
             {"format": {"type": "text"}}, "reasoning": body.reasoning.model_dump() if body.reasoning else None,
             "truncation": "disabled", "user": body.user}
-
-
-def _one_system_message(messages: list[ChatMessage]) -> list[ChatMessage]:
-    """The system messages that open the conversation (instructions, developer items) as
-    one: many chat templates take a single system message, first."""
-    head = 0
-    while head < len(messages) and messages[head].role == "system":
-        head += 1
-    if head < 2:
-        return messages
-    joined = "\n\n".join(m.text() for m in messages[:head])
-    return [text_message("system", joined), *messages[head:]]
 
 
 def _reply_message(transcript: Transcript) -> ChatMessage:

@@ -16,6 +16,7 @@ from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 
 from ..fields import RequestModel, hint
 from ..openai.schemas import engine_fields
+from ..keep_alive import KeepAlive
 
 ITEM_ID = "an item's id: items are matched by call_id"
 SOURCE_ID = "the call's id on the server that made it"
@@ -236,7 +237,7 @@ ResponsesEngineOptions = engine_fields("ResponsesEngineOptions", exclude=(*RENAM
                                                                           "parallel_tool_calls"))
 
 
-class ResponseRequest(ResponsesEngineOptions):
+class ResponseRequest(ResponsesEngineOptions, KeepAlive):
     model: Optional[str] = Field(None, description="A model id from /v1/models (default: the server's)")
     input: Union[str, list[Item]] = Field(description="The conversation: a user message, or items")
     instructions: Optional[str] = Field(None, description="A system message before the input")

@@ -150,6 +150,7 @@
     heatmap(f.heatmap, f.first);
     series(f);
     recent(f);
+    models(f);
     ranks(f);
   }
 
@@ -230,8 +231,11 @@
       ['disconnects', num(s.disconnects)],
     ]);
     const t = f.totals || {};
+    const from = t.reused_from || {};
     $('totals').textContent = `since the start: ${num(t.responses)} responses, ${num(t.prompt_tokens)} prompt tokens `
-      + `(${num(t.reused_tokens)} reused), ${num(t.generated_tokens)} generated · hit rate ${pct(f.hit_rate)}, `
+      + `(${num(t.reused_tokens)} reused: prompt cache hit ratio ${pct(t.prompt_tokens ? t.reused_tokens / t.prompt_tokens : null)}, `
+      + `${num(from.memory || 0)} from memory, ${num(from.snapshot || 0)} from snapshots, ${num(from.disk || 0)} from disk), `
+      + `${num(t.generated_tokens)} generated · hit rate ${pct(f.hit_rate)}, `
       + `${size(f.bytes_read)} read · ${f.syncs_per_token === null || f.syncs_per_token === undefined ? '–' : num(f.syncs_per_token, 2)} syncs per token`;
   }
 
@@ -411,10 +415,26 @@
     const body = $('recent').querySelector('tbody');
     if (!state.recent.length) return;
     body.innerHTML = state.recent.slice().reverse().map((r) => `<tr>
-      <td>${new Date(r.t * 1000).toLocaleTimeString()}</td><td>${num(r.prompt_tokens)}</td><td>${num(r.reused_tokens)}</td>
+      <td>${new Date(r.t * 1000).toLocaleTimeString()}</td><td>${num(r.prompt_tokens)}</td>
+      <td title="${esc(r.reuse_note || '')}">${num(r.reused_tokens)}${r.reused_from ? ` (${esc(r.reused_from)})` : ''}</td>
       <td>${num(r.generated_tokens)}</td><td>${num(r.prefill_tps, 1)}</td><td>${num(r.decode_tps, 1)}</td>
       <td>${r.ttft_seconds === null || r.ttft_seconds === undefined ? '–' : `${num(r.ttft_seconds, 3)} s`}</td>
       <td>${pct(r.hit_rate)}</td><td>${num(r.mb_read, 2)}</td><td>${num(r.syncs_per_token, 2)}</td></tr>`).join('');
+  }
+
+  // one row per loaded model: several share the memory budget (engine/residents.py)
+  function models(f) {
+    const list = f.models || [];
+    const body = $('models').querySelector('tbody');
+    if (!list.length) {
+      body.innerHTML = '<tr class="empty"><td colspan="10">none loaded</td></tr>';
+      return;
+    }
+    body.innerHTML = list.map((m) => `<tr data-model="${esc(m.model)}"><td>${esc(m.model)}</td>
+      <td>${m.running ? 'running' : 'waiting'}${m.pinned ? ', pinned' : ''}</td><td>${esc(slotsText(m.expert_slots))}</td>
+      <td>${size(m.dense_bytes)}</td><td>${size(m.experts_bytes)}</td><td>${size(m.kv_bytes)}</td>
+      <td>${size(m.memory_bytes)}</td><td>${num(m.counters && m.counters.hits)}</td><td>${num(m.counters && m.counters.misses)}</td>
+      <td>${m.expires_at ? new Date(m.expires_at * 1000).toLocaleTimeString() : 'when its room is needed'}</td></tr>`).join('');
   }
 
   function ranks(f) {

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # The GPU run (issue 35) on a lent NVIDIA machine, which reaches no package registry:
-# installs the wheels carried in .whl/ (made here by benchmarks/device_wheels.py), runs
+# installs the wheels carried in .whl/ (made here by tools/device/device_wheels.py), runs
 # the exactness, batch and sync tests on the GPU, then benchmarks/device_bench.py, whose
 # table ends the output. Logs and the rows' JSON lines go to $OUT (else a new temp dir).
 #
-#   bash benchmarks/device_check.sh             # on the device, with .whl carried
-#   bash benchmarks/device_check.sh --dry-run   # here: every step but the GPU's
-#   bash benchmarks/device_check.sh --cpu       # here: device_bench.py on this CPU, small counts
+#   bash tools/device/device_check.sh             # on the device, with .whl carried
+#   bash tools/device/device_check.sh --dry-run   # here: every step but the GPU's
+#   bash tools/device/device_check.sh --cpu       # here: device_bench.py on this CPU, small counts
 #
 # TESTS_S and BENCH_S bound the two parts in seconds (0 skips one); PY is the Python of
 # --dry-run and --cpu (the project's environment), SITE where the device installs.
 set -u -o pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-$(mktemp -d)}
 PY=${PY:-python3}
 TESTS=(tests/test_exactness.py tests/test_batch.py tests/test_syncs.py)
@@ -20,7 +20,7 @@ case ${1:-} in
 --dry-run)
   bash -n "$0" || exit 1
   "$PY" -m pytest -q -p no:cacheprovider --collect-only "${TESTS[@]}" | tail -1 || exit 1
-  "$PY" benchmarks/device_wheels.py --check || exit 1
+  "$PY" tools/device/device_wheels.py --check || exit 1
   echo "device_check --dry-run: ok"
   exit 0 ;;
 --cpu)
@@ -33,7 +33,7 @@ esac
 
 start=$SECONDS
 command -v nvidia-smi >/dev/null || { echo "device_check: no NVIDIA GPU here (nvidia-smi not found)"; exit 2; }
-ls .whl/*.whl >/dev/null 2>&1 || { echo "device_check: no .whl/ (run benchmarks/device_wheels.py, carry .whl)"; exit 2; }
+ls .whl/*.whl >/dev/null 2>&1 || { echo "device_check: no .whl/ (run tools/device/device_wheels.py, carry .whl)"; exit 2; }
 gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)
 SITE=${SITE:-/tmp/site}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \

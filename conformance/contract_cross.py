@@ -1,7 +1,7 @@
 """The contract across architectures: every supported mlx-lm MoE module x pool sizes x
 features, run through the engine as `llm` runs it, printed as a table with the wall time.
 
-    python benchmarks/contract_cross.py [ARCH ...]
+    python conformance/contract_cross.py [ARCH ...]
 
 Each checkpoint is tiny, random and float32 (8 experts, top-2), with head dim 32 so that
 a 4-bit KV cache in groups of 32 applies. Every cell runs at pool sizes all, top-k and 2
@@ -23,6 +23,11 @@ slots through `get_manager().run(LoadSpec, Request)`:
 - batch: four requests joined at set passes of the engine's continuous batch (two
   prefilled together, two joining mid-decode) give each sequence stock mlx-lm's
   BatchGenerator tokens for the same joins;
+- agent pattern: an agent's system prompt, then its next turn (A2), a new session after an
+  unrelated side request (B1) and a new session after a restart (the conversation cache on
+  disk): each gives the tokens of the same prompt computed cold and stock mlx-lm's greedy
+  tokens, reusing at least 95% of the prefix it shares with the earlier prompts (from the
+  session, a snapshot or the disk; the reuse is listed under the table);
 - llm CLI: `llm -m mlx-stream/ARCH "..."` run twice (the second run reuses the conversation
   cache) prints stock mlx-lm's greedy text for the same chat-templated prompt.
 
@@ -57,6 +62,7 @@ from llm_mlx_streaming.engine.manager import get_manager  # noqa: E402
 from llm_mlx_streaming.engine.planner import ATTENTION_TILE  # noqa: E402
 from llm_mlx_streaming.engine.prefill import tile_attention  # noqa: E402
 from llm_mlx_streaming.engine.request import Injected, LoadSpec, Request  # noqa: E402
+from llm_mlx_streaming.engine.snapshots import SYSTEM, Boundary, SnapshotSpec  # noqa: E402
 from fixtures.scripted import ScriptedDrafter  # noqa: E402
 from fixtures.batches import engine_batch, stock_batch  # noqa: E402
 from llm_mlx_streaming.engine.batch import alone_reason  # noqa: E402
@@ -65,7 +71,8 @@ from llm_mlx_streaming.engine.manager import EngineManager  # noqa: E402
 EXPERTS, TOP_K, HEAD_DIM, N = 8, 2, 32, 10
 POOLS = {"all": None, "top-k": TOP_K, "2": 2}
 KV = KVSpec(4, 32, 0)
-FEATURES = ("plain", "overlap on", "k 3", "kv_bits 4", "tiled long prompt", "conversation cache", "batch", "llm CLI")
+FEATURES = ("plain", "overlap on", "k 3", "kv_bits 4", "tiled long prompt", "conversation cache", "agent pattern",
+            "batch", "llm CLI")
 PROMPT = "Tell me about tea"
 
 
@@ -235,6 +242,60 @@ def conversation(path, model, prompt, cell, root):
                               "stock mlx-lm's cached turn differs from its cold one (a split prefill)")
 
 
+def agent(path, model, prompt, cell, root):
+    """A2, B1 after a side request, and a new session after a restart, at each pool size."""
+    vocab = load_config(path)["vocab_size"]
+    system = prompt[:16]
+    spec = SnapshotSpec(every=0, max_count=8, max_bytes=10**9)
+
+    def ask(manager, tokens, disk=None):
+        request = Request(prompt=tokens, max_tokens=N, conversation_cache=disk, snapshots=spec,
+                          boundaries=(Boundary(len(system), SYSTEM),))
+        generation = manager.run(None, request)
+        out = list(generation)
+        return [r.token for r in out], [np.array(r.logprobs) for r in out], generation.stats
+
+    reuse = []
+    for name, slots in POOLS.items():
+        disk = DiskCacheSpec(Path(root) / f"agent-{name}", 10**9)
+        warm, restarted = EngineManager(), EngineManager()
+        warm.load(path, expert_slots=slots)
+        restarted.load(path, expert_slots=slots)
+        try:
+            first = system + tokens(vocab, 12, 21)
+            reply, _, stats = ask(warm, first, disk)
+            unsaved = stats.get("disk_cache_error")
+            turns = {"A2": (first + reply + tokens(vocab, 6, 22), len(first) + len(reply)),
+                     "B1": (system + tokens(vocab, 12, 23), len(system))}
+            got = {}
+            for turn, (tokens_, shared) in turns.items():
+                if turn == "B1":
+                    ask(warm, tokens(vocab, 20, 24), disk)  # an unrelated side request
+                got[turn] = (ask(warm, tokens_, disk), tokens_, shared)
+            later = system + tokens(vocab, 12, 25)
+            if unsaved:  # refused, said once: a new process prefills it whole, exactly
+                cell.na(f"restart: not saved: {unsaved}")
+            else:
+                got["restart"] = (ask(restarted, later, disk), later, len(system))
+            for turn, (result, tokens_, shared) in got.items():
+                stats = result[2]
+                cold = EngineManager()
+                cold.load(path, expert_slots=slots)
+                expected = ask(cold, tokens_)
+                cold.unload()
+                if result[0] != expected[0] or result[0] != stock(model, tokens_)[0]:
+                    cell.fail(f"pool {name}, {turn}: {result[0]} != cold {expected[0]}")
+                elif stats["reused_tokens"] < 0.95 * shared:
+                    cell.fail(f"pool {name}, {turn}: reused {stats['reused_tokens']} of {shared} shared "
+                              f"({stats.get('reuse_note')})")
+                reuse.append(f"{turn} {stats['reused_tokens']}/{shared} {stats.get('reused_from')}")
+        finally:
+            warm.unload()
+            restarted.unload()
+    cell.notes.append("pool all/top-k/2: " + ", ".join(reuse[:3]) + " (the same at every pool)"
+                      if reuse[:3] == reuse[3:6] == reuse[6:] else ", ".join(reuse))
+
+
 def batched(path, model, prompt, cell):
     from mlx_lm.utils import load_tokenizer
 
@@ -308,6 +369,8 @@ def row(arch, root):
         try:
             if feature == "conversation cache":
                 conversation(path, model, prompt, cell, Path(root) / f"{arch}-disk")
+            elif feature == "agent pattern":
+                agent(path, model, prompt, cell, Path(root) / f"{arch}-agent")
             elif feature == "llm CLI":
                 through_llm(path, arch, cell, root)
             else:

@@ -3,15 +3,15 @@ second continuing the first session), through `llm mlxs launch`, against a serve
 the tool-template checkpoint with the realistic tokenizer, or of a model family's own
 chat format. Not run in CI.
 
-    python benchmarks/agents.py [--no-install] [--replies scripted,model] [--max-tokens 32]
+    python conformance/agents.py [--no-install] [--replies scripted,model] [--max-tokens 32]
         [--timeout 240] [--claude-version latest] [--codex-version latest] [--keep-scratch]
-    python benchmarks/agents.py --family all    # or --family gpt_oss --family kimi_k2, or a,b
+    python conformance/agents.py --family all    # or --family gpt_oss --family kimi_k2, or a,b
 
 What it does:
 
-1. Installs the CLIs into benchmarks/.cache/npm (benchmarks/agent_clis.py) and builds the
+1. Installs the CLIs into conformance/.cache/npm (conformance/agent_clis.py) and builds the
    checkpoint (qwen3_moe, Qwen's tool template, the 32k-token BPE tokenizer, 32,768
-   positions) into benchmarks/.cache/agents-checkpoint.
+   positions) into conformance/.cache/agents-checkpoint.
 2. For each kind of replies, in a scratch llm user dir: `llm mlxs add` it as `agents`,
    `llm mlxs config max_context 32768` and `max_tokens N`, and a server for it, so both
    turns of a client meet the same KV cache:
@@ -38,7 +38,7 @@ reuses at least 90% of the first turn's prompt from the KV cache.
 
 With `--family NAME` (a key of fixtures/families.py's FAMILIES; `all`: Qwen3-Coder,
 gpt-oss, GLM-4.6, DeepSeek-V3.1 and Kimi-K2), the checkpoint is that family's (its real
-chat template and special tokens, built into benchmarks/.cache/agents-NAME) and each
+chat template and special tokens, built into conformance/.cache/agents-NAME) and each
 reply is forced to what the family's model writes (fixtures.families.native_reply),
 decided from the request the server renders: while the conversation ends with the
 user's prompt, a call of the client's shell tool in the family's own markup (Claude
@@ -287,7 +287,7 @@ def main() -> int:
     ap.add_argument("--codex-version", default="latest")
     ap.add_argument("--codex-sandbox", default="workspace-write",
                     help="read-only | workspace-write | danger-full-access | bypass")
-    ap.add_argument("--no-install", action="store_true", help="use what benchmarks/.cache holds")
+    ap.add_argument("--no-install", action="store_true", help="use what conformance/.cache holds")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help=f"tokens generated per reply, at most (32; {FAMILY_MAX_TOKENS} with --family)")
     ap.add_argument("--timeout", type=int, default=240, help="seconds per turn")

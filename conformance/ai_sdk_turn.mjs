@@ -1,5 +1,5 @@
 // One turn of the Vercel AI SDK (`ai`, with @ai-sdk/openai-compatible), streamed, run by
-// benchmarks/clients.py from a copy in benchmarks/.cache/npm (where its imports resolve):
+// conformance/clients.py from a copy in conformance/.cache/npm (where its imports resolve):
 //
 //     node ai_sdk_turn.mjs BASE_URL STATE_FILE PROMPT
 //

@@ -1,15 +1,15 @@
 """Claude Code and Codex from the npm registry, run non-interactively in a scratch HOME,
-and a served model that ends its turns: what benchmarks/record_agents.py,
-benchmarks/agents.py and benchmarks/clients.py share.
+and a served model that ends its turns: what tools/recorder/,
+conformance/agents.py and conformance/clients.py share.
 
-The CLIs go into benchmarks/.cache/npm (an explicit tag: with an old node, a bare name
+The CLIs go into conformance/.cache/npm (an explicit tag: with an old node, a bare name
 makes npm pick an older release whose `engines` match; the CLIs ship native binaries,
 so node's version does not matter to them). Each run is in its own process group under
 a timeout, killed at the end, with the clients' telemetry, update checks and
 nonessential traffic switched off.
 
 The model is the tool-template checkpoint (qwen3_moe, Qwen's tool template, the
-32k-token BPE tokenizer, 32,768 positions) built into benchmarks/.cache/agents-checkpoint;
+32k-token BPE tokenizer, 32,768 positions) built into conformance/.cache/agents-checkpoint;
 ScriptedServer serves a checkpoint in this process with every reply forced (by default
 to "Done." and the end of the turn: fixtures.scripted.Force), as a trained model would
 end it: random weights never end a turn, and agents take that as an error.
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CACHE = ROOT / "benchmarks" / ".cache"
+CACHE = ROOT / "conformance" / ".cache"
 NPM = CACHE / "npm"
 BIN = NPM / "node_modules" / ".bin"  # `claude`, `codex`
 CLI_TIMEOUT = 240  # seconds per CLI invocation

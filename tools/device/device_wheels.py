@@ -1,16 +1,16 @@
 """The wheels for the GPU run, downloaded into .whl/ and brought under a call's 64 MiB.
 
 The lent machine (x86-64, Python 3.12, CUDA 13 with torch's nvidia-* libraries) reaches
-no registry, so what its image lacks travels as wheels (benchmarks/device_wheels.txt,
+no registry, so what its image lacks travels as wheels (tools/device/device_wheels.txt,
 pinned with hashes). mlx-cuda-13's wheel alone is 89.8 MB: its libmlx.so holds every
 CUDA kernel built for six GPU generations (sm_75 to sm_121a; 67 MB of fat binaries,
 each kernel's code already compressed). The repack keeps each kernel's sm_90a code,
 which the H100 and H200 run, drops the other generations' in place (no offset in the
 library moves), and changes nothing else in the wheel.
 
-    python benchmarks/device_wheels.py            # download and repack into .whl/
-    python benchmarks/device_wheels.py --check    # what device_check.sh --dry-run checks
-    python benchmarks/device_wheels.py --plan     # the pins against pyproject.toml and the run's imports: no .whl/
+    python tools/device/device_wheels.py            # download and repack into .whl/
+    python tools/device/device_wheels.py --check    # what device_check.sh --dry-run checks
+    python tools/device/device_wheels.py --plan     # the pins against pyproject.toml and the run's imports: no .whl/
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import zipfile
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PINS = Path(__file__).with_name("device_wheels.txt")
 WHEELS = ROOT / ".whl"
 PRUNED = "mlx-cuda-13"  # the wheel the repack changes (its hash is no longer the pinned one)

@@ -1,8 +1,8 @@
 """The contract across the model families' own formats: every family's real chat template
 and tool-call format through every door, printed as a table (the format column of the
-cross; benchmarks/contract_cross.py is the architecture half).
+cross; conformance/contract_cross.py is the architecture half).
 
-    python benchmarks/formats_cross.py [FAMILY ...]
+    python conformance/formats_cross.py [FAMILY ...]
 
 Runs tests/test_family_doors.py (a tiny checkpoint per family with its real template and
 special tokens, fixtures/families.py; replies forced to what the family's model writes)

@@ -1,9 +1,9 @@
-"""One turn of a Python client library, run by benchmarks/clients.py in the clients' venv
-(benchmarks/.cache/clients-venv), where this checkout's package is not installed:
+"""One turn of a Python client library, run by conformance/clients.py in the clients' venv
+(conformance/.cache/clients-venv), where this checkout's package is not installed:
 
     python -P client_drivers.py CLIENT BASE_URL STATE_FILE PROMPT
 
-(-P: not this folder on sys.path, where benchmarks/agents.py would shadow openai-agents'
+(-P: not this folder on sys.path, where conformance/agents.py would shadow openai-agents'
 package `agents`.)
 
 It reads the conversation so far from STATE_FILE (absent on the first turn), sends

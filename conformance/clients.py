@@ -2,24 +2,24 @@
 (the second continuing the first) against a served model that ends its turns. Not run
 in CI.
 
-    python benchmarks/clients.py [--no-install] [--only NAME,...] [--timeout 180]
+    python conformance/clients.py [--no-install] [--only NAME,...] [--timeout 180]
 
 What it does:
 
 1. Installs the clients, the newest of each: the Python libraries and CLIs into one venv,
-   benchmarks/.cache/clients-venv; aider into its own, benchmarks/.cache/aider-venv (it
+   conformance/.cache/clients-venv; aider into its own, conformance/.cache/aider-venv (it
    pins exact versions of all its dependencies, litellm and openai among them, older than
    the other clients need; its own installer gives it a separate environment too); the
-   node ones into benchmarks/.cache/npm beside Claude Code and Codex
-   (benchmarks/agent_clis.py).
+   node ones into conformance/.cache/npm beside Claude Code and Codex
+   (conformance/agent_clis.py).
 2. Builds the tool-template checkpoint with the realistic tokenizer and serves it in this
    process on 127.0.0.1, every reply forced to "Done." and the end of the turn
    (agent_clis.ScriptedServer), from a scratch llm user dir.
 3. Runs each client for two turns in a scratch HOME of its own, each turn one process
    under a timeout in its own process group: a CLI with its own way of continuing a
    session (`llm -c`, `--continue`, `resume --last`, aider's restored history), a library
-   through a driver that keeps the conversation in a file (benchmarks/client_drivers.py,
-   benchmarks/ai_sdk_turn.mjs). Every client is pointed at the server's URL, with its
+   through a driver that keeps the conversation in a file (conformance/client_drivers.py,
+   conformance/ai_sdk_turn.mjs). Every client is pointed at the server's URL, with its
    telemetry and update checks switched off where it has a switch.
 4. Prints one row per client and turn (client, version, API, turn, exit status, ok or
    the error in one line; and what the server saw: its generations, the largest prompt,
@@ -322,7 +322,7 @@ def _cell(text: str) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--no-install", action="store_true", help="use what benchmarks/.cache holds")
+    ap.add_argument("--no-install", action="store_true", help="use what conformance/.cache holds")
     ap.add_argument("--only", default="", help="comma-separated words; run the clients whose name has one")
     ap.add_argument("--timeout", type=int, default=180, help="seconds per turn")
     ap.add_argument("--claude-version", default="latest")
@@ -350,7 +350,7 @@ def main() -> int:
             server.close()
     finally:
         shutil.rmtree(server_dir["work"], ignore_errors=True)
-    command = "python benchmarks/clients.py" + "".join(f" {a}" for a in sys.argv[1:])
+    command = "python conformance/clients.py" + "".join(f" {a}" for a in sys.argv[1:])
     report(rows, versions(clients), command, installed - start, time.monotonic() - installed)
     return 0 if all(row["result"] == "ok" for row in rows) else 1
 
