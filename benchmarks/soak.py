@@ -56,11 +56,11 @@ LONG, MEDIUM = 0.005, 0.1  # shares of prompts near the context and of 30-100 wo
 class ServerProcess:
     """`llm mlxs serve --port 0 -m mlx-stream` in a fresh llm user dir, stopped on exit."""
 
-    def __init__(self, user_dir: Path, tree: Path, timeout: float = 300.0) -> None:
+    def __init__(self, user_dir: Path, tree: Path, timeout: float = 300.0, args=("-m", "mlx-stream")) -> None:
         self.user_dir = user_dir
         env = {**os.environ, "LLM_USER_PATH": str(user_dir), "PYTHONPATH": str(tree)}
         llm = Path(sys.executable).with_name("llm")
-        self.proc = subprocess.Popen([str(llm), "mlxs", "serve", "--port", "0", "-m", "mlx-stream"], env=env,
+        self.proc = subprocess.Popen([str(llm), "mlxs", "serve", "--port", "0", *args], env=env,
                                      stdout=subprocess.DEVNULL, stderr=open(user_dir / "server.log", "wb"))
         found = user_dir / "mlx-streaming" / "server.json"
         deadline = time.monotonic() + timeout

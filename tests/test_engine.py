@@ -435,3 +435,39 @@ def test_stopping_the_engine_thread_cancels_its_jobs_and_leaves_it_at_rest():
     with pytest.raises(Cancelled):
         late.wait_started()
     assert ran == []
+
+
+@pytest.mark.parametrize("path", ["alone", "batched", "speculative"])
+def test_a_cancelled_request_leaves_its_prefill_at_the_next_chunk(qwen, monkeypatch, path):
+    """Every path that prefills (stream_generate's, the batch's, speculation's) stops
+    between chunks once its request is cancelled (issue 50), so an exit or a client that
+    has gone never waits for the rest of a long prefill (25 chunks here): cancelled as its
+    first progress is reported, it reports no other, not even its first token's."""
+    from llm_mlx_streaming.activity import ACTIVITY
+    from llm_mlx_streaming.engine import worker
+    from llm_mlx_streaming.engine.generation import Cancelled
+    from llm_mlx_streaming.engine.request import Request
+
+    engine = EngineManager()
+    engine.load(qwen, expert_slots=4)
+    how = {"alone": {}, "batched": {"max_batch": 4}, "speculative": {"k": 2}}[path]
+    request = Request(prompt=prompt_tokens(vocab_size(qwen), n=400, seed=1), max_tokens=4, prefill_step=16, **how)
+    reported, handles, prefilled = [], [], ACTIVITY.prefilled
+
+    def cancelled_at_first(flight, done):  # on the engine thread, as the chunk ends
+        reported.append(done)
+        handles[0].cancel()
+        prefilled(flight, done)
+
+    monkeypatch.setattr(ACTIVITY, "prefilled", cancelled_at_first)
+    go = threading.Event()
+    worker.submit(lambda out: go.wait(30))  # holds the engine until the handle is known
+    handles.append(engine.run(None, request))
+    go.set()
+    with pytest.raises(Cancelled):
+        list(handles[0])
+    handles[0].close(timeout=60)
+    assert handles[0].channel.finished.is_set()
+    assert len(reported) == 1 and reported[0] < len(request.prompt), reported  # not at its first token
+    assert engine.bad_slots() == 0
+    engine.unload()

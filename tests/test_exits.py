@@ -1,10 +1,11 @@
 """Every process that loaded the engine ends with its own exit status: a script on llm's
 Python API (sync and async, a schema, a stream left half read) and `llm mlxs serve`
 stopped by SIGINT or SIGTERM after agent traffic (Claude Code's and Codex's recorded
-requests, streamed, some cut short) or during a prefill. None may end in "terminate
-called without an active exception" (SIGABRT, the engine thread killed mid-step as the
-interpreter finalizes, engine/worker.py); the server's conversation cache and llm's
-logs.db are left whole."""
+requests, streamed, some cut short), during a prefill, or during concurrent agent
+prefills batched together, two abandoned by their clients, one stalled on the disk. None
+may end in "terminate called without an active exception" (SIGABRT, the engine thread
+killed mid-step as the interpreter finalizes, engine/worker.py); the server's conversation
+cache and llm's logs.db are left whole, and a server stops within STOP_SECONDS."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
+import time
 
 import llm
 import pytest
@@ -25,6 +28,29 @@ from plugin_support import LlmEnv
 from server_support import wait_for
 
 ABNORMAL = ("terminate called", "Traceback", "Fatal Python error")
+STOP_SECONDS = 5.0  # from the signal to the server's exit, whatever it was doing (docs/server.md)
+
+# `llm mlxs serve` on a disk that stalls once: the expert read begun after the file argv[1]
+# appears takes a minute (argv[1].began says it has begun), longer than an exit may wait
+STALLING = """\
+import sys, time
+from pathlib import Path
+from llm.cli import cli
+from llm_mlx_streaming.experts.store import ExpertStore
+
+flag, read = Path(sys.argv[1]), ExpertStore.read
+
+def stalled(self, jobs, verify=None):
+    if flag.exists():
+        flag.unlink()
+        Path(f"{flag}.began").touch()
+        time.sleep(60)
+    return read(self, jobs, verify)
+
+ExpertStore.read = stalled
+sys.argv = ["llm", "mlxs", "serve", "--port", "0", "--any-model"]
+cli()
+"""
 
 SCRIPT = """\
 import asyncio, json, sys
@@ -59,6 +85,42 @@ def test_a_script_on_the_sync_and_async_models_exits_with_its_own_status(llm_env
         assert set(person) == {"name", "age"} and text == async_text == expected
 
 
+ENDING = """\
+import os, sys, threading, time
+from pathlib import Path
+from llm_mlx_streaming.engine import worker
+
+out, began = Path(sys.argv[1]), threading.Event()
+
+def stuck(channel):  # a step that outlasts the wait, halfway through a write that must be whole
+    with worker.whole_write():
+        began.set()
+        partial = out.with_suffix(".partial")
+        partial.write_text("half")
+        time.sleep(worker.END_WAIT_SECONDS + 1)
+        partial.write_text("whole")
+        os.replace(partial, out)
+    time.sleep(600)
+
+worker.submit(stuck)
+began.wait(30)
+print("ending", end="")  # left in the buffer: the exit flushes it
+worker.end_process(7)
+"""
+
+
+def test_a_process_ended_while_the_engine_is_stuck_finishes_its_write_and_keeps_its_status(tmp_path):
+    """engine/worker.end_process (a stopped server's end): a step that outlasts the wait
+    is not waited for, nor torn down by the interpreter's finalization; the process ends
+    with its own status once the file being written is renamed into place."""
+    out = tmp_path / "cache.safetensors"
+    started = time.monotonic()
+    run = subprocess.run([sys.executable, "-c", ENDING, str(out)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 7 and run.stdout == "ending" and not any(s in run.stderr for s in ABNORMAL), run
+    assert out.read_text() == "whole" and not out.with_suffix(".partial").exists()
+    assert time.monotonic() - started < 30  # not the step's 600 s
+
+
 # -- the server ---------------------------------------------------------------------------
 
 
@@ -79,11 +141,14 @@ def served(tmp_path, monkeypatch, agent_checkpoint):
     env = LlmEnv(user_dir, agent_checkpoint)
     processes = []
 
-    def start(**settings):
+    def start(stall=None, slots=8, **settings):
+        """`stall`: a file whose appearance stalls the next expert read (STALLING)."""
         env.write_settings(default_model="tiny", max_context=32768, **settings,
-                           models={"tiny": {"path": str(agent_checkpoint), "expert_slots": 8}})
+                           models={"tiny": {"path": str(agent_checkpoint), "expert_slots": slots}})
         llm_bin = os.path.join(os.path.dirname(sys.executable), "llm")
-        process = subprocess.Popen([llm_bin, "mlxs", "serve", "--port", "0", "--any-model"],
+        command = ([sys.executable, "-c", STALLING, str(stall)] if stall is not None
+                   else [llm_bin, "mlxs", "serve", "--port", "0", "--any-model"])
+        process = subprocess.Popen(command,
                                    env={**os.environ, "LLM_USER_PATH": str(user_dir)},
                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         processes.append(process)
@@ -142,22 +207,32 @@ def _events(response, count=None) -> list[str]:
     return lines
 
 
-def _prefilling(info) -> bool:
-    """Whether the server is prefilling a prompt, past its first chunk."""
+def _stats(info) -> dict:
     stats = http.client.HTTPConnection(info.host, info.port, timeout=30)
     stats.request("GET", "/api/stats", headers={"Authorization": f"Bearer {info.secret}"})
-    flights = json.loads(stats.getresponse().read())["in_flight"]
-    stats.close()
-    return any(f["phase"] == "prefill" and f["prefill_done"] > 0 for f in flights)
+    try:
+        return json.loads(stats.getresponse().read())
+    finally:
+        stats.close()
 
 
-def _stopped(process, stop_signal: str) -> None:
-    """Signal the server: it exits 0, saying it stopped, and nothing else went wrong."""
+def _prefilling(info, count=1) -> bool:
+    """Whether the server is prefilling `count` prompts at once, each past its first chunk."""
+    flights = _stats(info)["in_flight"]
+    return sum(f["phase"] == "prefill" and f["prefill_done"] > 0 for f in flights) >= count
+
+
+def _stopped(process, stop_signal: str) -> float:
+    """Signal the server: it exits 0, saying it stopped, and nothing else went wrong;
+    the seconds from the signal to its exit."""
     process.send_signal(getattr(signal, stop_signal))
+    sent = time.monotonic()
     status = process.wait(60)
+    seconds = time.monotonic() - sent
     said = process.stderr.read()
     assert status == 0 and not any(sign in said for sign in ABNORMAL), (status, said)
     assert "server stopped" in said
+    return seconds
 
 
 def _left_whole(user_dir) -> int:
@@ -195,7 +270,7 @@ def test_a_server_stopped_after_agent_traffic_exits_cleanly(served, stop_signal)
     conn = _post(info, doc)
     wait_for(lambda: _prefilling(info), timeout=60)
     conn.close()
-    _stopped(process, stop_signal)  # the kept-alive connection still open
+    assert _stopped(process, stop_signal) < STOP_SECONDS  # the kept-alive connection still open
     assert discovery.read() is None
     assert _left_whole(served.user_dir) >= 1
     db = sqlite3.connect(served.user_dir / "logs.db")
@@ -213,8 +288,54 @@ def test_a_server_stopped_during_a_prefill_exits_cleanly(served):
     doc["body"]["max_tokens"] = 8
     conn = _post(info, doc)
     wait_for(lambda: _prefilling(info), timeout=60)
-    _stopped(process, "SIGINT")
+    assert _stopped(process, "SIGINT") < STOP_SECONDS
     last = json.loads(_events(_reply(conn))[-1][5:])
     assert last["type"] == "error" and "the server is stopping" in last["error"]["message"]
     conn.close()
     _left_whole(served.user_dir)
+
+
+def _read_out(conn) -> None:
+    """A client that waits for its reply to the end, however the server ends it."""
+    try:
+        conn.getresponse().read()
+    except (OSError, http.client.HTTPException):
+        pass
+
+
+@pytest.mark.parametrize("stop_signal", ["SIGINT", "SIGTERM"])
+def test_a_server_stopped_during_concurrent_agent_prefills_exits_cleanly(served, stop_signal, tmp_path):
+    """Issue 50's pattern, cut down: three agent requests prefilled in one batch (a small
+    prefill step, so each prompt takes many chunks; 2 expert slots, so each chunk reads
+    experts), two abandoned by their clients mid-prefill, then the signal while the third
+    is prefilled. In the runs with a stalled disk the engine is still in its chunk when the
+    exit's wait is over (as a long chunk on a slow disk would be); it ended in SIGABRT or
+    took as long as the chunk before the exit stopped waiting for it (engine/worker.py)."""
+    from llm_mlx_streaming import discovery
+
+    for run, stall in enumerate((True, False, True), 1):
+        flag = tmp_path / f"stall{run}"
+        process, info = served.start(stall=flag, slots=2, max_batch=3, prefill_step=32)
+        result = served.run("-m", "mlx-stream", "-o", "max_tokens", "4", "hi")  # logged in logs.db
+        assert result.exit_code == 0, result.output
+        whole = load("claude_code_sonnet_turn1")  # 19,700 tokens: still in its prefill at the signal
+        whole["body"]["max_tokens"] = 8
+        reader = threading.Thread(target=_read_out, args=(_post(info, whole),), daemon=True)
+        reader.start()
+        left = [_post(info, _cut(name)) for name in ("codex_turn1", "claude_code_turn2")]
+        wait_for(lambda: _prefilling(info, count=3), timeout=60)
+        for conn in left:  # their clients go away mid-prefill
+            conn.close()
+        wait_for(lambda: _stats(info)["server"]["disconnects"] == 2, timeout=30)
+        if stall:
+            flag.touch()
+            wait_for(lambda: os.path.exists(f"{flag}.began"), timeout=30)
+        assert _prefilling(info)
+        assert _stopped(process, stop_signal) < STOP_SECONDS
+        reader.join(30)
+        assert discovery.read() is None
+        _left_whole(served.user_dir)
+        db = sqlite3.connect(served.user_dir / "logs.db")
+        assert db.execute("pragma integrity_check").fetchone() == ("ok",)
+        assert db.execute("select count(*) from turns").fetchone() == (run,)
+        db.close()

@@ -112,6 +112,9 @@ def serve(ctx, host, port, models, max_models, api_key, max_queue, hosts, origin
 
         get_manager().shutdown()
     click.echo("mlx-stream: server stopped", err=True)
+    from ..engine import worker
+
+    worker.end_process(0)  # stopped on purpose: status 0, within seconds (docs/server.md)
 
 
 def _supervise(ctx, pipeline, hostfile, backend, ring_port) -> None:

@@ -18,7 +18,7 @@ from .. import syncs
 from ..errors import one_line
 from ..processors import with_history
 from ..stops import StopMatcher
-from . import figures as fig
+from . import figures as fig, worker
 from ..activity import ACTIVITY
 from .generation import Channel, Started
 from .provider import EngineError, ModelProvider
@@ -81,7 +81,8 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
                 if figures.speculation_off is None:
                     run = spec.make_run(request, loaded, cache, prompt[:fed], prompt[fed:], max_tokens,
                                         carried.drafters, figures, prefill_step=prefill_step,
-                                        kv_kwargs=kv.generate_kwargs())
+                                        kv_kwargs=kv.generate_kwargs(),
+                                        progress=lambda done, total: prefilled(fed - reused + done))
         except (ValueError, spec.DraftError) as e:
             raise EngineError(one_line(e)) from None
         if run is not None:
@@ -297,8 +298,9 @@ def save_to_disk(disk, session, from_disk: int, stats: dict, warned: set, snapsh
     if disk is None or not session.tokens:
         return
     try:
-        stats["disk_cache_saved_bytes"] = disk.save(session.cache, session.tokens, stats["reused_tokens"],
-                                                    snapshots)
+        with worker.whole_write():  # an exit that cannot wait for the engine waits for this
+            stats["disk_cache_saved_bytes"] = disk.save(session.cache, session.tokens, stats["reused_tokens"],
+                                                        snapshots)
     except Exception as e:  # OSError, a cache class save_prompt_cache cannot write
         stats["disk_cache_error"] = one_line(e)
         _warn_once(warned, "disk_cache", f"conversation cache not saved: {one_line(e)}")

@@ -10,15 +10,23 @@ has run MLX's compiled functions must neither end nor wake once the interpreter
 finalizes, or the C++ runtime aborts the process ("terminate called without an active
 exception"). CPython ends a daemon thread that asks for the GIL then, and MLX's per-thread
 compile cache takes the GIL in its destructor as the thread ends. So it is never joined:
-its work is cancelled and it is left waiting for a job that never comes.
+its work is cancelled and it is left waiting for a job that never comes. A step cannot be
+cut short (a prefill chunk is one MLX evaluation, seconds long on a big prompt or a slow
+disk), so when the thread is still in one as the exit's wait ends, the process ends
+without finalizing (`os._exit`, with its status where it is known: a stopped server's 0,
+else 1), once a file being written is whole.
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
+import os
+import sys
 import threading
 import weakref
 from collections import deque
+from contextlib import contextmanager
 from typing import Callable
 
 from . import memory
@@ -48,6 +56,30 @@ def idle() -> bool:
 
 
 EXIT_WAIT_SECONDS = 30.0  # the longest an exit waits for the step under way (a prefill chunk, a load)
+END_WAIT_SECONDS = 3.0  # the same for `end_process`, which knows the status to end with
+WRITE_WAIT_SECONDS = 30.0  # the longest it then waits for a file being written (`whole_write`)
+UNKNOWN_STATUS = 1  # an exit that cannot wait, where the process's own status is not known (atexit)
+
+_writing = threading.Lock()
+
+
+@contextmanager
+def whole_write():
+    """Around a write that must not be cut in half (a conversation cache file written,
+    then renamed into place): an exit that cannot wait for the engine thread waits for it."""
+    with _writing:
+        yield
+
+
+def end_process(status: int) -> None:
+    """End the process now with `status` (a server once stopped): the engine thread
+    stopped as at exit (`_EngineThread.stop`), then no interpreter finalization, which
+    must not run while that thread is inside MLX and whose garbage collection of a
+    model's arrays takes seconds."""
+    thread = _engine_thread.made()
+    if thread is not None:
+        thread.stop(END_WAIT_SECONDS, status)
+    _end_now(status)
 
 
 class _EngineThread:
@@ -104,20 +136,37 @@ class _EngineThread:
                 channel.finished.set()
                 del job, channel
 
-    def stop(self, timeout: float = EXIT_WAIT_SECONDS) -> None:
+    def stop(self, timeout: float = EXIT_WAIT_SECONDS, status: int = UNKNOWN_STATUS) -> None:
         """Cancel every job, queued or running (a generation stops at its next token or
         prefill chunk), run no more, and wait until the thread rests in its wait for the
-        next job, which never comes. Runs at exit, before the interpreter finalizes; a
-        second Ctrl-C stops the waiting."""
+        next job, which never comes. Runs at exit, before the interpreter finalizes. If the
+        thread is still in a step when `timeout` is over (or a second Ctrl-C comes), the
+        process ends now with `status` (`_end_now`)."""
         with self._ready:
             self.stopped = True
             self._jobs.clear()
             for channel in list(self._channels):
                 channel.cancel.set()
             try:
-                self._ready.wait_for(lambda: self.idle, timeout)
+                rested = self._ready.wait_for(lambda: self.idle, timeout)
             except KeyboardInterrupt:
-                pass
+                rested = False
+        if not rested:
+            _end_now(status)
+
+
+def _end_now(status: int) -> None:
+    """End the process without finalizing the interpreter, which would tear the engine
+    thread down inside MLX (SIGABRT): a file being written is finished first, the
+    output flushed."""
+    _writing.acquire(timeout=WRITE_WAIT_SECONDS)  # held from here on: no write starts
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or a pipe no one reads
+            pass
+    os._exit(status)
 
 
 class Once:
@@ -132,6 +181,10 @@ class Once:
             if self._value is None:
                 self._value = self._factory()
             return self._value
+
+    def made(self):
+        """The object, or None if nothing has used it yet."""
+        return self._value
 
     def set(self, value) -> None:
         """Make `value` the object, before anything used another."""

@@ -85,6 +85,7 @@ class SpeculativeRun:
     observer: object = None  # called with (inputs, kept) after each verify pass (benchmarks)
     prefill_step: int = PREFILL_STEP  # prompt tokens per prefill chunk, as the plain path uses
     kv_kwargs: dict = field(default_factory=dict)  # a quantized KV layout (stream_generate's kv_*)
+    progress: object = None  # progress(done, total) after each prefill chunk; it may raise to stop
     _linear_layers: Optional[list] = field(default=None, init=False, repr=False)  # VerifyPass's
 
     def tokens(self) -> Iterator[tuple[int, mx.array, bool]]:
@@ -133,7 +134,7 @@ class SpeculativeRun:
 
     def _prefill(self) -> int:
         """Feed all but the last prompt token in chunks as generate_step does; return the last."""
-        prompt = self.prompt
+        prompt, total = self.prompt, len(self.prompt)
         while len(prompt) > 1:
             n = min(self.prefill_step, len(prompt) - 1)
             chunk = mx.array(prompt[:n])[None]
@@ -150,6 +151,8 @@ class SpeculativeRun:
             self.fed.extend(prompt[:n])
             prompt = prompt[n:]
             mx.clear_cache()
+            if self.progress is not None:
+                self.progress(len(self.fed), total)
         return prompt[0]
 
     def _processed(self, logits: mx.array, inputs: list[int]) -> mx.array:
