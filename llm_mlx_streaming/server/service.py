@@ -207,6 +207,8 @@ class Service:
         self.stopping = True
         for turn in list(self.turns):
             turn.reply.cancel()
+        residents = _engine().residents  # a process that goes on (a test, `launch`) holds one model again
+        residents.max_models, residents.pinned = 1, set()
 
     # -- runtime config -------------------------------------------------------
     def config(self) -> dict:
