@@ -10,12 +10,13 @@ ollama/shapes.py) only lays out what the core said.
 from __future__ import annotations
 
 import asyncio
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from ..options.settings import Options
+from ..values import EFFORTS
 from ..reply.build import Ask
 from ..reply.core import AsyncReply, count_tokens
 from ..reply.events import Finished
@@ -114,21 +115,28 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def unswitched(service, request: Request, model_id: str, fields: dict) -> None:
-    """A thinking switch for a model whose template has none is accepted and named, as
-    clients send it to every model. A budget stays: a model that always reasons (its
-    generation prompt opens the block) is held to it, and one that never does has
-    nothing for it to close (reply/build.py)."""
+def unswitched(service, request: Request, model_id: str, fields: dict, spelled: Mapping[str, str] = {}) -> None:
+    """Whether the request's thinking fields apply, decided here for every API (`spelled`:
+    the request's own names for the plugin's, named back so). A thinking switch for a model
+    whose template has none is accepted and named, as clients send it to every model, and
+    so is a reasoning effort no template reads (the Responses API takes any). A budget
+    stays: a model that always reasons (its generation prompt opens the block) is held to
+    it, and one that never does has nothing for it to close (reply/build.py)."""
+    named = [spelled.get(name, name) for name in ("thinking", "reasoning_effort")]
+    if fields.get("reasoning_effort") not in (None, *EFFORTS):
+        del fields["reasoning_effort"]
+        service.ignore(request, named[1:])
     if not service.thinks(model_id):
         if fields.pop("thinking", None):
-            service.ignore(request, ["thinking"])
+            service.ignore(request, named[:1])
         if fields.pop("reasoning_effort", None) not in (None, "none", "minimal"):
-            service.ignore(request, ["reasoning_effort"])
+            service.ignore(request, named[1:])
 
 
-async def count(service, request: Request, model_id: str, messages: list, fields: dict, tools: Sequence[dict]) -> int:
+async def count(service, request: Request, model_id: str, messages: list, fields: dict, tools: Sequence[dict],
+                spelled: Mapping[str, str] = {}) -> int:
     """The prompt's tokens as `answer` would render it, without a turn (nothing generates)."""
-    unswitched(service, request, model_id, fields)
+    unswitched(service, request, model_id, fields, spelled)
     try:
         options = Options.model_validate(service.runtime.for_request(fields))
         return await count_tokens(Ask(service.name_of(model_id), messages, options, tools))
@@ -138,11 +146,12 @@ async def count(service, request: Request, model_id: str, messages: list, fields
 
 async def answer(service, request: Request, shape: Shape, model_id: str, messages: list, fields: dict,
                  schema: Optional[dict], stream: bool, tools: Sequence[dict] = (),
-                 grammar: Optional[tuple[str, str]] = None, suffix: Optional[str] = None):
-    """Answer `messages` (llm's) on `model_id` with the request's engine `fields` (the
-    plugin's options), `tools` (function specs), the `schema` or `grammar` the reply
+                 grammar: Optional[tuple[str, str]] = None, suffix: Optional[str] = None,
+                 spelled: Mapping[str, str] = {}):
+    """Answer `messages` (llm's) on `model_id` with the request's `fields` (its
+    `plugin_options()`), `tools` (function specs), the `schema` or `grammar` the reply
     must follow and the `suffix` it fills up to, in `shape`."""
-    unswitched(service, request, model_id, fields)
+    unswitched(service, request, model_id, fields, spelled)
     turn = await Turn.take(service, request=request)
     service.unload_after(model_id, None)  # the server's keep_alive; an Ollama request's own follows
     try:

@@ -86,7 +86,7 @@ def router(service) -> APIRouter:
             await service.load(model_id)
             reply = shape.status("load")
         else:
-            reply = await answer(service, request, shape, model_id, messages, body.engine(), body.schema_dict(),
+            reply = await answer(service, request, shape, model_id, messages, body.plugin_options(), body.schema_dict(),
                                  body.stream, tools)
         await after_reply(service, model_id, body, body.stream)
         return reply

@@ -16,19 +16,18 @@ from typing import Optional
 
 from fastapi import APIRouter, Depends, Request
 
-from ...values import EFFORTS
 from ...prompt.tools import function_spec
 from ...reply.events import ToolCall
 from ..conversation import ChatMessage, ImagePart, call_arguments, llm_chain, text_message
 from ..errors import ApiError, api_routes
-from ..openai.schemas import ErrorResponse, engine_values
+from ..openai.schemas import ErrorResponse
 from ..response_store import Kept
 from ..transcript import Transcript
 from ..keep_alive import after_reply
 from ..turns import answer, count
 from .schemas import (CustomTool, CustomToolCallItem, CustomToolCallOutputItem, FilePart, FunctionCallItem,
                       FunctionCallOutputItem, FunctionTool, InputImage, JsonObjectFormat, JsonSchemaFormat, MessageItem,
-                      NamedToolChoice, NamespaceTool, ReasoningItem, ResponseRequest, ResponsesEngineOptions, TextPart)
+                      NamespaceTool, ReasoningItem, ResponseRequest, SPELLED, TextPart)
 from .shapes import ResponseShape
 
 CUSTOM_INPUT = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
@@ -166,16 +165,8 @@ def router(service) -> APIRouter:
             if body.previous_response_id else []
         tools = Tools(body)
         service.ignore(request, tools.dropped)
-        fields = engine_values(body, ResponsesEngineOptions.model_fields)
-        if body.max_output_tokens is not None:
-            fields["max_tokens"] = body.max_output_tokens
-        forced_custom, grammar = _choice(body, tools, fields)
-        effort = body.reasoning.effort if body.reasoning is not None else None
-        if effort is not None and forced_custom is None:
-            if service.thinks(model_id) and effort in EFFORTS:
-                fields["reasoning_effort"] = effort
-            else:
-                service.ignore(request, ["reasoning.effort"])
+        fields = body.plugin_options()
+        forced_custom, grammar = body.forced_custom(), _grammar(body, tools)
         system = [text_message("system", body.instructions)] if body.instructions else []
         chat = [*earlier, *chat_messages(body)]
         return model_id, system, chat, fields, tools, forced_custom, grammar
@@ -196,7 +187,7 @@ def router(service) -> APIRouter:
                               forced_custom=forced_custom, on_finish=finish)
         specs = [] if forced_custom is not None else tools.specs
         reply = await answer(service, request, shape, model_id, messages, fields, _schema(body), body.stream,
-                             specs, grammar=grammar)
+                             specs, grammar=grammar, spelled=SPELLED)
         await after_reply(service, model_id, body, body.stream)
         return reply
 
@@ -206,7 +197,7 @@ def router(service) -> APIRouter:
         messages = await llm_chain(service, model_id, [*system, *chat])
         specs = [] if forced_custom is not None else tools.specs
         return {"object": "response.input_tokens",
-                "input_tokens": await count(service, request, model_id, messages, fields, specs)}
+                "input_tokens": await count(service, request, model_id, messages, fields, specs, SPELLED)}
 
     @api.get("/v1/responses/{response_id}", description="A stored response")
     async def retrieve(response_id: str, request: Request) -> dict:
@@ -221,26 +212,16 @@ def router(service) -> APIRouter:
     return api
 
 
-def _choice(body: ResponseRequest, tools: Tools, fields: dict):
-    """(the custom tool the whole reply is the input of, its grammar): tool_choice in the
-    plugin's terms, set on `fields`."""
-    choice = body.tool_choice
-    if body.parallel_tool_calls is not None:
-        fields["parallel_tool_calls"] = body.parallel_tool_calls
-    if isinstance(choice, NamedToolChoice):
-        if choice.type == "custom":
-            tool = tools.custom.get(choice.name)
-            if tool is None:
-                raise ApiError(400, f"tool_choice: no custom tool is named {choice.name!r}", param="tool_choice")
-            fields["thinking"] = False  # the reply is the tool's input, from its first token
-            fmt = tool.format
-            return tool.name, ((fmt.syntax, fmt.definition) if fmt is not None and fmt.type == "grammar" else None)
-        fields["tool_choice"] = choice.name
-    elif isinstance(choice, str):
-        fields["tool_choice"] = choice
-    elif choice is not None:  # allowed_tools: every tool is shown; its mode is honoured
-        fields["tool_choice"] = choice.mode
-    return None, None
+def _grammar(body: ResponseRequest, tools: Tools) -> Optional[tuple[str, str]]:
+    """The grammar of the custom tool the whole reply is the input of (tool_choice), if it has one."""
+    name = body.forced_custom()
+    if name is None:
+        return None
+    tool = tools.custom.get(name)
+    if tool is None:
+        raise ApiError(400, f"tool_choice: no custom tool is named {name!r}", param="tool_choice")
+    fmt = tool.format
+    return (fmt.syntax, fmt.definition) if fmt is not None and fmt.type == "grammar" else None
 
 
 def _schema(body: ResponseRequest) -> Optional[dict]:
