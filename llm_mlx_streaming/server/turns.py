@@ -10,7 +10,7 @@ ollama/shapes.py) only lays out what the core said.
 from __future__ import annotations
 
 import asyncio
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -147,10 +147,12 @@ async def count(service, request: Request, model_id: str, messages: list, fields
 async def answer(service, request: Request, shape: Shape, model_id: str, messages: list, fields: dict,
                  schema: Optional[dict], stream: bool, tools: Sequence[dict] = (),
                  grammar: Optional[tuple[str, str]] = None, suffix: Optional[str] = None,
-                 spelled: Mapping[str, str] = {}):
+                 spelled: Mapping[str, str] = {}, done: Optional[Callable[[Transcript], None]] = None):
     """Answer `messages` (llm's) on `model_id` with the request's `fields` (its
     `plugin_options()`), `tools` (function specs), the `schema` or `grammar` the reply
-    must follow and the `suffix` it fills up to, in `shape`."""
+    must follow and the `suffix` it fills up to, in `shape`; `done(transcript)` is called
+    once the reply is complete and laid out, before its last frames are sent (the
+    Responses API stores the response then)."""
     unswitched(service, request, model_id, fields, spelled)
     turn = await Turn.take(service, request=request)
     service.unload_after(model_id, None)  # the server's keep_alive; an Ollama request's own follows
@@ -177,8 +179,8 @@ async def answer(service, request: Request, shape: Shape, model_id: str, message
             if first.done():
                 first.result()  # raises what it raised
             watcher.cancel()
-            return GatedStream(turn, _stream(service, turn, events, first, shape), media_type=shape.media_type)
-        return await _whole(service, turn, events, await first, shape)
+            return GatedStream(turn, _stream(service, turn, events, first, shape, done), media_type=shape.media_type)
+        return await _whole(service, turn, events, await first, shape, done)
     except Exception as e:
         turn.finish()
         raise error_for(e) from None
@@ -190,7 +192,7 @@ async def answer(service, request: Request, shape: Shape, model_id: str, message
         watcher.cancel()
 
 
-async def _whole(service, turn: Turn, events, first, shape: Shape) -> dict:
+async def _whole(service, turn: Turn, events, first, shape: Shape, done) -> dict:
     transcript = Transcript()
     ended = False
     try:
@@ -202,10 +204,13 @@ async def _whole(service, turn: Turn, events, first, shape: Shape) -> dict:
     if not ended:  # cancelled: the client has gone, or the server is stopping
         raise _stopping()
     service.replies.remember(transcript)
-    return shape.whole(transcript)
+    body = shape.whole(transcript)
+    if done is not None:
+        done(transcript)
+    return body
 
 
-async def _stream(service, turn: Turn, events, first: asyncio.Future, shape: Shape):
+async def _stream(service, turn: Turn, events, first: asyncio.Future, shape: Shape, done):
     """The stream's frames; until the first event comes, a keep-alive every
     KEEPALIVE_SECONDS, so that no client gives up during a long prefill."""
     transcript = Transcript()
@@ -226,7 +231,10 @@ async def _stream(service, turn: Turn, events, first: asyncio.Future, shape: Sha
             raise _stopping()
         service.replies.remember(transcript)
         turn.finish(served=True)
-        for frame in shape.closing(transcript):
+        frames = shape.closing(transcript)
+        if done is not None:
+            done(transcript)
+        for frame in frames:
             yield frame
     except Exception as e:  # the status line is sent: the error goes in the stream
         for frame in shape.failure(error_for(e)):

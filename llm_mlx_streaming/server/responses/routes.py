@@ -175,19 +175,18 @@ def router(service) -> APIRouter:
     async def create(body: ResponseRequest, request: Request):
         model_id, system, chat, fields, tools, forced_custom, grammar = read(body, request)
         messages = await llm_chain(service, model_id, [*system, *chat])
-        store = body.store is not False
-
-        def finish(transcript: Transcript, response: dict) -> None:
-            if store:
-                reply = _reply_message(transcript)
-                service.responses.keep(response["id"], Kept(owner(request) if service.api_key else None,
-                                                            [*chat, reply], response))
-
         shape = ResponseShape(model_id, _echo(body), custom=frozenset(tools.custom), namespaces=tools.namespaces,
-                              forced_custom=forced_custom, on_finish=finish)
+                              forced_custom=forced_custom)
+
+        def store(transcript: Transcript) -> None:
+            """The finished response kept, with the conversation it continued and its reply."""
+            if body.store is not False:
+                service.responses.keep(shape.finished["id"], Kept(owner(request) if service.api_key else None,
+                                                                  [*chat, _reply_message(transcript)], shape.finished))
+
         specs = [] if forced_custom is not None else tools.specs
         reply = await answer(service, request, shape, model_id, messages, fields, _schema(body), body.stream,
-                             specs, grammar=grammar, spelled=SPELLED)
+                             specs, grammar=grammar, spelled=SPELLED, done=store)
         await after_reply(service, model_id, body, body.stream)
         return reply
 
