@@ -10,7 +10,7 @@ import pytest
 
 from fixtures.families import FAMILIES, template
 from format_support import ADD, EVERY_TYPE, WEATHER, accepts, every_way, family_tokenizer, matcher
-from llm_mlx_streaming.formats.base import literal
+from llm_mlx_streaming.formats.forcing import literal
 from llm_mlx_streaming.formats import harmony
 from llm_mlx_streaming.formats.registry import format_of
 from llm_mlx_streaming.prompt.split import initial_state

@@ -9,7 +9,8 @@ from pydantic import ValidationError
 
 from llm_mlx_streaming.options.knobs import BY_NAME, KNOBS, OPTION_NAMES, SETTING_NAMES
 from llm_mlx_streaming.options.settings import Options
-from llm_mlx_streaming.server.openai.schemas import SERVER_ONLY, ChatCompletionRequest, engine_option_names
+from llm_mlx_streaming.server.fields import SERVER_ONLY, engine_option_names
+from llm_mlx_streaming.server.openai.schemas import ChatCompletionRequest
 from llm_mlx_streaming.options.settings import CONFIG_KEYS, Settings
 
 

@@ -172,7 +172,7 @@ def test_completions_stop_seed_and_kv_reuse(served):
 
 def test_engine_options_are_body_fields_derived_from_the_plugin_options(served):
     from llm_mlx_streaming.options.settings import Options
-    from llm_mlx_streaming.server.openai.schemas import SERVER_ONLY
+    from llm_mlx_streaming.server.fields import SERVER_ONLY
 
     status, _, schema = call(served, "GET", "/openapi.json")
     assert status == 200

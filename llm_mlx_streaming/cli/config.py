@@ -94,7 +94,7 @@ def config(key, value, unset_key, json_):
 def _push_to_server(key: str, value) -> None:
     """Apply a setting to a running `llm mlxs serve` at once (one of its runtime
     options); every other setting it reads from the file at its next request."""
-    from ..server.openai.schemas import engine_option_names
+    from ..server.fields import engine_option_names
 
     server = running_server(None, load_settings())
     if server is None:

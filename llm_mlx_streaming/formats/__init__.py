@@ -1,5 +1,8 @@
 """Tool-call formats: how each model family writes its calls, found from the checkpoint.
 
-One module per format (a `FORMAT`), registered in `registry.py`; mlx-lm's parser where
-it has one, a parser of ours (written like mlx-lm's `tool_parsers/`) where it has none.
+One module per format (a `FORMAT`), found by `registry.py` among this package's modules
+(nothing registers it); mlx-lm's parser where it has one, a parser of ours (written like
+mlx-lm's `tool_parsers/`) where it has none. The three layers every format is made of
+are modules of their own: what a format is (`tool_format.py`), reading its calls while
+they are written (`reading.py`), and forcing one (`forcing.py`).
 """

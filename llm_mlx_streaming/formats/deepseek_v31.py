@@ -12,7 +12,9 @@ import json
 import re
 from typing import Any
 
-from .base import ToolFormat, json_calls, json_grammar, literal
+from .forcing import json_grammar, literal
+from .reading import json_calls
+from .tool_format import ToolFormat
 
 tool_call_start = "<｜tool▁calls▁begin｜>"
 tool_call_end = "<｜tool▁calls▁end｜>"
@@ -62,9 +64,8 @@ FORMAT = ToolFormat(
     reading=json_calls(_head.pattern, call_end=CALL_END, tail=r"\s*(?:```)?\s*", held=r"\s*`{0,3}\s*"),
     grammar=json_grammar(lambda lark, name, arguments: (
         f"{lark.tag(CALL_BEGIN)} {literal(name)} {lark.tag(SEP)} {arguments} {lark.tag(CALL_END)}")),
-    # V3.2 keeps these tags in its vocabulary; its DSML token says it writes DSML (deepseek_v32)
-    detect=lambda template, vocab: (all(tag in template or tag in vocab for tag in (tool_call_start, SEP))
-                                    and not any("｜DSML｜" in tag for tag in (template, *vocab))),
+    # V3.2 keeps these tags in its vocabulary: deepseek_v32 is asked first (registry.PRECEDENCE)
+    detect=lambda template, vocab: all(tag in template or tag in vocab for tag in (tool_call_start, SEP)),
     blocks=False,
     declare=declare,
 )

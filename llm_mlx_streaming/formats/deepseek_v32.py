@@ -13,14 +13,17 @@ deepseek_v32.py, named by the tokenizer config's `chat_template_type`) but has n
 parser for these calls: the parsing part of this module is one, in mlx-lm's
 tool_parsers/ shape. The format is recognised by the DSML token, which V3.2's
 vocabulary has (with the checkpoint's renderer there is no template text to read);
-the vocabulary also has V3.1's tool-call tokens, so it is asked before deepseek_v31.
+the vocabulary also has V3.1's tool-call tokens, so it is asked before deepseek_v31
+(registry.PRECEDENCE).
 """
 
 import json
 import re
 from typing import Any
 
-from .base import ToolFormat, literal, param_calls, required_parameters
+from .forcing import literal, param_grammar
+from .reading import param_calls
+from .tool_format import ToolFormat
 
 DSML = "｜DSML｜"
 
@@ -64,30 +67,25 @@ def parse_tool_call(text: str, tools: Any = None):
     return calls
 
 
-def grammar(lark, functions):
-    """Each call an invoke of its required parameters, in the schema's order, laid out
-    as the template writes it: a string is text without markup (string="true"), any
-    other type JSON of its schema."""
-    lines = []
-    for i, function in enumerate(functions):
-        parts = []
-        for j, (key, spec) in enumerate(required_parameters(function)):
-            string = spec.get("type") == "string"
-            lines.append(f"value{i}_{j}: " + ("/[^<]*/" if string else lark.json(spec)))
-            head = f'<{DSML}parameter name="{key}" string="{"true" if string else "false"}">'
-            parts.append(f'{literal(head)} value{i}_{j} {literal(f"</{DSML}parameter>")} "\\n"')
-        invoke = literal(f'<{DSML}invoke name="{function["name"]}">')
-        params = " ".join(parts) or '"\\n"'
-        lines.append(f'call{i}: "\\n" {invoke} "\\n" {params} {literal(f"</{DSML}invoke>")} "\\n"?')
-    return lines
+def parameter(lark, key: str, value: str, spec: dict) -> str:
+    """A parameter element: a string is text without markup (string="true"), any other
+    type JSON of its schema (string="false")."""
+    head = f'<{DSML}parameter name="{key}" string="{"true" if spec.get("type") == "string" else "false"}">'
+    return f'{literal(head)} {value} {literal(f"</{DSML}parameter>")}'
+
+
+def invoke(lark, name: str, params: str) -> str:
+    """A call's invoke, its parameters a line each, laid out as the template writes it."""
+    head, end = literal(f'<{DSML}invoke name="{name}">'), literal(f"</{DSML}invoke>")
+    return f'"\\n" {head} "\\n" {params} "\\n" {end} "\\n"?'
 
 
 FORMAT = ToolFormat(
     name="deepseek_v32",
     parser=__name__,
     reading=param_calls(rf'<{DSML}invoke\s+name="(?P<name>[^"]*)"\s*>', rf"</{DSML}parameter>",
-                        f"\n</{DSML}invoke>")(__name__),
-    grammar=grammar,
+                        f"\n</{DSML}invoke>"),
+    grammar=param_grammar(invoke, parameter, separator="\n", boolean=None),
     detect=lambda template, vocab: DSML in template or DSML in vocab,
     blocks=False,
 )

@@ -3,33 +3,27 @@ call, the arguments in Gemma's own literal syntax (bare keys, strings between <|
 delimiters, numbers, true/false, lists and objects; mlx-lm's gemma4). The template
 writes the parameters sorted by name."""
 
-from .base import ToolFormat, literal, literal_calls, required_parameters
+from .forcing import literal, param_grammar
+from .reading import literal_calls
+from .tool_format import ToolFormat
 
 PARSER = "mlx_lm.tool_parsers.gemma4"
 QUOTE = '<|"|>'
 
 
-def grammar(lark, functions):
-    """Each call writes its required parameters sorted by name, as the template does: a
-    string between the delimiters (text without markup), any other type as JSON (which
-    the parser reads as it is)."""
-    lines = []
-    for i, function in enumerate(functions):
-        parts = []
-        for j, (key, spec) in enumerate(sorted(required_parameters(function), key=lambda p: p[0])):
-            value, quote = f"value{i}_{j}", lark.tag(QUOTE)
-            string = spec.get("type") == "string"
-            lines.append(f"{value}: " + (f"{quote} /[^<]*/ {quote}" if string else lark.json(spec)))
-            parts.append(f'{literal(key + ":")} {value}')
-        params = ' "," '.join(parts)
-        lines.append(f'call{i}: {literal("call:" + function["name"] + "{")} {params} "}}"')
-    return lines
+def parameter(lark, key: str, value: str, spec: dict) -> str:
+    """key:VALUE, a string between the delimiters (text without markup), any other type
+    as JSON (which the parser reads as it is)."""
+    if spec.get("type") == "string":
+        return f'{literal(key + ":")} {lark.tag(QUOTE)} {value} {lark.tag(QUOTE)}'
+    return f'{literal(key + ":")} {value}'
 
 
 FORMAT = ToolFormat(
     name="gemma4",
     parser=PARSER,
     reading=literal_calls(r"call:(?P<name>[\w-]+)\{", (QUOTE,), False,
-                          lambda name, arguments: f"call:{name}{{{arguments}}}")(PARSER),
-    grammar=grammar,
+                          lambda name, arguments: f"call:{name}{{{arguments}}}"),
+    grammar=param_grammar(lambda lark, name, params: f'{literal("call:" + name + "{")} {params} "}}"', parameter,
+                          separator=",", boolean=None, by_name=True),
 )

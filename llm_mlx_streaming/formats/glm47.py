@@ -3,16 +3,18 @@
 (mlx-lm's glm47; GLM-4.6's template puts a line break after the name and each
 element, 4.5's and 4.7's do not)."""
 
-from .base import ToolFormat, literal, param_calls, param_grammar
+from .forcing import literal, param_grammar
+from .reading import param_calls
+from .tool_format import ToolFormat
 
 PARSER = "mlx_lm.tool_parsers.glm47"
 
 FORMAT = ToolFormat(
     name="glm47",
     parser=PARSER,
-    reading=param_calls(r"\A\s*(?P<name>[^\s<]+)(?=[\s<])", r"</arg_value>", "")(PARSER),
+    reading=param_calls(r"\A\s*(?P<name>[^\s<]+)(?=[\s<])", r"</arg_value>", ""),
     grammar=param_grammar(
         lambda lark, name, params: f'{literal(name)} "\\n"? {params}',
-        lambda lark, key, value: (f'{lark.tag("<arg_key>")} {literal(key)} {lark.tag("</arg_key>")} "\\n"? '
+        lambda lark, key, value, spec: (f'{lark.tag("<arg_key>")} {literal(key)} {lark.tag("</arg_key>")} "\\n"? '
                                   f'{lark.tag("<arg_value>")} {value} {lark.tag("</arg_value>")} "\\n"?')),
 )

@@ -30,7 +30,9 @@ import json
 import re
 from typing import Any
 
-from .base import ReasoningMarks, ToolFormat, json_calls, json_grammar, literal
+from .forcing import json_grammar, literal
+from .reading import json_calls
+from .tool_format import ReasoningMarks, ToolFormat
 
 tool_call_start = "to=functions."
 tool_call_end = ""  # the call ends the turn (<|call|> is an end-of-turn token)

@@ -1,7 +1,8 @@
 """Qwen3's calls (and the templates written like them): one JSON object
 {"name": ..., "arguments": {...}} in each <tool_call> block (mlx-lm's json_tools)."""
 
-from .base import ToolFormat, json_calls
+from .reading import json_calls
+from .tool_format import ToolFormat
 
 
 def grammar(lark, functions):

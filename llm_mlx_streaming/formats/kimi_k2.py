@@ -6,7 +6,9 @@ its vocabulary too."""
 
 import json
 
-from .base import ToolFormat, json_calls, json_grammar, literal
+from .forcing import json_grammar, literal
+from .reading import json_calls
+from .tool_format import ToolFormat
 
 
 def write(calls: list[tuple[str, str, dict]]) -> str:

@@ -2,7 +2,9 @@
 <invoke name="NAME"> element per call, with a <parameter name="KEY">VALUE</parameter>
 element per parameter (mlx-lm's minimax_m2)."""
 
-from .base import ToolFormat, literal, param_calls, param_grammar
+from .forcing import literal, param_grammar
+from .reading import param_calls
+from .tool_format import ToolFormat
 
 PARSER = "mlx_lm.tool_parsers.minimax_m2"
 
@@ -12,7 +14,7 @@ def invoke(lark, name: str, params: str) -> str:
     return f'"\\n"? {head} "\\n" {params} "</invoke>" "\\n"?'
 
 
-def parameter(lark, key: str, value: str) -> str:
+def parameter(lark, key: str, value: str, spec: dict) -> str:
     head = literal('<parameter name="' + key + '">')
     return f'{head} {value} "</parameter>\\n"'
 
@@ -20,7 +22,7 @@ def parameter(lark, key: str, value: str) -> str:
 FORMAT = ToolFormat(
     name="minimax_m2",
     parser=PARSER,
-    reading=param_calls(r"<invoke name=[\"']?(?P<name>[^\"'>]+)[\"']?>", r"</parameter>", "\n</invoke>")(PARSER),
+    reading=param_calls(r"<invoke name=[\"']?(?P<name>[^\"'>]+)[\"']?>", r"</parameter>", "\n</invoke>"),
     grammar=param_grammar(invoke, parameter),
     blocks=False,
 )

@@ -5,13 +5,15 @@ mistral reads both)."""
 
 import re
 
-from .base import ToolFormat, bracketed, json_grammar, literal
+from .forcing import json_grammar, literal
+from .reading import bracketed
+from .tool_format import ToolFormat
 
 HEAD = re.compile(r'(?:\[TOOL_CALLS\])?\s*(?:\{\s*"name"\s*:\s*")?(?P<name>[\w-]+)'
                   r'(?:"\s*,\s*"arguments"\s*:|\s*\[ARGS\])\s*')
 
 
-def reading(text: str, closed: bool, tools=None) -> list[tuple[str, str]]:
+def reading(parser, text: str, closed: bool, tools=None) -> list[tuple[str, str]]:
     """Each call's name once its arguments are due, then their JSON object as written,
     up to where it closes (what follows it, an id or the next call, is not read as it)."""
     out, at = [], 0

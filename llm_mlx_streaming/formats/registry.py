@@ -2,8 +2,9 @@
 
 mlx-lm infers a parser from the chat template (or `tool_parser_type` in the tokenizer
 config) when it loads a tokenizer; that choice stands. Where it finds none, the formats
-of ours are asked in turn, from the template's text and the vocabulary (never from the
-model's name). The format found is set on mlx-lm's tokenizer wrapper (its tool markup,
+of ours are asked in turn, those in `PRECEDENCE` first and then the rest by name, from
+the template's text and the vocabulary (never from the model's name): the first that
+recognises the checkpoint is its format. The format found is set on mlx-lm's tokenizer wrapper (its tool markup,
 parser and response format), so mlx-lm's own text state machine splits the reply.
 """
 
@@ -17,18 +18,23 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
-from .base import ToolFormat
+from .tool_format import ToolFormat
 
-NOT_FORMATS = {"base", "registry"}
+NOT_FORMATS = {"tool_format", "reading", "forcing", "registry"}  # the modules of formats/ that are none
+# Formats asked before the others, in this order, where one checkpoint can look like two:
+# DeepSeek-V3.2's vocabulary keeps V3.1's tool-call tags beside its DSML token.
+PRECEDENCE = ("deepseek_v32", "deepseek_v31")
 
 
 @functools.lru_cache(maxsize=None)
 def formats() -> tuple[ToolFormat, ...]:
     """Ours, one module each (its FORMAT), found in this package: where mlx-lm has a
     parser, what it lacks (streaming, forcing, a detection); where it has none, the
-    parser too. A new format is its module and nothing else."""
+    parser too. A new format is its module and nothing else. In the order they are
+    asked: `PRECEDENCE`, then by name."""
     package = Path(__file__).parent
-    names = sorted(m.name for m in pkgutil.iter_modules([str(package)]) if m.name not in NOT_FORMATS)
+    found = {m.name for m in pkgutil.iter_modules([str(package)]) if m.name not in NOT_FORMATS}
+    names = [*(name for name in PRECEDENCE if name in found), *sorted(found - set(PRECEDENCE))]
     return tuple(importlib.import_module(f"{__package__}.{name}").FORMAT for name in names)
 
 
@@ -48,9 +54,7 @@ def find_format(tokenizer) -> Optional[ToolFormat]:
     template = getattr(tokenizer, "chat_template", None)
     template = template if isinstance(template, str) else ""
     vocab = tokenizer.get_vocab()
-    found = [f for f in formats() if f.detect is not None and f.detect(template, vocab)]
-    assert len(found) <= 1, f"formats that claim the same checkpoint: {[f.name for f in found]}"
-    return found[0] if found else None
+    return next((f for f in formats() if f.detect is not None and f.detect(template, vocab)), None)
 
 
 def install(tokenizer) -> Optional[ToolFormat]:

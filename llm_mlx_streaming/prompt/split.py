@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..formats.base import ReasoningMarks
+from ..formats.tool_format import ReasoningMarks
 from ..formats.registry import format_of
 
 TEXT, REASONING, TOOL = "text", "reasoning", "tool_call"

@@ -20,7 +20,7 @@ import uuid
 from typing import Optional
 
 from .constrained import COMPILE_OPTIONS, checked_grammar
-from ..formats.base import literal
+from ..formats.forcing import literal
 from ..formats.registry import format_of
 
 AUTO, NONE, REQUIRED = "auto", "none", "required"
@@ -89,7 +89,7 @@ def forced_call_grammar(tokenizer, tools: list[dict], choice: str, parallel: Opt
     lark = _Lark(tokenizer)
     picked = [t["function"] for t in tools if choice == REQUIRED or t["function"]["name"] == choice]
     several = parallel is not False and choice == REQUIRED
-    start, end = lark.tag(fmt.start), lark.tag(fmt.end) if fmt.end else ""
+    start, end = lark.tag(fmt.tool_call_start), lark.tag(fmt.tool_call_end) if fmt.tool_call_end else ""
     lead = lark.text(fmt.lead) if fmt.lead else ""
     lines = [*fmt.grammar(lark, picked), "call: " + " | ".join(f"call{i}" for i in range(len(picked)))]
     if fmt.blocks:
@@ -175,14 +175,14 @@ def new_call_id() -> str:
 
 class CallReader:
     """A reply's tool-call blocks, read as they arrive: each call's name as soon as it
-    is written and its arguments' JSON in pieces (formats/base.py), where the format
+    is written and its arguments' JSON in pieces (formats/reading.py), where the format
     can be read so; else each call when its block closes.
     Events: ("name", id, name) and ("arguments", id, JSON text)."""
 
     def __init__(self, tokenizer, tools: list[dict]):
         self.tokenizer, self.tools = tokenizer, tools
         fmt = format_of(tokenizer)
-        self.reading = fmt.reading if fmt is not None else None
+        self.read = fmt.read if fmt is not None and fmt.reading is not None else None
         self._begin()
 
     def _begin(self) -> None:
@@ -191,10 +191,10 @@ class CallReader:
 
     def piece(self, chunk: str) -> list[tuple]:
         """Events for a piece of the open block."""
-        if self.reading is None:
+        if self.read is None:
             return []
         self.text += chunk
-        return self._news(self.reading(self.text, False, self.tools))
+        return self._news(self.read(self.text, False, self.tools))
 
     def _news(self, written: list[tuple[str, str]]) -> list[tuple]:
         out = []
@@ -217,7 +217,7 @@ class CallReader:
             parsed = parse_tool_calls(self.tokenizer, inner, self.tools) if finished else None
             if parsed is None and not self.given:
                 return None
-            events = self._news(self.reading(inner, True, self.tools)) if self.reading else []
+            events = self._news(self.read(inner, True, self.tools)) if self.read else []
             calls = []
             for i, (call_id, name, given) in enumerate(self.given):
                 arguments = parsed[i]["arguments"] if parsed and i < len(parsed) else {"_raw": given}

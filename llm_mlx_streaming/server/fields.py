@@ -7,6 +7,11 @@ model here declares (a client's newer field) is taken as one too; both are named
 in the `x-mlx-stream-ignored` header and once each in the server's log, so a client
 release that adds a field never breaks on this server. `llm mlxs serve --strict`
 refuses the undeclared ones instead.
+
+A request's plugin options (what the reply core takes) are made one way on every API:
+the request schema's `plugin_options()`, from the engine option fields it declares
+(`options_model`, `options_set`) and what its own fields mean in the plugin's terms.
+Whether the thinking fields apply to the model is decided once, in turns.py.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from ..options.knobs import build_options
+from ..options.settings import Options
 
 IGNORED_HEADER = "x-mlx-stream-ignored"
 HEADER_LENGTH = 2000  # characters of the header at most (a client may invent any number of fields)
@@ -26,6 +34,27 @@ class RequestModel(BaseModel):
     """A request body (or a part of one): undeclared fields are kept, to be named."""
 
     model_config = ConfigDict(extra="allow")
+
+
+# Options fields that mean nothing inside the server (it always runs in-process).
+SERVER_ONLY = ("server",)
+
+
+def engine_option_names() -> list[str]:
+    """The plugin options a request or the runtime config may set, read off `Options`."""
+    return [name for name in Options.model_fields if name not in SERVER_ONLY]
+
+
+def options_model(model_name: str, exclude: tuple[str, ...] = ()) -> type[BaseModel]:
+    """The engine options as body fields of an API's request (a base model), less those
+    that API has under its own name."""
+    names = tuple(n for n in engine_option_names() if n not in exclude)
+    return build_options(RequestModel, names=names, model_name=model_name)
+
+
+def options_set(body: BaseModel, names) -> dict:
+    """The engine options `body` sets among `names` (None: not set)."""
+    return {k: getattr(body, k) for k in body.model_fields_set if k in names and getattr(body, k) is not None}
 
 
 def hint(description: str, **kwargs) -> Any:

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from ..options.settings import Options
 from ..options.settings import first_error
-from .openai.schemas import engine_option_names
+from .fields import engine_option_names
 
 POOL_KEYS = ("expert_slots", "policy", "memory_budget")
 

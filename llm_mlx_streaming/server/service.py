@@ -1,5 +1,6 @@
 """The server's state: the gate, the runtime parameters, the replies it gave, the
-model it serves, and its figures. The routes (app.py and each API's routes.py) read it.
+model it serves, and its figures. The routes (app.py and each API's routes.py) read it;
+turns.py asks it only what its `turns.GateOwner` protocol states.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from .guard import key_accepted
 from .reply_memory import ReplyMemory
 from .response_store import ResponseStore
 from .runtime import ConfigError, RuntimeConfig, touches_pools
-from .turns import Turn
+from .turns import Turn, Turns
 
 
 log = logging.getLogger(__name__)
@@ -53,17 +54,13 @@ class Service:
         self._takes_images: dict[str, bool] = {}  # model id -> whether its checkpoint takes images
         self.hosts, self.origins = tuple(hosts), tuple(origins)  # server/guard.py
         self.api_key, self.secret = api_key, secret
-        self.gate = Gate(max_queue, capacity=max_batch)
+        self.turns = Turns(Gate(max_queue, capacity=max_batch))  # the gate, the replies in flight, their figures
         self.runtime = RuntimeConfig()
         self.replies = ReplyMemory(reply_memory)
         self.responses = ResponseStore(load_settings().max_responses)  # the Responses API's, by id
         self.model_id: Optional[str] = None  # the model last loaded or asked for
-        self.served = 0
         self.rebuilds = 0  # rebuilds queued or running
         self.rebuild_error: Optional[str] = None
-        self.disconnects = 0  # clients that went before their reply was complete
-        self.turns: set = set()  # the replies in flight (turns.Turn)
-        self.stopping = False
         self._tasks: set = set()
         self._unload_timers: dict[str, asyncio.TimerHandle] = {}  # model id -> its idle unload (keep_alive)
         self.unload_due: dict[str, float] = {}  # model id -> when it is unloaded (a time.time())
@@ -93,6 +90,18 @@ class Service:
     @staticmethod
     def name_of(model_id: str) -> Optional[str]:
         return registry.name_of(model_id)
+
+    def request_options(self, fields: dict) -> dict:
+        """A request's options: its `fields` over the runtime parameters of this moment."""
+        return self.runtime.for_request(fields)
+
+    def started(self, model_id: str) -> None:
+        """A reply started on `model_id`: the model /api/stats names."""
+        self.model_id = model_id
+
+    def remember(self, transcript) -> None:
+        """A finished reply: its token ids kept for a request that gives it back."""
+        self.replies.remember(transcript)
 
     def accept(self, request: Request, body) -> None:
         """Name the fields of `body` this server does not act on (fields.py); in --strict,
@@ -137,7 +146,7 @@ class Service:
 
     async def load(self, model_id: str) -> None:
         """Load `model_id` in its turn, and return once it is loaded."""
-        async with await Turn.take(self):
+        async with await Turn.take(self.turns):
             self.keep_loaded(model_id)
             self.model_id = model_id
             await self._load_model(model_id)
@@ -145,7 +154,7 @@ class Service:
     async def unload(self, model_id: Optional[str] = None, first: bool = False) -> None:
         """Unload `model_id` (None: every model) in its turn (`first`: right after the run
         now going); the others' pools grow back."""
-        async with await Turn.take(self, first=first):
+        async with await Turn.take(self.turns, first=first):
             if model_id is None:
                 await asyncio.to_thread(_engine().unload)
             else:
@@ -204,9 +213,7 @@ class Service:
         """The server stops: every reply in flight ends now (a stream with an error frame
         saying so), and no other starts, so that no request is still running when uvicorn's
         grace period is over (it would cancel it, with a traceback)."""
-        self.stopping = True
-        for turn in list(self.turns):
-            turn.reply.cancel()
+        self.turns.stop()
         residents = _engine().residents  # a process that goes on (a test, `launch`) holds one model again
         residents.max_models, residents.pinned = 1, set()
 
@@ -239,7 +246,7 @@ class Service:
 
     async def _load(self, model_id: str) -> None:
         try:
-            async with await Turn.take(self, first=True):
+            async with await Turn.take(self.turns, first=True):
                 self.model_id = model_id
                 await self._load_model(model_id)
                 self.rebuild_error = None
@@ -270,9 +277,9 @@ class Service:
             "model": self.model_id,
             "rebuilding": self.rebuilds > 0,
             "rebuild_error": self.rebuild_error,
-            "server": {"running": self.gate.busy, "queued": self.gate.waiting,
-                       "max_queue": self.gate.max_waiting, "served": self.served,
-                       "disconnects": self.disconnects, "threads": _thread_pools()},
+            "server": {"running": self.turns.gate.busy, "queued": self.turns.gate.waiting,
+                       "max_queue": self.turns.gate.max_waiting, "served": self.turns.served,
+                       "disconnects": self.turns.disconnects, "threads": _thread_pools()},
             "layers": layer_figures(engine.loaded),
             "models": self.models_figures(),
             "model_loads": engine.residents.loads,

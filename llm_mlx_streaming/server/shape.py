@@ -1,7 +1,8 @@
 """What every API's reply shape gives turns.py, and the server-sent events they write.
 
-A shape lays out what the reply core said in one API's terms, and nothing else: turns.py
-runs the turn and calls it. Not streamed, the reply is `whole(transcript)`; streamed, it
+A shape lays out what the reply core said in one API's terms, and nothing else (it
+stores nothing: what a route keeps of a reply, it keeps through `turns.answer`'s `done`):
+turns.py runs the turn and calls it. Not streamed, the reply is `whole(transcript)`; streamed, it
 is `opening()`, a `delta(event)` per event, then `closing(transcript)`, or `failure(error)`
 once the stream has started and something goes wrong; while the first token is awaited
 (a long prefill), `keepalive()` every few seconds, where the API has such a frame.

@@ -13,10 +13,9 @@ from ...prompt.tools import function_spec
 from ...reply.events import ToolCall
 from ..conversation import ChatMessage, ImagePart, llm_chain, text_message
 from ..errors import ApiError, api_routes
-from ..openai.schemas import engine_values
 from ..keep_alive import after_reply
 from ..turns import answer, count
-from .schemas import AnthropicEngineOptions, AnthropicError, CountTokensRequest, MessagesRequest
+from .schemas import AnthropicError, CountTokensRequest, MessagesRequest
 from .shapes import MessageShape, error_body
 
 
@@ -75,20 +74,6 @@ def function_specs(body) -> list[dict]:
     return [function_spec(t.name, t.description, t.input_schema) for t in body.tools or []]
 
 
-def engine_options(body) -> dict:
-    """The plugin's options the request sets: its extension fields and what Anthropic's
-    own fields (stop_sequences, thinking, tool_choice) mean in the plugin's terms."""
-    fields = engine_values(body, AnthropicEngineOptions.model_fields)
-    if getattr(body, "stop_sequences", None):
-        fields["stop"] = body.stop_sequences
-    fields.update(body.thinking_options())
-    if body.tool_choice is not None:
-        fields["tool_choice"] = body.tool_choice.option()
-        if body.tool_choice.disable_parallel_tool_use:
-            fields["parallel_tool_calls"] = False
-    return fields
-
-
 def router(service) -> APIRouter:
     errors = {status: {"model": AnthropicError} for status in (400, 401, 403, 404, 413, 503)}
     api = APIRouter(dependencies=[Depends(service.check_api_key)], tags=["Anthropic"], responses=errors,
@@ -99,7 +84,7 @@ def router(service) -> APIRouter:
         accept(service, request, body)
         model_id = service.model_for(body.model)
         chain = await llm_chain(service, model_id, chat_messages(body))
-        reply = await answer(service, request, MessageShape(model_id), model_id, chain, engine_options(body),
+        reply = await answer(service, request, MessageShape(model_id), model_id, chain, body.plugin_options(),
                              body.schema_dict(), body.stream, function_specs(body))
         await after_reply(service, model_id, body, body.stream)
         return reply
@@ -109,7 +94,7 @@ def router(service) -> APIRouter:
         accept(service, request, body)
         model_id = service.model_for(body.model)
         chain = await llm_chain(service, model_id, chat_messages(body))
-        return {"input_tokens": await count(service, request, model_id, chain, engine_options(body),
+        return {"input_tokens": await count(service, request, model_id, chain, body.plugin_options(),
                                             function_specs(body))}
 
     return api

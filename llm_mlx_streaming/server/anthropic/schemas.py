@@ -15,8 +15,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import Field, model_validator
 
-from ..fields import RequestModel, hint
-from ..openai.schemas import engine_fields
+from ..fields import RequestModel, hint, options_model, options_set
 from ..keep_alive import KeepAlive
 
 
@@ -206,7 +205,18 @@ class _Conversation(RequestModel):
         fmt = self.output_config.format if self.output_config else None
         return fmt.schema_ if fmt else None
 
-    def thinking_options(self) -> dict:
+    def plugin_options(self) -> dict:
+        """The plugin's options the request sets: its extension fields and what Anthropic's
+        own fields (stop_sequences, thinking, tool_choice) mean in the plugin's terms."""
+        fields = options_set(self, AnthropicEngineOptions.model_fields)
+        fields.update(self._thinking_options())
+        if self.tool_choice is not None:
+            fields["tool_choice"] = self.tool_choice.option()
+            if self.tool_choice.disable_parallel_tool_use:
+                fields["parallel_tool_calls"] = False
+        return fields
+
+    def _thinking_options(self) -> dict:
         """The plugin's thinking options: the switch, and the budget of `enabled`."""
         if self.thinking is None:
             return {}
@@ -215,7 +225,7 @@ class _Conversation(RequestModel):
         return {"thinking": self.thinking.type != "disabled"}
 
 
-AnthropicEngineOptions = engine_fields("AnthropicEngineOptions", exclude=(
+AnthropicEngineOptions = options_model("AnthropicEngineOptions", exclude=(
     "stop", "thinking", "thinking_budget", "tool_choice", "parallel_tool_calls"))
 
 
@@ -237,6 +247,12 @@ class MessagesRequest(_Conversation, AnthropicEngineOptions, KeepAlive):
             if name in RENAMED:
                 raise ValueError(f"{name}: this API's field is {RENAMED[name]}")
         return self
+
+    def plugin_options(self) -> dict:
+        fields = super().plugin_options()
+        if self.stop_sequences:
+            fields["stop"] = self.stop_sequences
+        return fields
 
 
 class CountTokensRequest(_Conversation):

@@ -151,7 +151,7 @@ class Feed:
         return {
             "t": round(now, 3),
             **{k: stats.get(k) for k in keep if k in stats},
-            "max_batch": service.gate.capacity,
+            "max_batch": service.turns.gate.capacity,
             "memory": memory,
             "models": [{**m, **held.get(m["model"], {})} for m in stats.get("models") or ()],  # a row each
             "heatmap": self.heatmap(client.seen),

@@ -9,7 +9,9 @@ the answer, errors included.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from importlib.metadata import version
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
@@ -71,44 +73,92 @@ def listed(model_id: str) -> dict:
     return entry
 
 
+@dataclass
+class Prompted:
+    """What an Ollama generation request asks of the core: llm's messages (none: load the
+    model, or unload it with keep_alive 0), the tools' function specs, the reply's shape."""
+
+    shape: Any
+    messages: list
+    tools: list = field(default_factory=list)
+
+
+async def run(service, request: Request, body, prompted: Prompted):
+    """Answer `prompted`; with no messages, load the model or unload it (Ollama's way)."""
+    model_id, shape = service.model_for(body.model), prompted.shape
+    if not prompted.messages:
+        if body.unloads():
+            await service.unload(model_id)
+            return shape.status("unload")
+        await service.load(model_id)
+        reply = shape.status("load")
+    else:
+        reply = await answer(service, request, shape, model_id, prompted.messages, body.plugin_options(),
+                             body.schema_dict(), body.stream, prompted.tools)
+    await after_reply(service, model_id, body, body.stream)
+    return reply
+
+
+async def chat_prompted(service, body: ChatRequest) -> Prompted:
+    messages = await llm_chain(service, service.model_for(body.model), chat_messages(body.messages))
+    return Prompted(OllamaChatShape(body.model), messages, function_specs(body.tools))
+
+
+async def generate_prompted(service, body: GenerateRequest) -> Prompted:
+    """The prompt as it is (`raw`), or in the chat template after the system prompt."""
+    if not body.prompt:
+        messages = []
+    elif body.raw:
+        messages = [raw_message(body.prompt)]
+    else:
+        system = [text_message("system", body.system)] if body.system else []
+        chat = [*system, ChatMessage("user", with_images(body.prompt, body.images))]
+        messages = await llm_chain(service, service.model_for(body.model), chat)
+    return Prompted(GenerateShape(body.model), messages)
+
+
+def shown(service, body: ShowRequest) -> dict:
+    """What a model's checkpoint says about it, as Ollama's /api/show does."""
+    found = checkpoint(service.model_for(body.model))
+    template = found.template if found else ""
+    capabilities = ["completion"] + [c for c, mark in (("tools", "tools"), ("thinking", "think"))
+                                     if mark in template]  # what the chat template reads
+    if service.takes_images(service.model_for(body.model)):
+        capabilities.append("vision")
+    info = {"general.architecture": found.family if found else ""}
+    if found is not None and found.context_length:
+        info[f"{found.family}.context_length"] = found.context_length
+    return {"modelfile": "", "parameters": "", "template": template, "details": details(found),
+            "model_info": info, "capabilities": capabilities,
+            **({"modified_at": stamp(found.modified_at)} if found else {})}
+
+
+async def loaded(service) -> dict:
+    """The models loaded now, as Ollama's /api/ps lists them, with this engine's figures."""
+    models = []
+    for model_id, resident in service.resident().items():
+        due = service.unload_due.get(model_id)
+        held = resident.held_bytes()
+        models.append({**listed(model_id), "size_vram": 0, "context_length": await service.context(model_id),
+                       "expires_at": stamp(due) if due is not None else "9999-12-31T23:59:59Z",  # until told
+                       "memory_bytes": held, "expert_slots": resident.slots, "pinned": resident.pinned})
+    return {"models": models}
+
+
 def router(service) -> APIRouter:
     errors = {status: {"model": OllamaError} for status in (400, 401, 403, 404, 413, 503)}
     api = APIRouter(dependencies=[Depends(service.check_api_key)], tags=["Ollama"], responses=errors,
                     route_class=api_routes("ollama", error_body))
 
-    async def run(request: Request, body, shape, messages: list, tools=()):
-        """Answer llm's `messages` in `shape`; none: load the model, or unload it."""
-        model_id = service.model_for(body.model)
-        if not messages:  # Ollama's way to load a model, or to unload it with keep_alive 0
-            if body.unloads():
-                await service.unload(model_id)
-                return shape.status("unload")
-            await service.load(model_id)
-            reply = shape.status("load")
-        else:
-            reply = await answer(service, request, shape, model_id, messages, body.engine(), body.schema_dict(),
-                                 body.stream, tools)
-        await after_reply(service, model_id, body, body.stream)
-        return reply
-
     @api.post("/api/chat", description="Ollama's chat; NDJSON chunks unless stream is false")
     async def chat(body: ChatRequest, request: Request):
         service.accept(request, body)
-        messages = await llm_chain(service, service.model_for(body.model), chat_messages(body.messages))
-        return await run(request, body, OllamaChatShape(body.model), messages, function_specs(body.tools))
+        return await run(service, request, body, await chat_prompted(service, body))
 
     @api.post("/api/generate", description="Ollama's completion; NDJSON chunks unless stream is false")
     async def generate(body: GenerateRequest, request: Request):
         service.accept(request, body)
-        if not body.prompt:
-            messages = []
-        elif body.raw:
-            messages = [raw_message(body.prompt)]
-        else:
-            system = [text_message("system", body.system)] if body.system else []
-            chat = [*system, ChatMessage("user", with_images(body.prompt, body.images))]
-            messages = await llm_chain(service, service.model_for(body.model), chat)
-        return await run(request, body, GenerateShape(body.model), messages)
+        return await run(service, request, body, await generate_prompted(service, body))
 
     @api.get("/api/tags", description="The models served, as Ollama lists them")
     async def tags() -> dict:
@@ -117,29 +167,11 @@ def router(service) -> APIRouter:
     @api.post("/api/show", description="What a model's checkpoint says about it")
     async def show(body: ShowRequest, request: Request) -> dict:
         service.accept(request, body)
-        found = checkpoint(service.model_for(body.model))
-        template = found.template if found else ""
-        capabilities = ["completion"] + [c for c, mark in (("tools", "tools"), ("thinking", "think"))
-                                         if mark in template]  # what the chat template reads
-        if service.takes_images(service.model_for(body.model)):
-            capabilities.append("vision")
-        info = {"general.architecture": found.family if found else ""}
-        if found is not None and found.context_length:
-            info[f"{found.family}.context_length"] = found.context_length
-        return {"modelfile": "", "parameters": "", "template": template, "details": details(found),
-                "model_info": info, "capabilities": capabilities,
-                **({"modified_at": stamp(found.modified_at)} if found else {})}
+        return shown(service, body)
 
     @api.get("/api/ps", description="The models loaded now: memory, expert slots per layer, expiry")
     async def ps() -> dict:
-        models = []
-        for model_id, resident in service.resident().items():
-            due = service.unload_due.get(model_id)
-            held = resident.held_bytes()
-            models.append({**listed(model_id), "size_vram": 0, "context_length": await service.context(model_id),
-                           "expires_at": stamp(due) if due is not None else "9999-12-31T23:59:59Z",  # until told
-                           "memory_bytes": held, "expert_slots": resident.slots, "pinned": resident.pinned})
-        return {"models": models}
+        return await loaded(service)
 
     @api.get("/api/version")
     async def ollama_version() -> dict:

@@ -16,9 +16,8 @@ from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from ...options.knobs import BY_NAME, REPETITION_CONTEXT
 from ..openai.tools import ToolSpec
-from ..fields import RequestModel, hint
+from ..fields import RequestModel, hint, options_model, options_set
 from ..keep_alive import KeepAlive
-from ..openai.schemas import engine_fields
 
 # Engine options this API has under its own name: max_tokens is num_predict, repetition_penalty
 # is repeat_penalty, max_context is num_ctx, thinking and top_logprobs are top-level fields;
@@ -33,7 +32,7 @@ HARDWARE = "this engine places the model itself (memory_budget, expert_slots)"
 NO_OP_OPTIONS = {"repeat_last_n": (REPETITION_CONTEXT,), "presence_penalty": (0,), "frequency_penalty": (0,),
                  "typical_p": (1,), "tfs_z": (1,), "mirostat": (0,)}
 
-OllamaEngineOptions = engine_fields("OllamaEngineOptions", exclude=RENAMED)
+OllamaEngineOptions = options_model("OllamaEngineOptions", exclude=RENAMED)
 
 
 class Options(OllamaEngineOptions):
@@ -78,10 +77,9 @@ class Options(OllamaEngineOptions):
                 raise ValueError(f"{name} {value!r} is not supported by this server (accepted: {allowed[0]})")
         return self
 
-    def engine(self) -> dict:
+    def plugin_options(self) -> dict:
         """The plugin's options these set."""
-        fields = {k: getattr(self, k) for k in self.model_fields_set
-                  if k in OllamaEngineOptions.model_fields and getattr(self, k) is not None}
+        fields = options_set(self, OllamaEngineOptions.model_fields)
         if self.num_predict is not None:
             fields["max_tokens"] = -1 if self.num_predict < 0 else self.num_predict
         if self.repeat_penalty is not None:
@@ -116,8 +114,10 @@ class _Generation(KeepAlive):
             return {"type": "object"}
         return self.format or None
 
-    def engine(self) -> dict:
-        fields = self.options.engine() if self.options else {}
+    def plugin_options(self) -> dict:
+        """The plugin's options the request sets: its `options` and its own fields
+        (think, logprobs) in the plugin's terms."""
+        fields = self.options.plugin_options() if self.options else {}
         if isinstance(self.think, bool):
             fields["thinking"] = self.think
         elif self.think is not None:

@@ -16,8 +16,7 @@ from ..errors import api_routes
 from ..conversation import llm_chain
 from ..keep_alive import after_reply
 from ..turns import answer
-from .schemas import (ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse, ModelList,
-                      engine_option_names)
+from .schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse, ModelList
 from .shapes import ChatCompletionShape, CompletionShape
 from .tools import function_specs
 
@@ -28,12 +27,12 @@ def router(service) -> APIRouter:
                     route_class=api_routes("openai"))
 
     async def generate(request: Request, body, shape, messages: list, tools=(), suffix=None):
-        """Answer `body` (its engine fields give the plugin's options, among them
-        tool_choice and parallel_tool_calls) with `messages` (llm's) and `tools` (function specs)."""
+        """Answer `body` (its plugin options, among them tool_choice and parallel_tool_calls)
+        with `messages` (llm's) and `tools` (function specs)."""
         model_id = service.model_for(body.model)
         schema = body.response_format.schema_dict() if body.response_format else None
         reply = await answer(service, request, shape(model_id, body), model_id, messages,
-                             body.engine_fields(engine_option_names()), schema, body.stream, tools, suffix=suffix)
+                             body.plugin_options(), schema, body.stream, tools, suffix=suffix)
         await after_reply(service, model_id, body, body.stream)
         return reply
 

@@ -16,21 +16,11 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
-from ...options.knobs import build_options
 from ...options.settings import Options
 from ..conversation import ChatMessage, ImagePart
-from ..fields import RequestModel, hint
+from ..fields import RequestModel, engine_option_names, hint, options_set
 from ..keep_alive import KeepAlive
 from .tools import OpenAIToolCall, ToolChoice, ToolSpec, choice_option
-
-# Options fields that mean nothing inside the server (it always runs in-process).
-SERVER_ONLY = ("server",)
-
-
-def engine_option_names() -> list[str]:
-    """The plugin options a request or the runtime config may set, read off `Options`."""
-    return [name for name in Options.model_fields if name not in SERVER_ONLY]
-
 
 class TextContent(BaseModel):
     type: Literal["text"]
@@ -51,17 +41,6 @@ class ImageContent(RequestModel):
 
 Content = Annotated[Union[TextContent, ImageContent], Field(discriminator="type")]
 
-
-def engine_values(body, names) -> dict:
-    """The engine options `body` sets among `names` (None: not set)."""
-    return {k: getattr(body, k) for k in body.model_fields_set if k in names and getattr(body, k) is not None}
-
-
-def engine_fields(model_name: str, exclude: tuple[str, ...] = ()):
-    """The engine options as body fields of another API's request (a base model), less
-    those that API has under its own name."""
-    names = tuple(n for n in engine_option_names() if n not in exclude)
-    return build_options(RequestModel, names=names, model_name=model_name)
 
 # OpenAI fields accepted only at the value that changes nothing, {field: allowed values}.
 NO_OP_FIELDS = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {})}
@@ -175,10 +154,9 @@ class _GenerationRequest(Options, KeepAlive):
                                  f"(accepted: {', '.join(repr(a) for a in allowed if a is not None)})")
         return self
 
-
-    def engine_fields(self, names) -> dict:
-        """The set fields among the plugin's option `names`, as the options take them."""
-        fields = engine_values(self, names)
+    def plugin_options(self) -> dict:
+        """The plugin's options the request sets, as the reply core takes them."""
+        fields = options_set(self, engine_option_names())
         if self.max_completion_tokens is not None and "max_tokens" not in fields:
             fields["max_tokens"] = self.max_completion_tokens
         return fields
@@ -202,8 +180,8 @@ class ChatCompletionRequest(_GenerationRequest):
             raise ValueError("top_logprobs: needs logprobs true")
         return self
 
-    def engine_fields(self, names) -> dict:
-        fields = super().engine_fields(names)
+    def plugin_options(self) -> dict:
+        fields = super().plugin_options()
         if "tool_choice" in fields:
             fields["tool_choice"] = choice_option(fields["tool_choice"])
         if self.logprobs:
@@ -228,8 +206,8 @@ class CompletionRequest(_GenerationRequest):
             raise ValueError("echo true is not supported by this server (accepted: false)")
         return self
 
-    def engine_fields(self, names) -> dict:
-        fields = super().engine_fields(names)
+    def plugin_options(self) -> dict:
+        fields = super().plugin_options()
         if self.logprobs is not None:
             fields["top_logprobs"] = self.logprobs
         return fields

@@ -12,23 +12,23 @@ cache is reused.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Optional
 
 from fastapi import APIRouter, Depends, Request
 
-from ...values import EFFORTS
 from ...prompt.tools import function_spec
 from ...reply.events import ToolCall
 from ..conversation import ChatMessage, ImagePart, call_arguments, llm_chain, text_message
 from ..errors import ApiError, api_routes
-from ..openai.schemas import ErrorResponse, engine_values
+from ..openai.schemas import ErrorResponse
 from ..response_store import Kept
 from ..transcript import Transcript
 from ..keep_alive import after_reply
 from ..turns import answer, count
 from .schemas import (CustomTool, CustomToolCallItem, CustomToolCallOutputItem, FilePart, FunctionCallItem,
                       FunctionCallOutputItem, FunctionTool, InputImage, JsonObjectFormat, JsonSchemaFormat, MessageItem,
-                      NamedToolChoice, NamespaceTool, ReasoningItem, ResponseRequest, ResponsesEngineOptions, TextPart)
+                      NamespaceTool, ReasoningItem, ResponseRequest, SPELLED, TextPart)
 from .shapes import ResponseShape
 
 CUSTOM_INPUT = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
@@ -144,103 +144,119 @@ def owner(request: Request) -> Optional[str]:
     return hashlib.sha256(key.encode()).hexdigest() if key else None
 
 
+def _owner(service, request: Request) -> Optional[str]:
+    """Whose responses the request sees: its key's (none where the server has no key)."""
+    return owner(request) if service.api_key else None
+
+
+def kept(service, response_id: str, request: Request, param: Optional[str] = None) -> Kept:
+    """The stored response `response_id` the request's key may see; a 404 otherwise."""
+    found = service.responses.find(response_id, _owner(service, request))
+    if found is None:
+        raise ApiError(404, f"no response {response_id!r} is kept here (unknown, made with another key, "
+                       "or dropped as the oldest: see the max_responses setting)", code="response_not_found",
+                       param=param)
+    return found
+
+
+@dataclass
+class Asked:
+    """A Responses request in the core's terms."""
+
+    model_id: str
+    system: list[ChatMessage]  # the instructions, as a system message
+    chat: list[ChatMessage]  # the stored conversation it continues, then its input
+    fields: dict  # its plugin_options()
+    tools: Tools
+    forced_custom: Optional[str]  # the custom tool the whole reply is the input of
+    grammar: Optional[tuple[str, str]]  # that tool's grammar
+
+    @property
+    def specs(self) -> list[dict]:
+        """The function specs the template shows (none where the reply is a custom tool's input)."""
+        return [] if self.forced_custom is not None else self.tools.specs
+
+
+def read(service, body: ResponseRequest, request: Request) -> Asked:
+    """The request in the core's terms, its unused fields and dropped tools named."""
+    service.accept(request, body)
+    model_id = service.model_for(body.model)
+    earlier = kept(service, body.previous_response_id, request, "previous_response_id").messages \
+        if body.previous_response_id else []
+    tools = Tools(body)
+    service.ignore(request, tools.dropped)
+    system = [text_message("system", body.instructions)] if body.instructions else []
+    return Asked(model_id, system, [*earlier, *chat_messages(body)], body.plugin_options(), tools,
+                 body.forced_custom(), _grammar(body, tools))
+
+
+async def create_response(service, body: ResponseRequest, request: Request):
+    """The reply, whole or streamed; stored (unless `store` is false) once complete."""
+    asked = read(service, body, request)
+    messages = await llm_chain(service, asked.model_id, [*asked.system, *asked.chat])
+    shape = ResponseShape(asked.model_id, _echo(body), custom=frozenset(asked.tools.custom),
+                          namespaces=asked.tools.namespaces, forced_custom=asked.forced_custom)
+
+    def store(transcript: Transcript) -> None:
+        """The finished response kept, with the conversation it continued and its reply."""
+        if body.store is not False:
+            service.responses.keep(shape.finished["id"], Kept(_owner(service, request),
+                                                              [*asked.chat, _reply_message(transcript)],
+                                                              shape.finished))
+
+    reply = await answer(service, request, shape, asked.model_id, messages, asked.fields, _schema(body), body.stream,
+                         asked.specs, grammar=asked.grammar, spelled=SPELLED, done=store)
+    await after_reply(service, asked.model_id, body, body.stream)
+    return reply
+
+
+async def count_input(service, body: ResponseRequest, request: Request) -> dict:
+    asked = read(service, body, request)
+    messages = await llm_chain(service, asked.model_id, [*asked.system, *asked.chat])
+    return {"object": "response.input_tokens", "input_tokens": await count(
+        service, request, asked.model_id, messages, asked.fields, asked.specs, SPELLED)}
+
+
+def delete_response(service, response_id: str, request: Request) -> dict:
+    kept(service, response_id, request)
+    service.responses.drop(response_id, _owner(service, request))
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
 def router(service) -> APIRouter:
     errors = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 422, 503)}
     api = APIRouter(dependencies=[Depends(service.check_api_key)], tags=["OpenAI Responses"], responses=errors,
                     route_class=api_routes("responses"))
 
-    def kept(response_id: str, request: Request, param: Optional[str] = None) -> Kept:
-        found = service.responses.find(response_id, owner(request) if service.api_key else None)
-        if found is None:
-            raise ApiError(404, f"no response {response_id!r} is kept here (unknown, made with another key, "
-                           "or dropped as the oldest: see the max_responses setting)", code="response_not_found",
-                           param=param)
-        return found
-
-    def read(body: ResponseRequest, request: Request):
-        """The request in the core's terms: (model id, the chat so far, llm's messages,
-        engine fields, tools, the custom tool forced, its grammar)."""
-        service.accept(request, body)
-        model_id = service.model_for(body.model)
-        earlier = kept(body.previous_response_id, request, "previous_response_id").messages \
-            if body.previous_response_id else []
-        tools = Tools(body)
-        service.ignore(request, tools.dropped)
-        fields = engine_values(body, ResponsesEngineOptions.model_fields)
-        if body.max_output_tokens is not None:
-            fields["max_tokens"] = body.max_output_tokens
-        forced_custom, grammar = _choice(body, tools, fields)
-        effort = body.reasoning.effort if body.reasoning is not None else None
-        if effort is not None and forced_custom is None:
-            if service.thinks(model_id) and effort in EFFORTS:
-                fields["reasoning_effort"] = effort
-            else:
-                service.ignore(request, ["reasoning.effort"])
-        system = [text_message("system", body.instructions)] if body.instructions else []
-        chat = [*earlier, *chat_messages(body)]
-        return model_id, system, chat, fields, tools, forced_custom, grammar
-
     @api.post("/v1/responses", description="OpenAI's Responses API; with stream: true its event stream")
     async def create(body: ResponseRequest, request: Request):
-        model_id, system, chat, fields, tools, forced_custom, grammar = read(body, request)
-        messages = await llm_chain(service, model_id, [*system, *chat])
-        store = body.store is not False
-
-        def finish(transcript: Transcript, response: dict) -> None:
-            if store:
-                reply = _reply_message(transcript)
-                service.responses.keep(response["id"], Kept(owner(request) if service.api_key else None,
-                                                            [*chat, reply], response))
-
-        shape = ResponseShape(model_id, _echo(body), custom=frozenset(tools.custom), namespaces=tools.namespaces,
-                              forced_custom=forced_custom, on_finish=finish)
-        specs = [] if forced_custom is not None else tools.specs
-        reply = await answer(service, request, shape, model_id, messages, fields, _schema(body), body.stream,
-                             specs, grammar=grammar)
-        await after_reply(service, model_id, body, body.stream)
-        return reply
+        return await create_response(service, body, request)
 
     @api.post("/v1/responses/input_tokens", description="The input's tokens, rendered as /v1/responses would")
     async def input_tokens(body: ResponseRequest, request: Request) -> dict:
-        model_id, system, chat, fields, tools, forced_custom, _ = read(body, request)
-        messages = await llm_chain(service, model_id, [*system, *chat])
-        specs = [] if forced_custom is not None else tools.specs
-        return {"object": "response.input_tokens",
-                "input_tokens": await count(service, request, model_id, messages, fields, specs)}
+        return await count_input(service, body, request)
 
     @api.get("/v1/responses/{response_id}", description="A stored response")
     async def retrieve(response_id: str, request: Request) -> dict:
-        return kept(response_id, request).body
+        return kept(service, response_id, request).body
 
     @api.delete("/v1/responses/{response_id}", description="Forget a stored response")
     async def delete(response_id: str, request: Request) -> dict:
-        kept(response_id, request)
-        service.responses.drop(response_id, owner(request) if service.api_key else None)
-        return {"id": response_id, "object": "response.deleted", "deleted": True}
+        return delete_response(service, response_id, request)
 
     return api
 
 
-def _choice(body: ResponseRequest, tools: Tools, fields: dict):
-    """(the custom tool the whole reply is the input of, its grammar): tool_choice in the
-    plugin's terms, set on `fields`."""
-    choice = body.tool_choice
-    if body.parallel_tool_calls is not None:
-        fields["parallel_tool_calls"] = body.parallel_tool_calls
-    if isinstance(choice, NamedToolChoice):
-        if choice.type == "custom":
-            tool = tools.custom.get(choice.name)
-            if tool is None:
-                raise ApiError(400, f"tool_choice: no custom tool is named {choice.name!r}", param="tool_choice")
-            fields["thinking"] = False  # the reply is the tool's input, from its first token
-            fmt = tool.format
-            return tool.name, ((fmt.syntax, fmt.definition) if fmt is not None and fmt.type == "grammar" else None)
-        fields["tool_choice"] = choice.name
-    elif isinstance(choice, str):
-        fields["tool_choice"] = choice
-    elif choice is not None:  # allowed_tools: every tool is shown; its mode is honoured
-        fields["tool_choice"] = choice.mode
-    return None, None
+def _grammar(body: ResponseRequest, tools: Tools) -> Optional[tuple[str, str]]:
+    """The grammar of the custom tool the whole reply is the input of (tool_choice), if it has one."""
+    name = body.forced_custom()
+    if name is None:
+        return None
+    tool = tools.custom.get(name)
+    if tool is None:
+        raise ApiError(400, f"tool_choice: no custom tool is named {name!r}", param="tool_choice")
+    fmt = tool.format
+    return (fmt.syntax, fmt.definition) if fmt is not None and fmt.type == "grammar" else None
 
 
 def _schema(body: ResponseRequest) -> Optional[dict]:

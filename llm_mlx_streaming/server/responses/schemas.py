@@ -14,8 +14,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 
-from ..fields import RequestModel, hint
-from ..openai.schemas import engine_fields
+from ..fields import RequestModel, hint, options_model, options_set
 from ..keep_alive import KeepAlive
 
 ITEM_ID = "an item's id: items are matched by call_id"
@@ -230,10 +229,11 @@ class Reasoning(RequestModel):
     generate_summary: Optional[str] = hint("the reasoning comes whole, as the summary text of a reasoning item")
 
 
-# The plugin's options this API has under its own name.
+# The plugin's options this API has under its own name (the thinking ones named back so: `SPELLED`).
 RENAMED = {"max_tokens": "max_output_tokens", "thinking": "reasoning.effort", "reasoning_effort": "reasoning.effort"}
+SPELLED = {"reasoning_effort": "reasoning.effort"}
 
-ResponsesEngineOptions = engine_fields("ResponsesEngineOptions", exclude=(*RENAMED, "tool_choice",
+ResponsesEngineOptions = options_model("ResponsesEngineOptions", exclude=(*RENAMED, "tool_choice",
                                                                           "parallel_tool_calls"))
 
 
@@ -271,3 +271,32 @@ class ResponseRequest(ResponsesEngineOptions, KeepAlive):
             if name in RENAMED:
                 raise ValueError(f"{name}: this API's field is {RENAMED[name]}")
         return self
+
+    def plugin_options(self) -> dict:
+        """The plugin's options the request sets: its extension fields and what its own
+        (max_output_tokens, tool_choice, parallel_tool_calls, reasoning.effort) mean in the
+        plugin's terms. A reply that is a custom tool's input (`forced_custom`) has thinking
+        off: it is the input from its first token."""
+        fields = options_set(self, ResponsesEngineOptions.model_fields)
+        if self.max_output_tokens is not None:
+            fields["max_tokens"] = self.max_output_tokens
+        if self.parallel_tool_calls is not None:
+            fields["parallel_tool_calls"] = self.parallel_tool_calls
+        choice = self.tool_choice
+        if self.forced_custom() is not None:
+            fields["thinking"] = False
+        elif isinstance(choice, NamedToolChoice):
+            fields["tool_choice"] = choice.name
+        elif isinstance(choice, str):
+            fields["tool_choice"] = choice
+        elif choice is not None:  # allowed_tools: every tool is shown; its mode is honoured
+            fields["tool_choice"] = choice.mode
+        effort = self.reasoning.effort if self.reasoning is not None else None
+        if effort is not None and self.forced_custom() is None:
+            fields["reasoning_effort"] = effort  # whether it applies: turns.unswitched
+        return fields
+
+    def forced_custom(self) -> Optional[str]:
+        """The custom tool tool_choice names, whose input the whole reply is."""
+        choice = self.tool_choice
+        return choice.name if isinstance(choice, NamedToolChoice) and choice.type == "custom" else None

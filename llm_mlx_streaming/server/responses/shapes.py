@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Callable, Optional
+from typing import Optional
 
 from ...reply.events import CallArguments, CallBegins, Event, Outcome, ToolCall
 from ..shape import KEEPALIVE, sse_event
@@ -27,15 +27,15 @@ class ResponseShape:
     media_type = "text/event-stream"
 
     def __init__(self, model_id: str, echo: dict, *, custom: frozenset = frozenset(),
-                 namespaces: Optional[dict] = None, forced_custom: Optional[str] = None,
-                 on_finish: Optional[Callable[[Transcript, dict], None]] = None) -> None:
+                 namespaces: Optional[dict] = None, forced_custom: Optional[str] = None) -> None:
         """`echo`: the request's fields the response repeats; `custom`: the names of custom
         tools (their calls' arguments are {"input": text}); `namespaces`: function name ->
         the namespace tool it came in; `forced_custom`: the custom tool the whole reply is
-        the input of; `on_finish(transcript, body)` is told the finished response."""
+        the input of. Once the reply is laid out whole, `finished` is its response (the
+        route stores it)."""
         self.model, self.echo = model_id, echo
         self.custom, self.namespaces, self.forced_custom = custom, namespaces or {}, forced_custom
-        self.on_finish = on_finish
+        self.finished: Optional[dict] = None
         self.id = new_id("resp")
         self.created = time.time()
         self.sequence = 0
@@ -69,10 +69,8 @@ class ResponseShape:
         return self._finished(transcript, output)
 
     def _finished(self, transcript: Transcript, output: list) -> dict:
-        body = self._response("completed", output, transcript.outcome)
-        if self.on_finish is not None:
-            self.on_finish(transcript, body)
-        return body
+        self.finished = self._response("completed", output, transcript.outcome)
+        return self.finished
 
     # -- the stream -----------------------------------------------------------------
     def _event(self, kind: str, data: dict) -> str:
