@@ -85,6 +85,7 @@ class Turn:
         self.turns = turns
         self.reply: Optional[AsyncReply] = None
         self._done = False
+        self._gone = False
 
     @classmethod
     async def take(cls, turns: Turns, first: bool = False, request: Optional[Request] = None) -> Turn:
@@ -127,6 +128,12 @@ class Turn:
     def finished(self) -> bool:
         return self._done
 
+    def client_gone(self) -> None:
+        """Its client went before the reply was complete: counted once, whichever watcher saw it."""
+        if not self._gone:
+            self._gone = True
+            self.turns.disconnects += 1
+
     def finish(self, served: bool = False) -> None:
         if self._done:
             return
@@ -156,7 +163,7 @@ class GatedStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             if not self.turn.finished:  # the client went before the end
-                self.turn.turns.disconnects += 1
+                self.turn.client_gone()
             self.turn.finish()
 
 
@@ -221,7 +228,7 @@ async def answer(service: GateOwner, request: Request, shape: Shape, model_id: s
     turn.run(AsyncReply(ask))
     # A client that goes away cancels the reply; once a stream has started, the
     # streaming response watches for that itself.
-    watcher = asyncio.get_running_loop().create_task(_cancel_on_disconnect(service.turns, request, turn.reply))
+    watcher = asyncio.get_running_loop().create_task(_cancel_on_disconnect(turn, request))
     events = turn.reply.events()
     try:
         first = asyncio.ensure_future(anext(events, None))
@@ -297,10 +304,10 @@ def _stopping() -> ApiError:
                     code="server_stopping")
 
 
-async def _cancel_on_disconnect(turns: Turns, request: Request, reply: AsyncReply) -> None:
+async def _cancel_on_disconnect(turn: Turn, request: Request) -> None:
     await _disconnected(request)
-    turns.disconnects += 1
-    reply.cancel()
+    turn.client_gone()
+    turn.reply.cancel()
 
 
 async def _chain(first, events):
