@@ -300,6 +300,10 @@ def _live(json_: bool, plot: Path | None = None) -> None:
                    f"{format_size(st.get('mlx_cache_memory_bytes') or 0)} cached, "
                    f"{format_size(st.get('mlx_peak_memory_bytes') or 0)} peak"],
     ]
+    snaps = (st.get("caches") or {}).get("snapshots") or {}
+    if snaps.get("max_entries"):
+        rows.append(["prompt snapshots", f"{snaps.get('entries', 0)} of at most {snaps['max_entries']}, "
+                     f"{format_size(snaps.get('bytes') or 0)} of at most {format_size(snaps.get('max_bytes') or 0)}"])
     if st.get("rebuild_error"):
         rows.append(["last rebuild", f"failed: {st['rebuild_error']}"])
     if st.get("pipeline_error"):
