@@ -281,7 +281,7 @@ class DiskCache:
             same, size = [True] * len(cache), size + written  # the next segment extends this one
             own.update(link.name for link in links)  # a chain that starts over keeps the snapshots before it
         self._mirror = _Mirror.of(cache, tokens, links)
-        if all(layer_kind(c) is not None for c in for_saving(cache)):  # a longer chain serves a shorter one
+        if all(kind is not None for kind in links[-1].kinds):  # every layer grows: a longer chain serves a shorter one
             self._prune(tokens, own)
         self.bytes, self.entries = evict(self.spec.root, self.spec.max_bytes, self.spec.max_entries)
         return size

@@ -286,7 +286,7 @@ def cache_from_disk(disk, session, loaded, prompt, kv, cache, new_tokens, reused
     note = session.last.note
     session.adopt(found.cache, found.tokens, kv)
     cache, new_tokens, reused = session.reuse_for(prompt, kv)
-    session.last = Reuse(reused, "disk", note if reused < len(prompt) - 1 else None)
+    session.last = Reuse("disk", note if reused < len(prompt) - 1 else None)
     return cache, new_tokens, reused, reused
 
 

@@ -44,9 +44,8 @@ def can_rewind(cache: list, tokens: int) -> bool:
 
 @dataclass
 class Reuse:
-    """How much of a prompt a cache held, from where, and why not more."""
+    """Where a prompt's reused tokens came from, and why not more."""
 
-    tokens: int = 0
     source: Optional[str] = None  # "memory", "snapshot" or "disk"; None: nothing reused
     note: Optional[str] = None  # why less than the prompt's prefix shared with the last conversation
 
@@ -110,7 +109,7 @@ class Session:
             note = f"no snapshot inside the {common} tokens shared"
         elif note is None and reuse == common < held and common < len(prompt) - 1:
             note = f"diverged at token {common}"
-        self.last = Reuse(reuse, source, note)
+        self.last = Reuse(source, note)
         self.tokens = list(prompt[:reuse])
         return self.cache, list(prompt[reuse:]), reuse
 

@@ -72,7 +72,6 @@ class Snapshots:
 
         self.spec = spec
         self.store = LRUPromptCache(max_size=spec.max_count, max_bytes=spec.max_bytes)
-        self.taken = 0
 
     def take(self, kv, tokens, cache, kind: str, copied: bool = False) -> list:
         """Keep `cache`, which has seen exactly `tokens` (a copy, unless `copied` says it
@@ -82,7 +81,6 @@ class Snapshots:
         kept = cache if copied else copy.deepcopy(cache)
         mx.eval([c.state for c in kept])  # its own arrays now, not a view of a cache still being fed
         self.store.insert_cache(kv, [int(t) for t in tokens], kept, cache_type=kind)
-        self.taken += 1
         return kept
 
     def nearest(self, kv, prompt: list[int], longer_than: int) -> Optional[tuple[list, int]]:

@@ -81,7 +81,7 @@ def boundaries(tokenizer, render, messages: list[dict], tokens: list[int], gener
     from ..engine.snapshots import SYSTEM, TURNS, Boundary
 
     found = []
-    system = [m for m in messages[:next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))]]
+    system = messages[:next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))]
     try:
         head = encode_text(tokenizer, render([*system, {"role": "user", "content": ""}], generation=False))
     except Exception:  # a template that refuses an empty user message
