@@ -1,7 +1,8 @@
-"""How long `llm mlxs serve` takes to stop, from the signal to its exit, in three states:
-idle, decoding one long reply, and in a long batched prefill (three recorded agent
-requests at once, two abandoned by their clients). docs/server.md promises a few seconds
-in every state (issue 50); each run also checks the exit status and that nothing aborted.
+"""How long `llm mlxs serve` takes to stop, from the signal to its exit, in four states:
+idle, decoding one long reply, in a long batched prefill (three recorded agent requests
+at once, two abandoned by their clients), and a pipeline of two local ranks (`--hosts`)
+in a long prefill. docs/server.md promises a few seconds in every state (issue 50); each
+run also checks the exit status and that nothing aborted.
 
 The server runs on the agent checkpoint of tests/test_exits.py (a tiny tool-template
 qwen3_moe with a 32k BPE tokenizer, built once into a temporary folder), max_batch 3.
@@ -88,10 +89,18 @@ def batched_prefill(server: ServerProcess) -> None:
     until(lambda: len(phases(server)) == 1)
 
 
-STATES = {"idle": lambda server: None, "decoding": decoding, "batched prefill": batched_prefill}
+def long_prefill(server: ServerProcess) -> None:
+    """One recorded agent request, read whole; the signal while it prefills."""
+    threading.Thread(target=read_out, args=(post(server, load(AGENTS[0][0]), 8),), daemon=True).start()
+    until(lambda: "prefill" in phases(server))
 
 
-def stop_seconds(checkpoint: Path, state, stop_signal: int, prefill_step: int) -> tuple[float, int, str]:
+PIPELINE = ("--hosts", "127.0.0.1,127.0.0.1")
+STATES = {"idle": (lambda server: None, ()), "decoding": (decoding, ()), "batched prefill": (batched_prefill, ()),
+          "pipeline prefill": (long_prefill, PIPELINE)}
+
+
+def stop_seconds(checkpoint: Path, state, extra: tuple, stop_signal: int, prefill_step: int) -> tuple[float, int, str]:
     """(seconds from the signal to the exit, exit status, the server's log) for one run."""
     with tempfile.TemporaryDirectory() as tmp:
         user_dir = Path(tmp) / "llm"
@@ -99,7 +108,7 @@ def stop_seconds(checkpoint: Path, state, stop_signal: int, prefill_step: int) -
         (user_dir / "mlx-streaming.json").write_text(json.dumps({
             "default_model": "tiny", "max_context": 32768, "max_batch": 3, "prefill_step": prefill_step,
             "models": {"tiny": {"path": str(checkpoint), "expert_slots": 8}}}))
-        server = ServerProcess(user_dir, ROOT, args=("-m", "mlx-stream", "--any-model"))  # agents name their own
+        server = ServerProcess(user_dir, ROOT, args=("-m", "mlx-stream", "--any-model", *extra))  # agents name their own
         try:
             state(server)
             server.proc.send_signal(stop_signal)
@@ -120,8 +129,8 @@ def main() -> None:
         checkpoint = build_checkpoint(Path(tmp) / "agent", "qwen3_moe", tool_template=True, tokenizer_kind="bpe32k",
                                       max_position_embeddings=32768)
         print(f"{'state':<16} {'median s':>9} {'max s':>7}  statuses  aborted")
-        for name, state in STATES.items():
-            runs = [stop_seconds(checkpoint, state, getattr(signal, args.signal), args.prefill_step)
+        for name, (state, extra) in STATES.items():
+            runs = [stop_seconds(checkpoint, state, extra, getattr(signal, args.signal), args.prefill_step)
                     for _ in range(args.runs)]
             seconds = [s for s, _, _ in runs]
             aborted = sum(any(sign in log for sign in ABNORMAL) for _, _, log in runs)

@@ -7,7 +7,10 @@ prompt, or the one-line error. The other ranks follow rank 0. `die_at` makes ran
 `die_rank` end its process at its `die_at`-th decode token (a rank lost mid-generation),
 or with `hang` stop answering there; `timeouts` sets each rank's step timeout;
 `differs` names a checkpoint whose fingerprint rank 1 takes from another (`as`);
-`budgets` and `plan_options` are the PipelineEngine's.
+`budgets` and `plan_options` are the PipelineEngine's. A run's `cancel_in_prefill`
+(a prompt, a prefill step and a chunk count) is first a generation rank 0 cancels
+inside that prefill chunk; each rank then writes the sizes of the prompt chunks its
+layers ran to `out`.rankN.
 mlx.launch ends every rank once one fails: rank 0 ignores that, to write its results.
 """
 
@@ -35,15 +38,22 @@ def main(job: dict) -> None:
         watch.TIMEOUTS["step"] = job["timeouts"][group.rank]
     if group.rank == 1 and job.get("differs"):
         _fingerprint_of(**job["differs"])
+    chunks = _count_chunks(group.rank)
     if group.rank != 0:
         follow(group)
+        _write(f"{job['out']}.rank{group.rank}", chunks)
         return
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     engine = PipelineEngine(group, job.get("budgets"), **job.get("plan_options", {}))
     results = [_run(engine, run, job) for run in job["runs"]]
-    with open(job["out"], "w") as fh:
-        json.dump(results, fh)
+    _write(job["out"], results)
     engine.shutdown()
+    _write(f"{job['out']}.rank0", chunks)
+
+
+def _write(path: str, value) -> None:
+    with open(path, "w") as fh:
+        json.dump(value, fh)
 
 
 def _run(engine, run: dict, job: dict) -> list[dict] | dict:
@@ -57,6 +67,8 @@ def _run(engine, run: dict, job: dict) -> list[dict] | dict:
         fields["kv"] = KVSpec(run["kv_bits"], 32)
     if run.get("cancel_after"):
         _cancelled(engine, run["prompts"][0], run["cancel_after"], fields)
+    if run.get("cancel_in_prefill"):
+        _cancelled_in_prefill(engine, **run["cancel_in_prefill"], fields=fields)
     out = []
     for prompt in run["prompts"]:
         try:
@@ -83,6 +95,44 @@ def _cancelled(engine, prompt, after: int, fields: dict) -> None:
     ready.set()
     try:
         list(handle["g"])
+    except Cancelled:
+        pass
+
+
+CANCEL = {}  # rank 0: the generation to cancel inside its `at`-th prompt chunk of `size`
+
+
+def _count_chunks(rank: int) -> list[int]:
+    """The size of each prompt chunk this rank's layers run (at its first MoE layer);
+    on rank 0, cancels CANCEL's generation when its chunk comes."""
+    from llm_mlx_streaming.experts import switch
+
+    chunks, first = [], []
+    original = switch.StreamingExperts.__call__
+
+    def call(self, x, indices, *args, **kwargs):
+        first[:] = first or [self.ordinal]
+        size = indices.shape[-2]
+        if size > 1 and self.ordinal == first[0]:
+            chunks.append(size)
+            if rank == 0 and CANCEL and chunks.count(CANCEL["size"]) == CANCEL["at"]:
+                CANCEL["ready"].wait(30)
+                CANCEL.pop("generation").cancel()
+                CANCEL.clear()
+        return original(self, x, indices, *args, **kwargs)
+
+    switch.StreamingExperts.__call__ = call
+    return chunks
+
+
+def _cancelled_in_prefill(engine, prompt: list[int], step: int, at: int, fields: dict) -> None:
+    """A generation cancelled from inside its `at`-th prefill chunk of `step` tokens."""
+    ready = threading.Event()
+    CANCEL.update(size=step, at=at, ready=ready)
+    CANCEL["generation"] = generation = engine.run(None, Request(prompt, prefill_step=step, **fields))
+    ready.set()
+    try:
+        list(generation)
     except Cancelled:
         pass
 

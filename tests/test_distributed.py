@@ -1,6 +1,8 @@
 """A pipeline of streamed ranks (llm_mlx_streaming/distributed/): two and three local
 ranks started by mlx.launch give exactly the single process's greedy tokens, each rank
-holding only its own layers; a lost rank and a differing checkpoint are one line."""
+holding only its own layers; a lost rank and a differing checkpoint are one line; a
+prompt cancelled mid-prefill stops at the same chunk on every rank, and a server stopped
+then ends every rank within seconds."""
 
 import json
 import random
@@ -127,9 +129,12 @@ def test_two_ranks_give_the_single_process_tokens(build, tmp_path):
     assert results[-1] == [{"error": "speculation does not run across ranks yet: leave k at 0"}]
 
 
-def test_three_ranks_give_the_single_process_tokens_after_a_cancelled_generation(build, tmp_path):
-    """Also with each rank's own memory plan for its budget, where the model has no
-    slot count (a one-machine plan comes in: each rank plans its own layers instead)."""
+def test_three_ranks_give_the_single_process_tokens_after_cancelled_generations(build, tmp_path):
+    """One generation cancelled mid-decode, one cancelled inside its second prefill chunk
+    of ten: every rank stops that prompt at the chunk rank 0 stopped at (issue 50), and
+    the next requests are exact. Also with each rank's own memory plan for its budget,
+    where the model has no slot count (a one-machine plan comes in: each rank plans its
+    own layers instead)."""
     from llm_mlx_streaming.distributed.plan import plan_ranks
 
     path = str(build("qwen3_moe", num_layers=4, num_experts=8, top_k=2))
@@ -137,12 +142,17 @@ def test_three_ranks_give_the_single_process_tokens_after_a_cancelled_generation
     plans = sorted(plan_ranks(path, budgets, **options), key=lambda r: r.layers)
     planned = [n for r in plans for n in r.plan.slots_per_layer]
     assert 2 < min(planned) < 8  # the middle rank streams; its neighbours hold whole layers
-    runs = [{"checkpoint": path, "slots": 2, "prompts": prompts(path), "cancel_after": 2},
+    long_prompt = prompt_tokens(vocab_size(path), n=71, seed=2)  # ten chunks of 7, then its last token
+    runs = [{"checkpoint": path, "slots": 2, "prompts": prompts(path), "cancel_after": 2,
+             "cancel_in_prefill": {"prompt": long_prompt, "step": 7, "at": 2}},
             {"checkpoint": path, "slots": [2] * 4, "planned": planned, "prompts": prompts(path)}]
     results = launch(tmp_path, 3, {"runs": runs, "max_tokens": TOKENS, "budgets": budgets,
                                    "plan_options": options})
     for run, got in zip(runs, results):
         check_exact(run, got, 3)
+    for rank in range(3):
+        chunks = json.loads((tmp_path / f"out-3.json.rank{rank}").read_text())
+        assert chunks.count(7) == 2, (rank, chunks)  # not 10: the cancel reached every rank
 
 
 def test_a_rank_lost_mid_generation_ends_the_request_in_one_line(build, tmp_path):
@@ -196,15 +206,18 @@ LLM = [str(Path(sys.executable).with_name("llm"))]
 needs_proc = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks in /proc")
 
 
-def _serve(llm_env, log: Path, *args: str):
+def _serve(llm_env, log: Path, *args: str, site: Path | None = None):
     """`llm mlxs serve` over two local ranks (`args`: --hosts or --hostfile, and more) with
-    its stderr in `log`; the process and rank 0's discovery file, once rank 0 listens."""
+    its stderr in `log`, each process importing `site`'s sitecustomize.py if given; the
+    process and rank 0's discovery file, once rank 0 listens."""
     import os
     import time
 
     from llm_mlx_streaming import discovery
 
     env = {**os.environ, "LLM_USER_PATH": str(llm_env.user_dir)}
+    if site is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
     with log.open("w") as err:
         server = subprocess.Popen(LLM + ["mlxs", "serve", *args, "--port", "0", "--ring-port", str(_free_ports(2)),
                                          "-m", "mlx-stream/small"], env=env, stdout=subprocess.DEVNULL, stderr=err)
@@ -310,6 +323,78 @@ def test_llm_routes_to_a_pipeline_server_and_gets_the_single_process_text(llm_en
         assert info.pid == server.pid  # the supervisor keeps the discovery file
         os.kill(_ranks(llm_env)[0], signal.SIGINT)
         assert server.wait(timeout=60) == 0 and _no_rank_left(llm_env)
+    finally:
+        _stop(server, llm_env)
+
+
+# rank 0 of a pipeline on a disk that stalls once: its expert read begun after the file
+# FLAG appears takes a minute (FLAG.began says it has begun), longer than a stop may wait
+STALLING_RANK_0 = """\
+import os
+if os.environ.get("MLX_RANK") == "0":
+    import time
+    from pathlib import Path
+    from llm_mlx_streaming.experts.store import ExpertStore
+
+    flag, read = Path(FLAG), ExpertStore.read
+
+    def stalled(self, jobs, verify=None):
+        if flag.exists():
+            flag.unlink()
+            Path(f"{flag}.began").touch()
+            time.sleep(60)
+        return read(self, jobs, verify)
+
+    ExpertStore.read = stalled
+"""
+
+
+@needs_proc
+@pytest.mark.parametrize("stall", [False, True], ids=["between chunks", "in a stalled chunk"])
+def test_a_pipeline_server_stopped_mid_prefill_ends_every_rank_within_seconds(llm_env, build, tmp_path, stall):
+    """Claude Code's recorded first request (19,700 tokens, prefill step 32: hundreds of
+    chunks) prefilling on two ranks, then Ctrl-C: the prefill stops at its next chunk on
+    every rank (issue 50), rank 0 sends the others home and every process exits within
+    STOP_SECONDS; with rank 0's chunk stalled on the disk, rank 0 ends without waiting
+    for it and the other rank leaves as its collective fails."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from fixtures.traffic import load
+    from test_exits import ABNORMAL, STOP_SECONDS, _post, _prefilling, _read_out
+
+    agent = build("qwen3_moe", tool_template=True, tokenizer_kind="bpe32k", max_position_embeddings=32768)
+    llm_env.write_settings(default_model="small", max_context=32768, prefill_step=32,
+                           models={"small": {"path": str(agent), "expert_slots": 2}})
+    site, flag = tmp_path / "site", tmp_path / "stall"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(f"FLAG = {str(flag)!r}\n" + STALLING_RANK_0)
+    server, info = _serve(llm_env, tmp_path / "serve.log", "--hosts", "127.0.0.1,127.0.0.1", "--any-model",
+                          site=site)
+    try:
+        doc = load("claude_code_sonnet_turn1")
+        doc["body"]["max_tokens"] = 8
+        reader = threading.Thread(target=_read_out, args=(_post(info, doc),), daemon=True)
+        reader.start()
+        wait_for_prefill = time.monotonic() + 60
+        while not _prefilling(info) and time.monotonic() < wait_for_prefill:
+            time.sleep(0.1)
+        assert _prefilling(info)
+        if stall:
+            flag.touch()
+            while not Path(f"{flag}.began").exists() and time.monotonic() < wait_for_prefill:
+                time.sleep(0.05)
+        server.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        assert server.wait(timeout=60) == 0
+        seconds = time.monotonic() - sent
+        assert _no_rank_left(llm_env)
+        said = (tmp_path / "serve.log").read_text()
+        assert "server stopped" in said and not any(sign in said for sign in ABNORMAL), said[-3000:]
+        assert seconds < STOP_SECONDS, said[-3000:]
+        reader.join(30)
     finally:
         _stop(server, llm_env)
 

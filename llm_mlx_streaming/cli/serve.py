@@ -107,14 +107,13 @@ def serve(ctx, host, port, models, max_models, api_key, max_queue, hosts, origin
         server.serve()
     except KeyboardInterrupt:
         pass
-    if pipeline_rank:
-        from ..engine.manager import get_manager
-
-        get_manager().shutdown()
     click.echo("mlx-stream: server stopped", err=True)
     from ..engine import worker
+    from ..engine.manager import get_manager
 
-    worker.end_process(0)  # stopped on purpose: status 0, within seconds (docs/server.md)
+    # stopped on purpose: status 0, within seconds (docs/server.md); a pipeline's rank 0
+    # sends the others home once its engine rests, or ends without a word (they leave)
+    worker.end_process(0, last=get_manager().shutdown if pipeline_rank else None)
 
 
 def _supervise(ctx, pipeline, hostfile, backend, ring_port) -> None:

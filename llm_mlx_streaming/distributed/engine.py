@@ -179,7 +179,6 @@ class PipelineEngine(EngineManager):
             out.put("error", EngineError(f"{self.broken}; restart the ranks"))
 
     batches = False  # every rank steps each generation in lockstep
-    leaves_prefills = False  # the other ranks run each prefill chunk with rank 0 to its end
 
     def steps(self, responses):
         """Tells the other ranks the request as its first forward is about to run."""
@@ -187,6 +186,11 @@ class PipelineEngine(EngineManager):
         self.rank.begin()
         self._lead = Lead(self.group, responses, self.rank.heart)
         return self._lead.steps
+
+    def between_chunks(self, out, last: bool) -> None:
+        """Rank 0's word after each prefill chunk but the last (whose token has its own)."""
+        if not last:
+            self._lead.between_chunks(out)
 
     def _end(self, aborting: bool) -> None:
         """Say the last word of the generation under way (none on a broken pipeline)."""
@@ -272,7 +276,8 @@ def follow(group: Group) -> None:
     """
     provider = ModelProvider()
     rank, carried = _Rank(group, provider), Carried()
-    provider.steps = Follow(group, rank.heart).steps
+    lockstep = Follow(group, rank.heart)
+    provider.steps, provider.between_chunks = lockstep.steps, lockstep.between_chunks
     watch(rank.heart, lambda what: _leave(group, f"no word from rank 0 for {what}"))
     while True:
         try:

@@ -1,11 +1,13 @@
-"""Stepping every rank together: rank 0 picks each token, and says after each whether
-the others go on.
+"""Stepping every rank together: rank 0 picks each token, and says after each token and
+each prefill chunk whether the others go on.
 
 Every rank computes the same logits (mlx-lm's pipeline gathers the last hidden state to
 all of them), but only rank 0 has the request's sampler, seed and logits processors, so
 the token is rank 0's, summed into every rank inside the step's own graph. After each
 token rank 0 says CONTINUE, STOP (its reply ended early: a stop sequence) or ABORT (it
 was cancelled or failed), so every rank runs the same forwards and keeps the same cache.
+Between prefill chunks it says CONTINUE or ABORT, so a cancelled prompt stops at its
+next chunk on every rank, not at its end.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 
 import mlx.core as mx
 
+from ..engine.generation import Cancelled
 from .group import ABORT, CONTINUE, STOP, Group
 from .watch import Heartbeat
 
@@ -62,6 +65,18 @@ class Lead:
             self.group.word(CONTINUE)
             self.heart.beat()
 
+    def between_chunks(self, out) -> None:
+        """After a prefill chunk: ABORT, and Cancelled here, once the request is cancelled
+        (every rank leaves this forward together: no failure within a step)."""
+        try:
+            out.check_cancelled()
+        except Cancelled:
+            self.stepping = False
+            self.group.word(ABORT)
+            raise
+        self.group.word(CONTINUE)
+        self.heart.beat()
+
     def end(self, aborting: bool) -> None:
         self.steps.close()
         if self.pending:
@@ -86,6 +101,15 @@ class Follow:
                     return
                 if word == ABORT:
                     raise Aborted
+
+    def between_chunks(self, _out, last: bool) -> None:
+        """After a prefill chunk but the last: rank 0's word (Lead.between_chunks)."""
+        if last:
+            return
+        word = self.group.word()
+        self.heart.beat()
+        if word == ABORT:
+            raise Aborted
 
 
 class WaitClock:

@@ -185,12 +185,17 @@ class ModelProvider:
             raise EngineError(self.error or "no model is loaded")
 
     batches = True  # a provider that steps its generations itself (a pipeline rank) runs them alone
-    leaves_prefills = True  # a cancelled generation stops between prefill chunks (a pipeline's ranks cannot)
 
     def steps(self, responses):
         """The responses of one generation as respond() reads them; a pipeline rank
         wraps them to step in lockstep with the other ranks."""
         return responses
+
+    def between_chunks(self, out, last: bool) -> None:
+        """After each prefill chunk (`last`: the one that ends with the first token): a
+        generation whose caller has gone, or an exit, stops here; a pipeline rank hears
+        rank 0's word instead, so every rank stops at the same chunk."""
+        out.check_cancelled()
 
     # -- what the pools hold and did -------------------------------------------------
     def slots_per_layer(self) -> int | list[int] | None:

@@ -58,9 +58,8 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
     # the dashboard's request in flight (activity.py)
     flight = ACTIVITY.begin(len(prompt), reused, len(new_tokens), prefill_step, len(loaded.layers))
 
-    def prefilled(done: int, _total: int = 0) -> None:
-        if provider.leaves_prefills:  # a caller that has gone (or an exit) stops it at its next chunk
-            out.check_cancelled()
+    def prefilled(done: int, last: bool = False) -> None:
+        provider.between_chunks(out, last)
         ACTIVITY.prefilled(flight, done)
 
     before, syncs_before = provider.counters(), syncs.count()
@@ -99,7 +98,7 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
                 logits_processors=with_history(request.logits_processors, prompt[:fed]) or None,
                 prompt_cache=cache,
                 prefill_step_size=prefill_step, **kv.generate_kwargs(),
-                prompt_progress_callback=lambda done, total: prefilled(fed - reused + done),
+                prompt_progress_callback=lambda done, total: prefilled(fed - reused + done, done == total),
             )
         responses = provider.steps(responses)
         for response in responses:

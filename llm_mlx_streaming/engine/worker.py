@@ -71,14 +71,16 @@ def whole_write():
         yield
 
 
-def end_process(status: int) -> None:
+def end_process(status: int, last: Callable[[], None] | None = None) -> None:
     """End the process now with `status` (a server once stopped): the engine thread
-    stopped as at exit (`_EngineThread.stop`), then no interpreter finalization, which
-    must not run while that thread is inside MLX and whose garbage collection of a
-    model's arrays takes seconds."""
+    stopped as at exit (`_EngineThread.stop`), `last` run once it rests (not if it never
+    does), then no interpreter finalization, which must not run while that thread is
+    inside MLX and whose garbage collection of a model's arrays takes seconds."""
     thread = _engine_thread.made()
     if thread is not None:
         thread.stop(END_WAIT_SECONDS, status)
+    if last is not None:
+        last()
     _end_now(status)
 
 
