@@ -327,28 +327,6 @@ def test_llm_routes_to_a_pipeline_server_and_gets_the_single_process_text(llm_en
         _stop(server, llm_env)
 
 
-# rank 0 of a pipeline on a disk that stalls once: its expert read begun after the file
-# FLAG appears takes a minute (FLAG.began says it has begun), longer than a stop may wait
-STALLING_RANK_0 = """\
-import os
-if os.environ.get("MLX_RANK") == "0":
-    import time
-    from pathlib import Path
-    from llm_mlx_streaming.experts.store import ExpertStore
-
-    flag, read = Path(FLAG), ExpertStore.read
-
-    def stalled(self, jobs, verify=None):
-        if flag.exists():
-            flag.unlink()
-            Path(f"{flag}.began").touch()
-            time.sleep(60)
-        return read(self, jobs, verify)
-
-    ExpertStore.read = stalled
-"""
-
-
 @needs_proc
 @pytest.mark.parametrize("stall", [False, True], ids=["between chunks", "in a stalled chunk"])
 def test_a_pipeline_server_stopped_mid_prefill_ends_every_rank_within_seconds(llm_env, build, tmp_path, stall):
@@ -359,18 +337,20 @@ def test_a_pipeline_server_stopped_mid_prefill_ends_every_rank_within_seconds(ll
     for it and the other rank leaves as its collective fails."""
     import os
     import signal
+    import textwrap
     import threading
     import time
 
     from fixtures.traffic import load
-    from test_exits import ABNORMAL, STOP_SECONDS, _post, _prefilling, _read_out
+    from test_exits import ABNORMAL, STALL_NEXT_READ, STOP_SECONDS, _post, _prefilling, _read_out
 
     agent = build("qwen3_moe", tool_template=True, tokenizer_kind="bpe32k", max_position_embeddings=32768)
     llm_env.write_settings(default_model="small", max_context=32768, prefill_step=32,
                            models={"small": {"path": str(agent), "expert_slots": 2}})
     site, flag = tmp_path / "site", tmp_path / "stall"
     site.mkdir()
-    (site / "sitecustomize.py").write_text(f"FLAG = {str(flag)!r}\n" + STALLING_RANK_0)
+    stall_rank_0 = textwrap.indent(f"FLAG = {str(flag)!r}\n{STALL_NEXT_READ}", "    ")  # its disk stalls once
+    (site / "sitecustomize.py").write_text(f"import os\nif os.environ.get('MLX_RANK') == '0':\n{stall_rank_0}")
     server, info = _serve(llm_env, tmp_path / "serve.log", "--hosts", "127.0.0.1,127.0.0.1", "--any-model",
                           site=site)
     try:
@@ -386,6 +366,7 @@ def test_a_pipeline_server_stopped_mid_prefill_ends_every_rank_within_seconds(ll
             flag.touch()
             while not Path(f"{flag}.began").exists() and time.monotonic() < wait_for_prefill:
                 time.sleep(0.05)
+            assert Path(f"{flag}.began").exists()  # rank 0 is in a chunk that outlasts the stop's wait
         server.send_signal(signal.SIGINT)
         sent = time.monotonic()
         assert server.wait(timeout=60) == 0

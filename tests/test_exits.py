@@ -30,15 +30,14 @@ from server_support import wait_for
 ABNORMAL = ("terminate called", "Traceback", "Fatal Python error")
 STOP_SECONDS = 5.0  # from the signal to the server's exit, whatever it was doing (docs/server.md)
 
-# `llm mlxs serve` on a disk that stalls once: the expert read begun after the file argv[1]
-# appears takes a minute (argv[1].began says it has begun), longer than an exit may wait
-STALLING = """\
-import sys, time
+# a disk that stalls once: the expert read begun after the file FLAG appears takes a
+# minute (FLAG.began says it has begun), longer than an exit may wait
+STALL_NEXT_READ = """\
+import time
 from pathlib import Path
-from llm.cli import cli
 from llm_mlx_streaming.experts.store import ExpertStore
 
-flag, read = Path(sys.argv[1]), ExpertStore.read
+flag, read = Path(FLAG), ExpertStore.read
 
 def stalled(self, jobs, verify=None):
     if flag.exists():
@@ -48,6 +47,14 @@ def stalled(self, jobs, verify=None):
     return read(self, jobs, verify)
 
 ExpertStore.read = stalled
+"""
+
+# `llm mlxs serve` on that disk, FLAG being argv[1]
+STALLING = f"""\
+import sys
+from llm.cli import cli
+FLAG = sys.argv[1]
+{STALL_NEXT_READ}
 sys.argv = ["llm", "mlxs", "serve", "--port", "0", "--any-model"]
 cli()
 """
