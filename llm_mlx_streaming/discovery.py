@@ -79,7 +79,8 @@ def write(info: ServerInfo) -> Path:
     return path
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (on this machine)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -100,7 +101,7 @@ def read() -> Optional[ServerInfo]:
     except (OSError, ValueError) as exc:
         forget(path, f"it is not a server's address ({exc})")
         return None
-    if not _alive(info.pid):
+    if not alive(info.pid):
         remove_stale(path)
         return None
     return info

@@ -233,22 +233,27 @@ def _serve(llm_env, log: Path, *args: str, site: Path | None = None):
     return server, info
 
 
-def _ranks(llm_env) -> dict[int, int]:
-    """The live rank processes of this test's server (their environment names its llm
-    user dir): rank -> pid."""
+def _processes(llm_env) -> dict[int, int | None]:
+    """The live processes of this test's server (their environment names its llm user
+    dir): pid -> its rank (None: the supervisor, mlx.launch)."""
     import os
 
-    mine, ranks = f"LLM_USER_PATH={llm_env.user_dir}".encode(), {}
+    mine, found = f"LLM_USER_PATH={llm_env.user_dir}".encode(), {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        rank = [e[9:] for e in environ if e.startswith(b"MLX_RANK=")]
-        if mine in environ and rank and state != "Z":
-            ranks[int(rank[0])] = int(pid)
-    return ranks
+        rank = [int(e[9:]) for e in environ if e.startswith(b"MLX_RANK=")]
+        if mine in environ and state != "Z":
+            found[int(pid)] = rank[0] if rank else None
+    return found
+
+
+def _ranks(llm_env) -> dict[int, int]:
+    """The live rank processes of this test's server: rank -> pid."""
+    return {rank: pid for pid, rank in _processes(llm_env).items() if rank is not None}
 
 
 def _stop(server, llm_env) -> None:
@@ -378,6 +383,35 @@ def test_a_pipeline_server_stopped_mid_prefill_ends_every_rank_within_seconds(ll
         reader.join(30)
     finally:
         _stop(server, llm_env)
+
+
+@needs_proc
+def test_a_pipeline_whose_supervisor_is_killed_stops_every_rank_and_mlx_launch(llm_env, tmp_path):
+    """SIGKILL to `llm mlxs serve --hosts` (no word to the ranks): rank 0 sees its
+    supervisor gone and stops as on Ctrl-C, so mlx.launch and every rank end within
+    seconds instead of running on, unsupervised, and the discovery file goes."""
+    import os
+    import signal
+    import time
+
+    from llm_mlx_streaming import discovery
+
+    server, info = _serve(llm_env, tmp_path / "serve.log", "--hosts", "127.0.0.1,127.0.0.1")
+    try:
+        started = _processes(llm_env)
+        assert sorted(r for r in started.values() if r is not None) == [0, 1]
+        assert len(started) == 4  # the supervisor, mlx.launch and the two ranks
+        server.kill()
+        server.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while _processes(llm_env) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _processes(llm_env), (tmp_path / "serve.log").read_text()[-3000:]
+        assert discovery.read() is None
+    finally:
+        _stop(server, llm_env)
+        for pid in _processes(llm_env):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _alone(prompt: str, max_tokens: int, model: str = "small") -> str:

@@ -91,14 +91,18 @@ def serve(ctx, host, port, models, max_models, api_key, max_queue, hosts, origin
             raise MlxStreamError(str(e)) from None
 
     # a pipeline holds one model at a time (max_models 1): one pinned there would refuse every other
+    keeper = _keeper(supervisor)
     server = Server(host=host, port=port, model=models[0] if models else None, pinned=() if pipeline_rank else models,
                     max_models=1 if pipeline_rank else max_models, api_key=api_key, max_queue=max_queue,
                     hosts=list(hosts) if hosts else None, origins=list(origins) if origins else None,
-                    keeper=_keeper(supervisor), strict=strict, aliases=_aliases(aliases), any_model=any_model)
+                    keeper=keeper, strict=strict, aliases=_aliases(aliases), any_model=any_model)
     if engine is not None:
-        from ..distributed.launch import leave_when_broken
+        from .. import discovery
+        from ..distributed.launch import leave_when_broken, stop_when_unsupervised
 
         leave_when_broken(engine, server.busy, server.forget)
+        if keeper is not None:  # a supervisor on another machine cannot be watched from here
+            stop_when_unsupervised(lambda: not discovery.alive(keeper))
     click.echo(f"mlx-stream: serving on {server.url} (Ctrl-C stops)", err=True)
     # uvicorn shuts down on SIGINT and SIGTERM, then re-raises the signal to the handler
     # it found: let SIGTERM end like Ctrl-C, so `kill` removes the discovery file too

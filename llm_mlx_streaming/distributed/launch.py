@@ -1,6 +1,6 @@
 """Starting the ranks: the `mlx.launch` command that runs one `llm mlxs serve` rank per
 host, and what each rank does once started (rank 0 serves, the others follow; a
-serving rank 0 leaves once its pipeline broke)."""
+serving rank 0 leaves once its pipeline broke, and stops once its supervisor is gone)."""
 
 from __future__ import annotations
 
@@ -78,3 +78,17 @@ def leave_when_broken(engine, busy: Callable[[], bool], forget: Callable[[], Non
         os._exit(1)
 
     threading.Thread(target=wait, name="mlx-stream-leave", daemon=True).start()
+
+
+def stop_when_unsupervised(gone: Callable[[], bool], every: float = 1.0) -> None:
+    """Once `gone()` says the supervisor ended without a word (killed), stop rank 0 as
+    Ctrl-C does: it sends the other ranks home and mlx.launch ends with them, instead of
+    every rank running on with no one left to stop it. Checked every `every` seconds."""
+
+    def watch() -> None:
+        while not gone():
+            time.sleep(every)
+        print("mlx-stream: the supervisor is gone: stopping the ranks", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=watch, name="mlx-stream-supervised", daemon=True).start()
