@@ -385,19 +385,11 @@ def test_a_pipeline_server_stopped_mid_prefill_ends_every_rank_within_seconds(ll
         _stop(server, llm_env)
 
 
-def _cpu_seconds(pid: int) -> float:
-    import os
-
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 @needs_proc
-def test_an_idle_pipelines_launcher_sleeps_and_a_killed_supervisor_stops_every_rank(llm_env, tmp_path):
-    """mlx.launch, relaying the idle ranks' output, spends almost no CPU (its relay never
-    slept: 1.2 cores). SIGKILL to `llm mlxs serve --hosts` (no word to the ranks): rank 0
-    sees its supervisor gone and stops as on Ctrl-C, so mlx.launch and every rank end
-    within seconds instead of running on, unsupervised, and the discovery file goes."""
+def test_a_pipeline_whose_supervisor_is_killed_stops_every_rank_and_mlx_launch(llm_env, tmp_path):
+    """SIGKILL to `llm mlxs serve --hosts` (no word to the ranks): rank 0 sees its
+    supervisor gone and stops as on Ctrl-C, so mlx.launch and every rank end within
+    seconds instead of running on, unsupervised, and the discovery file goes."""
     import os
     import signal
     import time
@@ -409,10 +401,6 @@ def test_an_idle_pipelines_launcher_sleeps_and_a_killed_supervisor_stops_every_r
         started = _processes(llm_env)
         assert sorted(r for r in started.values() if r is not None) == [0, 1]
         assert len(started) == 4  # the supervisor, mlx.launch and the two ranks
-        launcher = next(pid for pid, rank in started.items() if rank is None and pid != server.pid)
-        before = _cpu_seconds(launcher)
-        time.sleep(3)
-        assert _cpu_seconds(launcher) - before < 0.5
         server.kill()
         server.wait(timeout=30)
         deadline = time.monotonic() + 15

@@ -42,13 +42,8 @@ _ENDED = re.compile(r"\[WARN\] Node with rank (\d+) (?:was (killed)|exited with 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 # mlx.launch with Ctrl-C left to the ranks (a handler that does nothing, which exec does
-# not pass on): it ends once they have, without a traceback. Its relay of each rank's
-# output also selects on the rank's stdin, which is always writable, so it never sleeps
-# (1.2 cores while the ranks idle, mlx 0.32.4): nothing is written to the ranks' stdin,
-# so here it waits on their output alone.
-_LAUNCHER = ("import runpy, select, signal, sys; signal.signal(signal.SIGINT, lambda *a: None); "
-             "import mlx._distributed_utils.launch as launch; "
-             "launch.select = lambda r, w, x, t=None: (select.select(r, [], x, t)[0], [], []); "
+# not pass on): it ends once they have, without a traceback
+_LAUNCHER = ("import runpy, signal, sys; signal.signal(signal.SIGINT, lambda *a: None); "
              "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
