@@ -178,6 +178,16 @@ class PipelineEngine(EngineManager):
         if out is not None:
             out.put("error", EngineError(f"{self.broken}; restart the ranks"))
 
+    def ended_elsewhere(self) -> bool:
+        """mlx.launch ended this rank because another rank ended: a generation under way
+        fails with the line naming it (with more than two ranks, the others); whether
+        the pipeline is broken now."""
+        out = self._out
+        if self.broken is None and out is not None:
+            self._break(str(self.group.lost(RuntimeError("mlx.launch ended the pipeline"))))
+            out.put("error", EngineError(f"{self.broken}; restart the ranks"))
+        return self.broken is not None
+
     batches = False  # every rank steps each generation in lockstep
 
     def steps(self, responses):
