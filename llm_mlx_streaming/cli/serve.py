@@ -74,10 +74,10 @@ def serve(ctx, host, port, models, max_models, api_key, max_queue, hosts, origin
     if (pipeline or hostfile) and not pipeline_rank:
         _supervise(ctx, pipeline, hostfile, backend, ring_port)
         return
-    engine = on_sigterm = None
+    engine = None
     if pipeline_rank:
         from ..distributed.group import RankLost
-        from ..distributed.launch import join, stop_unless_ended_elsewhere
+        from ..distributed.launch import join
         from ..errors import MlxStreamError
 
         try:
@@ -89,7 +89,6 @@ def serve(ctx, host, port, models, max_models, api_key, max_queue, hosts, origin
                 return  # a following rank, sent home by rank 0
         except (RankLost, ValueError) as e:
             raise MlxStreamError(str(e)) from None
-        on_sigterm = stop_unless_ended_elsewhere(engine)
 
     # a pipeline holds one model at a time (max_models 1): one pinned there would refuse every other
     keeper = _keeper(supervisor)
@@ -97,7 +96,7 @@ def serve(ctx, host, port, models, max_models, api_key, max_queue, hosts, origin
                     max_models=1 if pipeline_rank else max_models, api_key=api_key, max_queue=max_queue,
                     hosts=list(hosts) if hosts else None, origins=list(origins) if origins else None,
                     keeper=keeper, strict=strict, aliases=_aliases(aliases), any_model=any_model,
-                    on_sigterm=on_sigterm)
+                    sigterm_handled=engine.ended_elsewhere if engine is not None else None)
     if engine is not None:
         from .. import discovery
         from ..distributed.launch import leave_when_broken, stop_when_unsupervised

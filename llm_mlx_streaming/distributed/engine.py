@@ -173,20 +173,24 @@ class PipelineEngine(EngineManager):
     def _stalled(self, what: str) -> None:
         """The other ranks said nothing for too long: the pipeline is given up, and the
         generation waiting on them fails in one line (the engine thread stays stuck)."""
-        self._break(f"no word from the other ranks for {what} (a rank or the network is stuck)")
+        self._give_up(f"no word from the other ranks for {what} (a rank or the network is stuck)")
+
+    def ended_elsewhere(self) -> bool:
+        """A SIGTERM came, as mlx.launch sends one as soon as another rank ended. The ring
+        may never fail a send or recv issued after that rank's socket closed, so a
+        generation under way fails here with the line naming the rank (with more than two
+        ranks, the others), and rank 0 leaves as after any failure (`leave_when_broken`);
+        whether the pipeline is broken now (False: nothing was under way, stop as usual)."""
+        if self.broken is None and self._out is not None:
+            self._give_up(str(self.group.lost(RuntimeError("mlx.launch ended the pipeline"))))
+        return self.broken is not None
+
+    def _give_up(self, line: str) -> None:
+        """Break the pipeline with `line`; the generation under way, if any, fails with it."""
+        self._break(line)
         out = self._out
         if out is not None:
             out.put("error", EngineError(f"{self.broken}; restart the ranks"))
-
-    def ended_elsewhere(self) -> bool:
-        """mlx.launch ended this rank because another rank ended: a generation under way
-        fails with the line naming it (with more than two ranks, the others); whether
-        the pipeline is broken now."""
-        out = self._out
-        if self.broken is None and out is not None:
-            self._break(str(self.group.lost(RuntimeError("mlx.launch ended the pipeline"))))
-            out.put("error", EngineError(f"{self.broken}; restart the ranks"))
-        return self.broken is not None
 
     batches = False  # every rank steps each generation in lockstep
 

@@ -93,16 +93,3 @@ def stop_when_unsupervised(gone: Callable[[], bool], every: float = 1.0) -> None
 
     threading.Thread(target=watch, name="mlx-stream-supervised", daemon=True).start()
 
-
-def stop_unless_ended_elsewhere(engine) -> Callable[[Callable[[], None]], None]:
-    """What a SIGTERM does on a serving rank 0. mlx.launch sends it as soon as another
-    rank ended; the ring may never fail a send or recv rank 0 issued after that rank's
-    socket closed, so a generation under way fails here with the line naming the rank
-    (`PipelineEngine.ended_elsewhere`) and rank 0 leaves as after any failure
-    (`leave_when_broken`); otherwise it stops as on Ctrl-C."""
-
-    def on_sigterm(stop: Callable[[], None]) -> None:
-        if not engine.ended_elsewhere():
-            stop()
-
-    return on_sigterm

@@ -42,14 +42,15 @@ class Server:
                  origins: Optional[list[str]] = None, keeper: Optional[int] = None, strict: bool = False,
                  aliases: Optional[dict[str, str]] = None, any_model: bool = False,
                  pinned: Optional[tuple[str, ...]] = None, max_models: Optional[int] = None,
-                 on_sigterm: Optional[Callable[[Callable[[], None]], None]] = None) -> None:
+                 sigterm_handled: Optional[Callable[[], bool]] = None) -> None:
         """`pinned`: models loaded at start and never unloaded (None: `model`, when given; a
         pipeline's rank 0 gives none, its one model is swapped for the next one asked for);
         `max_models`: most models loaded at once (None: the setting). `keeper`: the pid of a pipeline's supervisor on this machine, which keeps the
         discovery file: the file names it, so that it outlives this rank 0 while the ranks
         restart; this server takes over the file of its stand-in (process/standin.py) and
-        leaves the file behind. `on_sigterm(stop)`: what a SIGTERM does instead of `stop()`
-        (a pipeline's rank 0: see distributed/launch.py)."""
+        leaves the file behind. `sigterm_handled()`: asked first when a SIGTERM comes; True
+        keeps the server going (a pipeline's rank 0 failing its generation: it leaves by
+        itself, distributed/engine.py `ended_elsewhere`)."""
         from ..app import create_app
         from ..service import Service
 
@@ -89,7 +90,7 @@ class Server:
                                          self.service.secret)
         config = uvicorn.Config(create_app(self.service), log_level="warning", access_log=False,
                                 lifespan="on", timeout_graceful_shutdown=5)
-        self.uvicorn = _Uvicorn(config, self.service, on_sigterm)
+        self.uvicorn = _Uvicorn(config, self.service, sigterm_handled)
         self._thread: Optional[threading.Thread] = None
 
     @property
@@ -141,15 +142,14 @@ class _Uvicorn(uvicorn.Server):
     """uvicorn, whose shutdown (Ctrl-C, SIGTERM, `stop`) first ends the replies in flight,
     so that their streams close before its grace period is over."""
 
-    def __init__(self, config: uvicorn.Config, service, on_sigterm=None) -> None:
+    def __init__(self, config: uvicorn.Config, service, sigterm_handled=None) -> None:
         super().__init__(config)
-        self.service, self.on_sigterm = service, on_sigterm
+        self.service, self.sigterm_handled = service, sigterm_handled
 
     def handle_exit(self, sig: int, frame) -> None:
-        if sig == signal.SIGTERM and self.on_sigterm is not None and not self.should_exit:
-            self.on_sigterm(lambda: super(_Uvicorn, self).handle_exit(sig, frame))
-        else:
-            super().handle_exit(sig, frame)
+        if sig == signal.SIGTERM and not self.should_exit and self.sigterm_handled and self.sigterm_handled():
+            return
+        super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets: Optional[list[socket.socket]] = None) -> None:
         self.service.stop()
