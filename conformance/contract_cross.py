@@ -60,7 +60,7 @@ from llm_mlx_streaming.engine.disk_cache import DiskCacheSpec  # noqa: E402
 from llm_mlx_streaming.engine.kv import KVSpec, blocker, make_cache  # noqa: E402
 from llm_mlx_streaming.engine.manager import get_manager  # noqa: E402
 from llm_mlx_streaming.engine.planner import ATTENTION_TILE  # noqa: E402
-from llm_mlx_streaming.engine.prefill import tile_attention  # noqa: E402
+from llm_mlx_streaming.engine.prefill import tile_mixers  # noqa: E402
 from llm_mlx_streaming.engine.request import Injected, LoadSpec, Request  # noqa: E402
 from llm_mlx_streaming.engine.snapshots import SYSTEM, Boundary, SnapshotSpec  # noqa: E402
 from fixtures.scripted import ScriptedDrafter  # noqa: E402
@@ -97,13 +97,13 @@ def engine(path, slots, request, tile=None, overlap="auto"):
     spec = LoadSpec(Path(path), expert_slots=slots, overlap=overlap)
     list(manager.queue_load(spec))
     manager.session.reset()
-    tiled = tile_attention(manager.loaded.model, tile) if tile else None
+    tiled = tile_mixers(manager.loaded.model, tile).wrapped if tile else None
     try:
         generation = manager.run(spec, request)
         out = list(generation)
     finally:
         if tile:
-            tile_attention(manager.loaded.model, ATTENTION_TILE)
+            tile_mixers(manager.loaded.model, ATTENTION_TILE)
     stats = dict(generation.stats, tiled_layers=tiled)
     return [r.token for r in out], [np.array(r.logprobs) for r in out], stats
 

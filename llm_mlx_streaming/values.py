@@ -22,6 +22,7 @@ KV_BITS = (4, 8)  # others are refused until measured on real models (docs/bench
 KV_GROUP_SIZES = (32, 64, 128)  # the group sizes mx.quantize accepts
 MAX_K = 32  # a pass of more positions than this is a prefill, not a verification
 MIN_PREFILL_STEP = 16
+ROUTES_AT_ONCE = 8192  # experts/switch.py computes a long call's expert routes this many at a time; the planner counts them
 OVERLAP_MODES = ("auto", "on", "off")  # experts/prefetch.py: when decode reads overlap compute
 PAGE_CACHE_MODES = ("keep", "bypass")  # experts/store.py: whether reads go through the OS page cache
 IMAGE_URL_MODES = ("off", "on")  # server/images.py: whether the server fetches an image's http(s) URL

@@ -20,7 +20,7 @@ from llm_mlx_streaming.checkpoints.support import UNSUPPORTED, moe_modules
 from llm_mlx_streaming.engine.kv import KVSpec
 from llm_mlx_streaming.engine.loading import load_streaming
 from llm_mlx_streaming.engine.manager import EngineManager
-from llm_mlx_streaming.engine.prefill import TiledAttention, tile_attention
+from llm_mlx_streaming.engine.prefill import TiledMixer, tile_mixers
 from llm_mlx_streaming.engine.request import Request
 from llm_mlx_streaming.errors import CheckpointError
 from test_prefill import same, stock_run
@@ -120,7 +120,7 @@ def test_a_long_prompt_through_attention_taking_more_arguments(build, arch):
     expected = stock_run(stock, prompt, 64)
     loaded = load_streaming(path, expert_slots=TOP_K + 1)
     try:
-        tile_attention(loaded.model, 16)
+        tile_mixers(loaded.model, 16)
         assert same(stock_run(loaded.model, prompt, 64), expected)
     finally:
         loaded.store.close()
@@ -137,7 +137,7 @@ def test_the_tiled_path_passes_on_what_it_does_not_use(build):
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    tiled = TiledAttention(Attention(), tile=4)
+    tiled = TiledMixer(Attention(), tile=4)
     x = mx.zeros((1, 10, 8))
     tiled(x, "causal", KVCache(), None, position=None)  # nothing set: tiled
     assert [n for n, _, _ in seen] == [4, 4, 2]
@@ -186,7 +186,7 @@ def test_a_long_prompt_takes_the_tiled_path_at_every_pool_size(build, arch, pool
     engine = EngineManager()
     engine.load(path, expert_slots=POOLS[pool])
     try:
-        assert tile_attention(engine.loaded.model, 16) > 0
+        assert tile_mixers(engine.loaded.model, 16).wrapped > 0
         assert same(engine_run(engine, prompt, 64), expected)
     finally:
         engine.unload()

@@ -190,6 +190,14 @@ def _slot_runs(slots: list[int], E: int) -> str:
     return "; ".join(runs)
 
 
+def _prefill_text(c: dict) -> str:
+    """"a 20,000-token prompt in 1 call of up to 40,960 tokens (one pass over the experts)"."""
+    passes = "one pass" if c["passes"] == 1 else f"{c['passes']} passes"
+    calls = "1 call" if c["passes"] == 1 else f"{c['passes']} calls"
+    return (f"a {c['prompt_tokens']:,}-token prompt in {calls} of up to {c['chunk_tokens']:,} tokens "
+            f"({passes} over the experts)")
+
+
 def format_plan(plan, hit_rate: float | None = None) -> str:
     """The plan as terminal text: the budget split, slots per layer, whole layers,
     expected peak, and MB read per token at `hit_rate` (or at 0.5, 0.8 and 0.9)."""
@@ -249,6 +257,9 @@ def format_plan(plan, hit_rate: float | None = None) -> str:
             f"{format_size(plan.forecast_mb_per_token(h) * 1e6)} at hit rate {h:g}" for h in rates
         )
         lines.append(f"  {'read per token':<{width}}{forecast}")
+    chunks = plan.chunk_figures()
+    if chunks:
+        lines.append(f"  {'prefill':<{width}}" + "; ".join(_prefill_text(c) for c in chunks["prompts"]))
     if plan.skipped_bytes:
         lines.append(f"  (not counted: {format_size(plan.skipped_bytes)} of tensors mlx-lm drops on load, e.g. MTP heads)")
     return "\n".join(lines)

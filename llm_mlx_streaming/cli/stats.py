@@ -110,9 +110,22 @@ def aggregate(rows: list[dict]) -> dict:
         "syncs": round(total("syncs"), 3),
         "syncs_per_token": round(total("syncs") / generated, 3) if generated else None,
         "peak_memory_bytes": max((_num(x, "peak_memory_bytes") for x in s), default=0),
+        **_prefill_totals(s, total),
         **_long_context_totals(s),
         **_speculation_totals(s, total),
     }
+
+
+def _prefill_totals(s: list[dict], total) -> dict:
+    """What the prompts' prefills read: MB in all and per prefilled token, and the mean
+    of their passes over the experts (engine/prefill.py)."""
+    passes = [x["expert_passes"] for x in s if isinstance(x.get("expert_passes"), (int, float))]
+    if not passes:
+        return {}
+    prefilled = total("prefilled_tokens")
+    return {"prefill_mb_read": round(total("prefill_mb_read"), 3),
+            "prefill_read_seconds": round(total("prefill_read_seconds"), 4),
+            "expert_passes": round(sum(passes) / len(passes), 3)}
 
 
 # -- long context (engine/kv.py) -------------------------------------------------------
@@ -177,6 +190,17 @@ def _speculation_line(st: dict) -> list[str] | None:
     return ["speculation", text]
 
 
+def _prefill_text(st: dict) -> str:
+    """", 0.52 MB read per prompt token (1.1 passes over the experts, 1 call)"."""
+    if not isinstance(st.get("expert_passes"), (int, float)):
+        return ""
+    prefilled = st.get("prefilled_tokens") or 0
+    per_token = f"{st.get('prefill_mb_read', 0) / prefilled:.3g} MB read per prompt token, " if prefilled else ""
+    calls = st.get("prefill_calls")
+    calls = f", {calls} call{'s' if calls != 1 else ''}" if isinstance(calls, int) else ""
+    return f", {per_token}{st['expert_passes']} passes over the experts{calls}"
+
+
 def _stat_lines(st: dict) -> list[list[str]]:
     def n(key, fmt="{}"):
         v = st.get(key)
@@ -186,7 +210,7 @@ def _stat_lines(st: dict) -> list[list[str]]:
     lines = [
         ["prompt tokens", f"{n('prompt_tokens')} (reused {n('reused_tokens')}, prefilled {n('prefilled_tokens')})"],
         ["generated tokens", n("generated_tokens") + (f" (finish: {st['finish_reason']})" if isinstance(st.get("finish_reason"), str) else "")],
-        ["prefill", n("prefill_tps", "{} tok/s")],
+        ["prefill", n("prefill_tps", "{} tok/s") + _prefill_text(st)],
         ["decode", n("decode_tps", "{} tok/s")],
         ["expert hits", f"{n('hits')} hits, {n('misses')} misses"
          + (f" ({hit_rate * 100:.1f}% hit rate)" if isinstance(hit_rate, (int, float)) else "")],

@@ -145,7 +145,7 @@ class PipelineEngine(EngineManager):
         self._request = {"op": "generate", "prompt": [int(t) for t in request.prompt],
                          "max_tokens": max_tokens, "max_context": request.max_context,
                          "kv": [request.kv.bits, request.kv.group_size, request.kv.start],
-                         "prefill_step": request.prefill_step}
+                         "prefill_step": request.chunk(len(request.prompt))}
         self._cache_off = request.conversation_cache is not None
         request = replace(request, conversation_cache=None, snapshots=None, max_tokens=max_tokens,
                           sampler=leading_sampler(self.group, request.make_sampler()))
@@ -205,6 +205,9 @@ class PipelineEngine(EngineManager):
         """Rank 0's word after each prefill chunk but the last (whose token has its own)."""
         if not last:
             self._lead.between_chunks(out)
+
+    def between_groups(self, out) -> None:
+        """Nothing: a pipeline's ranks stop together, at rank 0's word between chunks."""
 
     def _end(self, aborting: bool) -> None:
         """Say the last word of the generation under way (none on a broken pipeline)."""
@@ -292,6 +295,7 @@ def follow(group: Group) -> None:
     rank, carried = _Rank(group, provider), Carried()
     lockstep = Follow(group, rank.heart)
     provider.steps, provider.between_chunks = lockstep.steps, lockstep.between_chunks
+    provider.between_groups = lambda out: None  # the ranks stop together, at rank 0's word
     watch(rank.heart, lambda what: _leave(group, f"no word from rank 0 for {what}"))
     while True:
         try:

@@ -20,11 +20,10 @@ from . import figures as fig
 from ..activity import ACTIVITY
 from .generation import Channel
 from .request import Injected, Request
-from .respond import begin, save_to_disk, stopped, token_logprobs
-from .planner import PREFILL_STEP
-from .snapshots import positions
+from .prefill import suspended
+from .respond import PromptFeeder, begin, save_to_disk, stopped, token_logprobs
 
-TILE = 2048  # longer chunks take TiledAttention's path, written for one sequence's cache
+SHARE_SECONDS = 0.25  # a joining prompt's prefill runs at least this long between the members' passes
 
 
 def alone_reason(request: Request, model) -> str | None:
@@ -76,45 +75,78 @@ class Member:
     last: Any = None  # its last GenerationResponse
     flight: Any = None  # activity.py: the dashboard's request in flight
     reuse: Any = None  # engine/session.Reuse
-    marks: dict = field(default_factory=dict)  # snapshot position -> kind (engine/snapshots.py)
-    snapshots: list = field(default_factory=list)  # [(position, cache)] taken at its marks
+    feeder: Any = None  # engine/respond.PromptFeeder: how its prompt was fed
+    reads: Any = None  # engine/figures.ReadsDuring: what its prompt read, up to its first token
+    snapshots: list = field(default_factory=list)  # [(position, cache)] taken as its prompt was fed
 
 
 class Batch:
     """The running batch: `admit` requests, `step` until no member is left."""
 
-    def __init__(self, engine, capacity: int, prefill_step: int | None) -> None:
+    def __init__(self, engine, capacity: int) -> None:
         from mlx_lm.generate import BatchGenerator
 
         self.engine, self.capacity = engine, capacity
-        self.prefill_step = min(prefill_step or PREFILL_STEP, TILE)
+        # members join with one prompt token left: the generator's own prefill is that token
         self.generator = BatchGenerator(engine.loaded.model, completion_batch_size=capacity,
-                                        prefill_batch_size=capacity, prefill_step_size=self.prefill_step)
+                                        prefill_batch_size=capacity)
         self.members: dict[int, Member] = {}
+        self.pass_seconds = 0.0  # the last pass's
         ACTIVITY.batch = self  # its KV caches, for the dashboard's memory figures
 
     def admit(self, request: Request, out: Channel) -> None:
-        """Start `request`: its cached prefix, then queued for prefill with the next pass."""
+        """Start `request`: its cached prefix, its prompt fed as a request alone is fed
+        (engine/prefill.py: in expert chunks, snapshots taken as it goes) while the
+        members already decoding go on between its expert groups, then it joins the
+        batch for its last prompt token."""
         from mlx_lm.generate import StopSequences
 
         engine = self.engine
         b = begin(engine, request, out, engine.carried, engine.max_tokens)
         engine.session.reset()  # the batch owns that cache now; a later request must not trim it
         tokenizer = engine.loaded.tokenizer
-        store = engine.session.snapshots
-        marks = dict(positions(b.reused, len(b.prompt), request.boundaries, store.spec.every)) if store else {}
-        cuts = [b.reused, *marks, len(b.prompt)]  # mlx-lm ends a prefill chunk at each segment's end
-        (uid,) = self.generator.insert_segments(
-            [[b.prompt[i:j] for i, j in zip(cuts, cuts[1:])]], max_tokens=[b.max_tokens], caches=[b.cache],
-            all_tokens=[b.prompt[:b.reused]],
+        member = Member(request, out, b.prompt, b.reused, len(b.new_tokens), b.kv, b.kv_note, b.disk, b.from_disk,
+                        StopMatcher(request.stop), tokenizer.detokenizer, engine.counters(), reuse=b.reuse)
+        step = request.chunk(len(b.prompt), held=self.kv_bytes())
+        member.flight = ACTIVITY.begin(len(b.prompt), b.reused, len(b.new_tokens), step, len(engine.loaded.layers))
+        member.reads = fig.ReadsDuring(engine)
+        member.feeder = PromptFeeder(engine.loaded, b.cache, engine.session.snapshots, request, b.prompt, b.reused,
+                                     b.kv, step, lambda done: ACTIVITY.prefilled(member.flight, done - b.reused),
+                                     self._between(out))
+        try:
+            fed = member.feeder()
+        except BaseException:
+            ACTIVITY.end(member.flight)
+            raise
+        member.snapshots = member.feeder.fed.snapshots
+        (uid,) = self.generator.insert(
+            [b.prompt[fed:]], max_tokens=[b.max_tokens], caches=[b.cache], all_tokens=[b.prompt[:fed]],
             samplers=[request.make_sampler()], logits_processors=[list(request.logits_processors)],
             stop_sequences=[StopSequences([[t] for t in tokenizer.eos_token_ids])],
         )
-        self.members[uid] = Member(request, out, b.prompt, b.reused, len(b.new_tokens), b.kv, b.kv_note, b.disk,
-                                   b.from_disk, StopMatcher(request.stop), tokenizer.detokenizer, engine.counters(),
-                                   reuse=b.reuse, marks=marks)
-        self.members[uid].flight = ACTIVITY.begin(len(b.prompt), b.reused, len(b.new_tokens), self.prefill_step,
-                                                  len(engine.loaded.layers))
+        self.members[uid] = member
+
+    def _between(self, out: Channel):
+        """What a joining request's prefill does between its tiles and expert groups: it
+        stops if its caller has gone, and once it has run as long as the members' last
+        pass took (at least `SHARE_SECONDS`), the members decode a token (one pass), so a
+        long prompt joining does not stall the replies under way."""
+        last = time.perf_counter()
+
+        def between() -> None:
+            nonlocal last
+            out.check_cancelled()
+            now = time.perf_counter()
+            if self.members and now - last >= max(SHARE_SECONDS, self.pass_seconds):
+                with suspended():
+                    try:
+                        self.step()
+                    except BaseException as e:
+                        self.fail(e)  # the members get the pass's error; the joining request too
+                        raise
+                last = time.perf_counter()
+
+        return between
 
     def kv_bytes(self) -> int:
         """Bytes of the batch's KV caches: mlx-lm's BatchGenerator keeps them in its prompt
@@ -125,34 +157,22 @@ class Batch:
                    for part in ("_prompt_batch", "_generation_batch"))
 
     def step(self) -> None:
-        """One pass: every member's next token, then the next chunk of a new member's
-        prompt; members that finished or were cancelled leave."""
+        """One pass: every member's next token (a member that just joined, its last
+        prompt token); members that finished or were cancelled leave."""
         for uid in [u for u, m in self.members.items() if m.out.cancel.is_set()]:
             self._leave(uid, kept=False)
         if not self.members:
             return
-        before = syncs.count()
-        prompts, responses = self.generator.next()
-        for p in prompts:  # prefill progress, per chunk
-            if p.uid in self.members:
-                ACTIVITY.prefilled(self.members[p.uid].flight, p.progress[0])
-                self._snapshot(p)
+        before, start = syncs.count(), time.perf_counter()
+        _, responses = self.generator.next()
+        self.pass_seconds = time.perf_counter() - start
         share = (syncs.count() - before) / len(self.members)
         for member in self.members.values():
             member.syncs += share
             member.largest = max(member.largest, len(self.members))
-        for r in responses:
-            self._emit(r)
-
-    def _snapshot(self, p) -> None:
-        """Keep a snapshot of a member's cache where its prompt reached one of its marks."""
-        member = self.members[p.uid]
-        position = member.reused + p.progress[0]
-        if not p.end_of_segment or p.end_of_prompt or position not in member.marks:
-            return
-        cache, tokens = self.generator.extract_cache([p.uid])[p.uid]
-        kept = self.engine.session.snapshots.take(member.kv, list(tokens), cache, member.marks[position], copied=True)
-        member.snapshots.append((position, kept))
+        for r in list(responses):
+            if r.uid in self.members:
+                self._emit(r)
 
     def _emit(self, r) -> None:
         from mlx_lm.generate import GenerationResponse
@@ -162,6 +182,7 @@ class Batch:
         now = time.perf_counter()
         if member.first is None:
             member.first = now
+            member.reads.stop()
         member.tokens += 1
         ACTIVITY.token(member.flight)
         if r.finish_reason != "stop":  # mlx-lm shows no text for the end-of-sequence token
@@ -198,7 +219,8 @@ class Batch:
                                      member.prefilled, seconds, member.syncs)
         stats.update(figures_for(member.request).as_dict())
         ttft = None if member.first is None else member.first - member.start
-        stats.update(fig.kv_figures(cache, member.kv, member.kv_note, self.prefill_step, ttft))
+        stats.update(fig.kv_figures(cache, member.kv, member.kv_note, member.feeder.step, ttft))
+        stats.update(fig.prefill_figures(member.reads, member.feeder.fed, engine.loaded))
         stats.update(fig.reuse_figures(member.reuse, engine.session.snapshots, len(member.snapshots)))
         stats["batch"] = member.largest
         if member.stops.hit is not None:

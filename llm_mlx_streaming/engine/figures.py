@@ -119,6 +119,39 @@ def reuse_figures(reuse, snapshots, taken: int) -> dict:
     return figures
 
 
+class ReadsDuring:
+    """The pools' counters from now until `stop()`: what a prompt's prefill read."""
+
+    def __init__(self, provider):
+        self.provider = provider
+        self.before = provider.counters()
+        self.after = None
+
+    def stop(self) -> None:
+        if self.after is None:
+            self.after = self.provider.counters()
+
+    def delta(self) -> PoolCounters:
+        after = self.after or self.provider.counters()
+        return PoolCounters(**{f.name: getattr(after, f.name) - getattr(self.before, f.name) for f in fields(PoolCounters)})
+
+
+def prefill_figures(reads: ReadsDuring, fed, loaded) -> dict:
+    """What a prompt's prefill read, up to its first token: `expert_passes` is the experts
+    read (on demand or ahead) over the routed experts of all MoE layers, 1.0 being one
+    read of each (engine/prefill.py); its model calls and what it could not tile."""
+    delta = reads.delta()
+    experts = sum(pool.num_experts for pool in (loaded.pools if loaded else []) if pool is not None)
+    read = delta.misses + delta.prefetch_loads
+    return {
+        "expert_passes": round(read / experts, 3) if experts else None,
+        "prefill_mb_read": round(delta.bytes_read / 1e6, 3),
+        "prefill_read_seconds": round(delta.read_seconds, 4),
+        "prefill_calls": fed.calls,
+        **({"untiled_calls": fed.untiled} if fed.untiled else {}),
+    }
+
+
 def kv_figures(cache, kv, kv_note, prefill_step: int, ttft: float | None) -> dict:
     """The KV cache a generation left and how its prompt was prefilled."""
     figures = {

@@ -18,6 +18,7 @@ from ..checkpoints.config import config_field, decoder_shape, expert_container_p
 from ..checkpoints.vision import is_vision_tensor, takes_images
 from ..errors import CheckpointError
 from ..experts.index import CheckpointIndex
+from ..values import ROUTES_AT_ONCE
 from .kv import FULL_PRECISION, KVSpec, blocker, config_rewinds
 from .kv import bytes_per_element as bytes_per_element_of
 from .vision_footprint import typical_image_tokens
@@ -239,32 +240,61 @@ def kv_cache_bytes(
     return total, text
 
 
-# -- the prefill chunk ---------------------------------------------------------------
+# -- the prefill's expert chunk ----------------------------------------------------------
 
 
-ATTENTION_TILE = 2048  # engine/prefill.py: attention takes a long chunk in tiles of this many tokens
+ATTENTION_TILE = 2048  # engine/prefill.py: every mixer takes a long call in tiles of this many tokens
 
 
-def prefill_bytes_per_token(config: dict, top_k: int, bytes_per_element: int | None = None) -> int:
-    """Activation bytes one prompt token of a prefill chunk holds at once (an estimate):
-    hidden states, queries, keys and values, about 8 x hidden + (heads + 2 x kv_heads)
-    x head_dim elements; and its expert routes, top_k x (2 x hidden + 3 x expert width)
-    elements (the gathered rows, gate, up, their product, the output rows)."""
+def prefill_bytes_per_token(config: dict, top_k: int, num_experts: int, bytes_per_element: int | None = None) -> int:
+    """What one prompt token of an expert chunk holds at once while a decoder layer runs
+    (engine/prefill.py): its hidden states (the residual stream, the normed input, the
+    mixer's output, the MoE block's input and output: 6 x hidden), the outputs of its
+    expert routes twice (the container's, and the block's product with the scores:
+    2 x top_k x hidden), the router's scores (2 x experts, float32) and a shared expert's
+    or a dense layer's gate, up and product (3 x its width) over the whole chunk. The
+    mixers' work is one tile's and the experts' one group of routes' (`prefill_tile_bytes`)."""
+    width = bytes_per_element or _activation_bytes(config)
+    _, hidden, _ = decoder_shape(config)
+    elements = 6 * hidden + 2 * top_k * hidden + 3 * _whole_chunk_width(config)
+    return elements * width + 2 * num_experts * 4
+
+
+def _whole_chunk_width(config: dict) -> int:
+    """The widest feed-forward the whole chunk goes through besides the routed experts:
+    a shared expert, or the dense layers of a model that has some."""
+    shared = config_field(config, ("shared_expert_intermediate_size",)) or 0
+    if not shared and config_field(config, ("n_shared_experts",)):
+        shared = int(config_field(config, ("n_shared_experts",))) * int(
+            config_field(config, ("moe_intermediate_size",)) or 0)
+    dense = 0
+    if config_field(config, ("first_k_dense_replace", "mlp_only_layers")) or \
+            (config_field(config, ("decoder_sparse_step",)) or 1) > 1:
+        dense = config_field(config, ("intermediate_size",)) or 0
+    return int(max(shared, dense))
+
+
+def prefill_tile_bytes(config: dict, top_k: int, keys: int, fused_attention: bool,
+                       bytes_per_element: int | None = None) -> int:
+    """What a prefill holds besides its tokens' own bytes: one tile's attention scores
+    against `keys` keys (tile x heads x keys float32, which mlx materializes on the CPU
+    and for a quantized cache; none in Metal's fused attention, `fused_attention`), the
+    tile's queries, keys, values and linear-attention projections, and one part of an
+    expert group's routes (ROUTES_AT_ONCE x (2 x hidden + 3 x expert width): the gathered
+    rows, gate, up, their product, the outputs)."""
     width = bytes_per_element or _activation_bytes(config)
     _, hidden, heads = decoder_shape(config)
     kv_heads = int(config_field(config, ("num_key_value_heads",)) or heads)
     head_dim = int(config_field(config, ("head_dim",)) or hidden // heads)
     expert_width = int(config_field(config, ("moe_intermediate_size", "intermediate_size")) or hidden)
-    elements = 8 * hidden + (heads + 2 * kv_heads) * head_dim + top_k * (2 * hidden + 3 * expert_width)
-    return elements * width
-
-
-def attention_tile_bytes(config: dict, context: int) -> int:
-    """The scores of one attention tile against `context` keys: tile x heads x context
-    float32 values, what mlx materializes on the CPU and for a quantized cache (Metal's
-    fused kernel for a full-precision cache does not, so there this over-estimates)."""
-    heads = decoder_shape(config)[2]
-    return ATTENTION_TILE * heads * context * 4
+    hv = int(config_field(config, ("linear_num_value_heads",)) or 0)
+    dv = int(config_field(config, ("linear_value_head_dim",)) or 0)
+    hk = int(config_field(config, ("linear_num_key_heads",)) or 0)
+    dk = int(config_field(config, ("linear_key_head_dim",)) or 0)
+    scores = 0 if fused_attention else ATTENTION_TILE * heads * keys * 4
+    projections = ATTENTION_TILE * (2 * (heads + 2 * kv_heads) * head_dim + 3 * (2 * hk * dk + 2 * hv * dv)) * width
+    routes = ROUTES_AT_ONCE * (2 * hidden + 3 * expert_width) * width
+    return scores + projections + routes
 
 
 # -- one model's share of a budget -----------------------------------------------------

@@ -30,7 +30,7 @@ from ..experts.pool import ExpertPool
 from ..experts.prefetch import Overlap, find_router
 from ..experts.store import DEFAULT_THREADS, ExpertStore
 from ..experts.switch import StreamingExperts, attach_pool, expert_containers
-from .prefill import tile_attention
+from .prefill import tile_mixers
 
 
 @dataclass
@@ -145,7 +145,7 @@ def load_streaming(
         loaded.store.close()
         raise
     if processor is None:
-        tile_attention(model)  # long prefill chunks: attention in tiles (engine/prefill.py)
+        tile_mixers(model)  # a prompt in one call per expert chunk, every mixer in tiles (engine/prefill.py)
     # Also the arrays modules keep outside their parameters (RoPE frequencies): left lazy,
     # they would be evaluated first on the engine thread, which lacks the loading
     # thread's streams.

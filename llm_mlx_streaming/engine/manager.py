@@ -151,7 +151,7 @@ class EngineManager(ModelProvider):
             return ((their_load is None or their_load == load) and theirs.max_batch > len(running.members)
                     and alone_reason(theirs, self.loaded.model) is None)
 
-        running = Batch(self, capacity, request.prefill_step)
+        running = Batch(self, capacity)
         running.admit(request, out)
         try:
             while running.members:

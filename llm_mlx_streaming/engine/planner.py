@@ -21,24 +21,30 @@ from __future__ import annotations
 
 import math
 import os
+import platform
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 from ..sizes import format_size, parse_size
 from ..values import DEFAULT_MAX_CONTEXT, KV_SHARE
-from .footprint import ATTENTION_TILE, KV_STEP, PREFILL_STEP, Layout, attention_tile_bytes, checkpoint_layout, kv_cache_bytes, prefill_bytes_per_token
+from ..checkpoints.config import decoder_shape
+from .footprint import (ATTENTION_TILE, KV_STEP, PREFILL_STEP, Layout, checkpoint_layout, kv_cache_bytes,
+                        prefill_bytes_per_token, prefill_tile_bytes)
 from .kv import FULL_PRECISION, KVSpec, check_model, config_rewinds
 
 __all__ = [
     "ATTENTION_TILE",
     "DEFAULT_HIT_RATES",
     "DEFAULT_MAX_CONTEXT",
+    "ExpertChunk",
     "KV_STEP",
     "PREFILL_STEP",
     "Plan",
     "PlanError",
     "checkpoint_layout",
     "default_reserve",
+    "expert_chunk",
     "kv_cache_bytes",
     "plan_memory",
     "prefill_step_for",
@@ -48,6 +54,7 @@ MiB = 1024**2
 RESERVE_FLOOR = 256 * MiB  # fixed runtime overhead: MLX/Metal, tokenizer, Python
 RESERVE_FRACTION = 0.05  # scales with the working set (activations, allocator slack)
 WHOLE_FROM = 0.5  # every layer holds this share of its experts before any layer is whole
+AGENT_PROMPT = 20000  # an agent's first turn: system prompt and tools (`llm mlxs plan` shows its prefill)
 DEFAULT_HIT_RATES = (0.5, 0.8, 0.9)
 
 
@@ -60,7 +67,66 @@ def default_reserve(budget: int) -> int:
     return max(RESERVE_FLOOR, int(RESERVE_FRACTION * budget))
 
 
-# -- the prefill chunk ---------------------------------------------------------------
+# -- the prefill's expert chunk ----------------------------------------------------------
+
+
+def fused_attention(kv: KVSpec | None) -> bool:
+    """Whether attention keeps no scores (Metal's fused kernel over a full-precision
+    cache, on an Apple silicon Mac); the CPU backend and a quantized cache keep them."""
+    return sys.platform == "darwin" and platform.machine() == "arm64" and not (kv and kv.quantized)
+
+
+@dataclass(frozen=True)
+class ExpertChunk:
+    """How many prompt tokens one model call of a prefill may hold (engine/prefill.py):
+    each MoE layer reads every expert a call routes to once, so a prompt that fits one
+    call is read in one pass over the experts.
+
+    The room is the plan's working reserve plus the part of the KV cache planned for
+    `context` tokens that the prompt leaves unused; each token of the call takes
+    `per_token`, the call's tile and route group `fixed`, and a tile's attention scores
+    `scores_per_key` per key it attends to."""
+
+    reserve: int
+    layout: Layout = field(repr=False, compare=False)
+    kv: KVSpec
+    context: int
+    per_token: int
+    fixed: int
+    scores_per_key: int
+
+    def kv_bytes(self, tokens: int) -> int:
+        return kv_cache_bytes(self.layout.config, tokens, None, self.kv, self.layout.kv_blocker,
+                              self.layout.image_tokens)[0]
+
+    def tokens(self, prompt: int, held: int = 0) -> int:
+        """The chunk a prompt of `prompt` tokens is fed in, with `held` bytes of other
+        sequences' caches in the room: a multiple of the tile, at least one tile."""
+        prompt = min(max(prompt, 1), self.context)
+        room = self.reserve + self.kv_bytes(self.context) - self.kv_bytes(prompt) - held
+        room -= self.fixed + self.scores_per_key * prompt
+        fits = max(0, room) // self.per_token // ATTENTION_TILE * ATTENTION_TILE
+        ceiling = -(-self.context // ATTENTION_TILE) * ATTENTION_TILE
+        return int(max(ATTENTION_TILE, min(fits, ceiling)))
+
+    def passes(self, prompt: int) -> int:
+        """Model calls, so passes over the experts, a cold prompt of `prompt` tokens takes."""
+        return -(-max(prompt - 1, 1) // self.tokens(prompt))
+
+
+def expert_chunk(layout: Layout, budget: int, *, max_context: int | None = DEFAULT_MAX_CONTEXT,
+                 kv: KVSpec | None = None, reserve_bytes: int | None = None, fused: bool | None = None) -> ExpertChunk:
+    """The ExpertChunk of `layout` under `budget` bytes (the plan's reserve and KV room)."""
+    kv = kv or FULL_PRECISION
+    fused = fused_attention(kv) if fused is None else fused
+    top_k = max(1, layout.top_k)
+    return ExpertChunk(
+        reserve=default_reserve(budget) if reserve_bytes is None else reserve_bytes,
+        layout=layout, kv=kv, context=max_context or DEFAULT_MAX_CONTEXT,
+        per_token=prefill_bytes_per_token(layout.config, top_k, max(1, layout.num_experts)),
+        fixed=prefill_tile_bytes(layout.config, top_k, 0, fused),
+        scores_per_key=0 if fused else ATTENTION_TILE * decoder_shape(layout.config)[2] * 4,
+    )
 
 
 def prefill_step_for(
@@ -71,27 +137,13 @@ def prefill_step_for(
     kv: KVSpec | None = None,
     reserve_bytes: int | str | None = None,
     layout: Layout | None = None,
-) -> int:
-    """Prompt tokens per prefill chunk for a memory budget ("auto" prefill_step).
-
-    Each expert a chunk routes to is read at most once per chunk (experts/switch.py),
-    so the bytes read per prompt token fall as the chunk grows. Attention takes a long
-    chunk in tiles (engine/prefill.py), so what a chunk adds per token is its hidden
-    states and expert routes; those, plus one tile's attention scores, must fit the
-    plan's working reserve. The step is the largest multiple of 256 tokens that fits,
-    never below mlx-lm's 2048 and never above max_context (rounded up to 256).
-    `kv` does not change the step: the chunk's own keys are quantized only once stored.
-    `layout`: the checkpoint's, when the caller has read it already.
-    """
-    budget = parse_size(budget_bytes)
-    context = max_context or DEFAULT_MAX_CONTEXT
+) -> ExpertChunk:
+    """The expert chunk of the checkpoint at `path` for a memory budget ("auto"
+    prefill_step): `.tokens(prompt)` is the chunk a prompt of that length is fed in.
+    `layout`: the checkpoint's, when the caller has read it already."""
     layout = layout or checkpoint_layout(path)
-    reserve = default_reserve(budget) if reserve_bytes is None else parse_size(reserve_bytes)
-    per_token = prefill_bytes_per_token(layout.config, max(1, layout.top_k))
-    room = reserve - attention_tile_bytes(layout.config, context)
-    fits = max(0, room) // per_token // KV_STEP * KV_STEP
-    ceiling = -(-context // KV_STEP) * KV_STEP
-    return int(max(PREFILL_STEP, min(fits, ceiling)))
+    reserve = None if reserve_bytes is None else parse_size(reserve_bytes)
+    return expert_chunk(layout, parse_size(budget_bytes), max_context=max_context, kv=kv, reserve_bytes=reserve)
 
 
 # -- the plan ------------------------------------------------------------------------
@@ -129,6 +181,7 @@ class Plan:
     image_tokens: int = 0  # tokens of one typical image, planned into the KV cache beyond max_context
     image_note: str = ""
     snapshot_bytes: int = 0  # prompt snapshots of a cache that cannot be rewound (engine/snapshots.py)
+    expert_chunk: ExpertChunk | None = field(default=None, repr=False)  # a prefill's model call, by prompt
 
     @property
     def unused_bytes(self) -> int:
@@ -152,7 +205,19 @@ class Plan:
         """JSON-ready form (for `llm mlxs plan --json`)."""
         d = asdict(self)
         d["unused_bytes"] = self.unused_bytes
+        d["expert_chunk"] = self.chunk_figures()
         return d
+
+    def chunk_figures(self) -> dict | None:
+        """The expert chunk (engine/prefill.py) for an agent's first prompt and for one as
+        long as the context: tokens per model call, and the passes over the experts."""
+        chunk = self.expert_chunk
+        if chunk is None:
+            return None
+        prompts = sorted({min(AGENT_PROMPT, self.max_context), self.max_context})
+        return {"bytes_per_token": chunk.per_token, "fixed_bytes": chunk.fixed,
+                "prompts": [{"prompt_tokens": n, "chunk_tokens": chunk.tokens(n), "passes": chunk.passes(n)}
+                            for n in prompts]}
 
 
 def model_context(config: dict) -> int:
@@ -270,6 +335,7 @@ def plan_memory(
         vision_bytes=layout.vision_bytes,
         image_tokens=layout.image_tokens,
         image_note=layout.image_note,
+        expert_chunk=expert_chunk(layout, budget, max_context=max_context, kv=kv_layout, reserve_bytes=reserve),
     )
 
 

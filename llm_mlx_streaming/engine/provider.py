@@ -197,6 +197,12 @@ class ModelProvider:
         rank 0's word instead, so every rank stops at the same chunk."""
         out.check_cancelled()
 
+    def between_groups(self, out) -> None:
+        """After each tile and expert group of a prefill's model call (engine/prefill.py),
+        which on a long prompt can run for minutes: a generation whose caller has gone
+        stops here. A pipeline rank does not: its ranks stop together between chunks."""
+        out.check_cancelled()
+
     # -- what the pools hold and did -------------------------------------------------
     def slots_per_layer(self) -> int | list[int] | None:
         """Slots per MoE layer: one number when every layer has the same."""

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from ..experts.policies import DEFAULT_POLICY
+from .footprint import PREFILL_STEP
 from .kv import FULL_PRECISION, KVSpec
 
 if TYPE_CHECKING:
@@ -103,9 +104,19 @@ class Request:
     injected: Injected = Injected()  # tests' and benchmarks' stand-ins
     # -- long context (engine/kv.py) --
     kv: KVSpec = FULL_PRECISION  # how the attention cache is kept (quantized or not)
-    prefill_step: Optional[int] = None  # prompt tokens per prefill chunk (None: mlx-lm's 2048)
+    # prompt tokens per model call of the prefill (engine/prefill.py): a number, or for auto
+    # the model's engine/planner.ExpertChunk, which sizes it by the prompt; None: mlx-lm's 2048
+    prefill_step: Union[int, Any, None] = None
     max_batch: int = 1  # the largest batch it may join (engine/batch.py); 1: it runs alone
     vision: Optional[VisionInput] = None  # the prompt's images (a vision-language model)
+
+    def chunk(self, prompt: int, held: int = 0) -> int:
+        """Prompt tokens per model call of the prefill of a `prompt`-token prompt, with
+        `held` bytes of other sequences' caches beside it."""
+        step = self.prefill_step
+        if step is None:
+            return PREFILL_STEP
+        return step if isinstance(step, int) else step.tokens(prompt, held)
 
     def make_sampler(self):
         import mlx.core as mx

@@ -26,7 +26,7 @@ from .request import Request
 from .session import Reuse
 from .disk_cache import DiskCache, namespace
 from .kv import KVError, layout_for, make_cache
-from .planner import PREFILL_STEP
+from .prefill import Fed, feed
 from .trace import TraceRecorder
 
 
@@ -54,9 +54,9 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
     prompt, max_tokens, kv, kv_note = begun.prompt, begun.max_tokens, begun.kv, begun.kv_note
     cache, new_tokens, reused, disk, from_disk = begun.cache, begun.new_tokens, begun.reused, begun.disk, begun.from_disk
 
-    prefill_step = request.prefill_step or PREFILL_STEP
+    step = request.chunk(len(prompt))  # prompt tokens per model call of the prefill (engine/prefill.py)
     # the dashboard's request in flight (activity.py)
-    flight = ACTIVITY.begin(len(prompt), reused, len(new_tokens), prefill_step, len(loaded.layers))
+    flight = ACTIVITY.begin(len(prompt), reused, len(new_tokens), step, len(loaded.layers))
 
     def prefilled(done: int, last: bool = False) -> None:
         provider.between_chunks(out, last)
@@ -70,18 +70,20 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
     recorder = _recorder(loaded, request.trace_path)
     stops = StopMatcher(request.stop)
     run = None
+    prompt_reads = fig.ReadsDuring(provider)
+    embeddings = None
+    if loaded.takes_images:  # the whole prompt's embeddings, images in place; fed from `reused` on
+        embeddings = loaded.model.embed(prompt, request.vision)[reused:]
+    feeder = PromptFeeder(loaded, cache, session.snapshots, request, prompt, reused, kv, step,
+                          lambda done: prefilled(done - reused), lambda: provider.between_groups(out), embeddings)
     try:
-        fed, snapshots = snapshot_prefill(loaded, session, request, prompt, reused, kv, prefill_step,
-                                          lambda done: prefilled(done - reused))
         try:
             figures = spec.figures_for(request)
             if figures.k != 0:  # k > 0 runs the draft-and-verify loop
                 figures.speculation_off = spec.off_reason(request, loaded)
                 if figures.speculation_off is None:
-                    run = spec.make_run(request, loaded, cache, prompt[:fed], prompt[fed:], max_tokens,
-                                        carried.drafters, figures, prefill_step=prefill_step,
-                                        kv_kwargs=kv.generate_kwargs(),
-                                        progress=lambda done, total: prefilled(fed - reused + done))
+                    run = spec.make_run(request, loaded, cache, prompt[:reused], prompt[reused:], max_tokens,
+                                        carried.drafters, figures, feed=feeder, kv_kwargs=kv.generate_kwargs())
         except (ValueError, spec.DraftError) as e:
             raise EngineError(one_line(e)) from None
         if run is not None:
@@ -89,21 +91,20 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
 
             responses = stream_speculative(run, loaded.tokenizer)
         else:
-            embeddings = None
-            if loaded.takes_images:  # the whole prompt's embeddings, images in place; fed from `reused` on
-                embeddings = loaded.model.embed(prompt, request.vision)[reused:]
+            fed = feeder(None)
             responses = stream_generate(
-                loaded.model, loaded.tokenizer, prompt[fed:], input_embeddings=embeddings,
+                loaded.model, loaded.tokenizer, prompt[fed:],
+                input_embeddings=None if embeddings is None else embeddings[fed - reused:],
                 max_tokens=max_tokens, sampler=request.make_sampler(),
                 logits_processors=with_history(request.logits_processors, prompt[:fed]) or None,
-                prompt_cache=cache,
-                prefill_step_size=prefill_step, **kv.generate_kwargs(),
+                prompt_cache=cache, **kv.generate_kwargs(),
                 prompt_progress_callback=lambda done, total: prefilled(fed - reused + done, done == total),
             )
         responses = provider.steps(responses)
         for response in responses:
             if ttft is None:
                 ttft = time.perf_counter() - start
+                prompt_reads.stop()
             ACTIVITY.token(flight)
             out.check_cancelled()
             generated.append(response.token)
@@ -121,12 +122,12 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
         mx.synchronize()  # nothing may still read a slot when the pools change
         if recorder is not None:
             recorder.__exit__(None, None, None)
-    session.fed(prompt[reused:fed])
     if run is not None:
-        session.fed(run.fed)  # the drafts it rejected were rolled back
+        session.fed(run.fed)  # its prompt and what it kept (the drafts it rejected were rolled back)
     else:
-        session.fed(prompt[fed:])
+        session.fed(prompt[reused:])
         session.fed(generated)
+    snapshots = feeder.fed.snapshots
     stats = fig.response_figures(provider, before, last, len(prompt), reused, len(new_tokens),
                                  time.perf_counter() - start, syncs.count() - syncs_before)
     if stops.hit is not None:
@@ -134,7 +135,8 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
     if request.conversation_cache is not None and (off := disk_cache_off(loaded, request)):
         stats["disk_cache_off"] = off
     stats.update(figures.as_dict())
-    stats.update(fig.kv_figures(session.cache, kv, kv_note, prefill_step, ttft))
+    stats.update(fig.kv_figures(session.cache, kv, kv_note, step, ttft))
+    stats.update(fig.prefill_figures(prompt_reads, feeder.fed, loaded))
     stats.update(fig.reuse_figures(begun.reuse, session.snapshots, len(snapshots)))
     if recorder is not None:
         _write_trace(recorder, request.trace_path, provider.checkpoint.name, stats, carried.warned)
@@ -142,19 +144,35 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
     return stats
 
 
-def snapshot_prefill(loaded, session, request: Request, prompt: list[int], reused: int, kv, step: int,
-                     on_chunk) -> tuple[int, list]:
-    """Prefill up to the last snapshot position of `prompt` past `reused`, keeping a
-    snapshot at each (engine/snapshots.py), when the session keeps them; returns (the
-    tokens now in the cache, the [(position, snapshot)] taken)."""
-    from .snapshots import feed, positions
+class PromptFeeder:
+    """Feeds a prompt but its last token into `cache` (engine/prefill.py): model calls of
+    `step` tokens, a snapshot kept at each of the request's positions where `snapshots`
+    (the model's store) keeps them, `between()` after each tile and expert group (a
+    cancellation, other requests' decode steps). Called once, by the plain path, a
+    speculative run (with its own forward, for a drafter that reads hidden states) or a
+    batch member before it joins."""
 
-    if session.snapshots is None or disk_cache_off(loaded, request):  # images: tokens do not tell them apart
-        return reused, []
-    marks = positions(reused, len(prompt), request.boundaries, session.snapshots.spec.every)
-    if not marks:
-        return reused, []
-    return feed(loaded.model, session.cache, prompt, reused, marks, step, kv, session.snapshots, on_chunk)
+    def __init__(self, loaded, cache, snapshots, request: Request, prompt: list[int], reused: int, kv, step: int,
+                 on_chunk, between, embeddings=None):
+        self.loaded, self.cache, self.snapshots, self.request = loaded, cache, snapshots, request
+        self.prompt, self.reused, self.kv, self.step = prompt, reused, kv, step
+        self.on_chunk, self.between, self.embeddings = on_chunk, between, embeddings
+        self.fed = Fed(reused, [])
+
+    def __call__(self, forward=None) -> int:
+        """Feed prompt[reused:-1]; returns the tokens now in the cache."""
+        from .snapshots import positions
+
+        store, request = self.snapshots, self.request
+        marks = {}
+        if store is not None and not disk_cache_off(self.loaded, request):
+            marks = dict(positions(self.reused, len(self.prompt), request.boundaries, store.spec.every))
+        self.fed = feed(self.loaded.model, self.cache, self.prompt, self.reused, len(self.prompt) - 1,
+                        chunk=self.step, marks=marks, kv=self.kv, on_chunk=self.on_chunk, between=self.between,
+                        embeddings=self.embeddings, forward=forward)
+        self.fed.snapshots = [(at, store.take(self.kv, self.prompt[:at], cache, marks[at], copied=True))
+                              for at, cache in self.fed.snapshots]
+        return self.fed.tokens
 
 
 @dataclass

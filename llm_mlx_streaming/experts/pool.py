@@ -161,20 +161,22 @@ class ExpertPool:
         self.counters.evictions += 1
         return slot
 
-    def start_prefetch(self, predicted) -> int:
+    def start_prefetch(self, predicted, keep=()) -> int:
         """Begin reading the `predicted` experts that are not resident, in the
-        background, into free slots or the slots of victims outside `predicted`.
+        background, into free slots or the slots of victims outside `predicted` and
+        `keep` (experts a computation in flight reads).
 
         Nothing is published (and no policy told) until `settle_prefetch`, which every
         other use of the pool runs first; returns the number of experts started."""
         self.settle_prefetch()
         predicted = list(dict.fromkeys(int(e) for e in predicted))
-        room = self.slots - sum(1 for e in predicted if self.slot_of[e] >= 0)
+        protected = set(predicted) | {int(e) for e in keep if self.slot_of[int(e)] >= 0}
+        room = self.slots - sum(1 for e in protected if self.slot_of[e] >= 0)
         wanted = [e for e in predicted if self.slot_of[e] < 0][: max(room, 0)]
         if not wanted:
             return 0
         try:
-            targets = [(e, self._take_slot(set(predicted))) for e in wanted]
+            targets = [(e, self._take_slot(protected)) for e in wanted]
             self._ahead = (targets, self.store.background(self._read, targets))
         except BaseException:
             self._reconcile()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import threading
+from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -17,12 +18,37 @@ from mlx.utils import tree_unflatten
 
 from .. import syncs
 from ..activity import ACTIVITY
+from ..values import ROUTES_AT_ONCE
 from .index import LayerExperts
 from .pool import ExpertPool
 from .store import ExpertStore
 
 SORT_THRESHOLD = 64  # mlx-lm's SwitchGLU sorts routes by expert from this many on
-_local = threading.local()  # MLX streams belong to the thread that made them
+_local = threading.local()  # MLX streams belong to the thread that made them, and hooks to their prefill
+
+
+@contextmanager
+def tracing_only():
+    """Calls on this thread return zeros of the right shape, computing and reading
+    nothing: a model call that only follows which modules take which cache
+    (engine/prefill.py) costs no expert read."""
+    _local.tracing = True
+    try:
+        yield
+    finally:
+        _local.tracing = False
+
+
+@contextmanager
+def between_groups(hook):
+    """Call `hook()` on this thread between the expert groups of a long call (a prompt's
+    expert chunk): a request's cancellation, other requests' decode steps. None: none."""
+    outer = getattr(_local, "between", None)
+    _local.between = hook
+    try:
+        yield
+    finally:
+        _local.between = outer
 
 
 def side_stream():
@@ -47,6 +73,8 @@ class StreamingExperts(nn.Module):
         self.ahead = None  # (next MoE layer's module, its Router): what to read ahead for
 
     def __call__(self, x: mx.array, indices: mx.array, *args, **kwargs) -> mx.array:
+        if getattr(_local, "tracing", False):
+            return mx.zeros((*indices.shape, x.shape[-1]), dtype=x.dtype)
         pool = self.pool
         if args or kwargs:
             return self._passing_on(x, indices, args, kwargs)
@@ -56,7 +84,8 @@ class StreamingExperts(nn.Module):
         # A decode step or a short verify pass (speculation): below mlx-lm's sorting
         # threshold every route is computed alone, so the routes may be split.
         few_routes = indices.size < SORT_THRESHOLD
-        if pool.whole and self.observer is None:
+        many = indices.size > ROUTES_AT_ONCE  # a prompt chunk: computed a bounded group at a time
+        if pool.whole and self.observer is None and not many:
             # Every expert resident: no need to read the router's choice back.
             pool.counters.hits += indices.size
             pool.counters.calls_no_load += 1
@@ -67,7 +96,7 @@ class StreamingExperts(nn.Module):
         needed = unique[np.argsort(first)]  # in the order the router named them
         if self.observer is not None:
             self.observer(self.ordinal, needed, single_token)
-        if len(needed) <= pool.slots:
+        if len(needed) <= pool.slots and not many:
             if single_token and few_routes:
                 return self._decode_call(x, indices, ids, needed)
             self._load(needed, ids)
@@ -150,30 +179,48 @@ class StreamingExperts(nn.Module):
                 self.overlap.read_ahead(module.pool, router, x, indices.shape[-1], gpu)
 
     def _expert_major(self, x, indices, ids, needed) -> mx.array:
-        """More distinct experts than slots: run the routes in chunks of at most S
-        distinct experts, each expert read once, resident ones first."""
+        """A call with more distinct experts than slots, or more routes than are computed
+        at once (a prompt chunk): its experts in groups that fit the pool, resident ones
+        first, each expert read once, the routes of a group `ROUTES_AT_ONCE` at a time.
+
+        Where the model's `overlap` says so (on a GPU; on the CPU backend where reads wait
+        on the device), each group takes half the slots and the next group is read into
+        the other half while it computes, so a read-bound prefill takes about the longer
+        of its reads and its compute, not their sum."""
         pool = self.pool
         k = indices.shape[-1]
         do_sort = indices.size >= SORT_THRESHOLD  # mlx-lm's choice for the whole call
         resident = pool.slot_of[needed] >= 0
         order = np.concatenate([needed[resident], needed[~resident]])
+        ahead = pool.slots >= 2 and not resident.all() and self._splits(order, side_stream() is None)
+        size = pool.slots // 2 if ahead else pool.slots
+        groups = [order[start : start + size] for start in range(0, len(order), size)]
+        between = getattr(_local, "between", None)
         rows = x.reshape(-1, 1, x.shape[-1])
         out = None
-        for start in range(0, len(order), pool.slots):
-            chunk = order[start : start + pool.slots]
-            pool.ensure(chunk)
-            routes = np.nonzero(np.isin(ids, chunk))[0]
+        for g, group in enumerate(groups):
+            pool.ensure(group)
+            routes = np.nonzero(np.isin(ids, group))[0]
             slots = pool.slot_of[ids[routes]]
             if (slots < 0).any():
                 pool.counters.unplaced += int((slots < 0).sum())
                 raise RuntimeError(f"MoE layer {self.ordinal}: routes without a slot")
             by_slot = np.argsort(slots, kind="stable")
             routes, slots = routes[by_slot], slots[by_slot]
-            y = self._apply_halves(rows[mx.array(routes // k)], slots, do_sort)
-            if out is None:
-                out = mx.zeros((ids.size, *y.shape[1:]), dtype=y.dtype)
-            out[mx.array(routes)] = y
-            syncs.evaluate(out)  # before the next chunk overwrites slots
+            for start in range(0, len(routes), ROUTES_AT_ONCE):
+                part = slice(start, start + ROUTES_AT_ONCE)
+                y = self._apply_halves(rows[mx.array(routes[part] // k)], slots[part], do_sort)
+                if out is None:
+                    out = mx.zeros((ids.size, *y.shape[1:]), dtype=y.dtype)
+                out[mx.array(routes[part])] = y
+                if start + ROUTES_AT_ONCE < len(routes):
+                    syncs.evaluate(out)  # one part's intermediates at a time
+            if ahead and g + 1 < len(groups):
+                mx.async_eval(out)
+                pool.start_prefetch(groups[g + 1], keep=group)
+            syncs.evaluate(out)  # before a later group's reads overwrite these slots
+            if between is not None:
+                between()
         return out.reshape(*indices.shape, out.shape[-1])
 
     def _apply_halves(self, rows, slots: np.ndarray, sorted_indices) -> mx.array:

@@ -42,7 +42,7 @@ class RunConfig:
     slots_source: Optional[str]  # option | plan | model | setting | bundled
     budget: Optional[int]  # bytes, when the pools come from a memory plan
     kv: KVSpec
-    prefill_step: Optional[int]  # None: mlx-lm's default chunk
+    prefill_step: Any  # tokens per model call of a prefill; auto: the plan's engine/planner.ExpertChunk; None: 2048
     max_tokens: int
     max_context: int
     sampling: Sampling
@@ -228,9 +228,10 @@ def plan_slots(name: str, path, value: str, budget: int, max_context: int, kv=No
 
 
 def prefill_step(options, settings: Settings, path, budget: Optional[int], kv, layout=None,
-                 context: Optional[int] = None) -> Optional[int]:
-    """Prompt tokens per prefill chunk: a number given, or for auto the planner's choice
-    for the memory budget (None, i.e. mlx-lm's default, when it cannot tell)."""
+                 context: Optional[int] = None):
+    """Prompt tokens per model call of a prefill: a number given, or for auto the
+    planner's ExpertChunk for the memory budget, which sizes the call by the prompt
+    (None, i.e. mlx-lm's 2048, when it cannot tell)."""
     step = options.prefill_step or settings.prefill_step
     if step != "auto":
         return int(step)

@@ -4,13 +4,13 @@ One forward over ``[last, d1..dk]`` runs every streamed layer once for k+1 posit
 so it reads the union of their experts and pays the per-layer fixed costs once. Only
 tokens the verifier chose are emitted (sampling.py), and the cache is rolled back past
 rejected drafts (rollback.py), so the cache afterwards holds what plain decoding
-would have put there. The prompt is prefilled exactly as mlx-lm's `generate_step`
-does (same chunks), and a pass without drafts is exactly its single-token step.
+would have put there. The prompt is prefilled as the plain path prefills it (the
+engine's prefill, handed in as `feed`), and a pass without drafts is exactly mlx-lm's
+single-token step.
 """
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
@@ -18,7 +18,6 @@ from typing import Iterator, Optional
 import mlx.core as mx
 from mlx_lm.generate import (
     GenerationResponse,
-    generate_step,
     generation_stream,
     maybe_quantize_kv_cache,
     wired_limit,
@@ -30,8 +29,6 @@ from . import heads
 from .depth import Depth
 from .rollback import VerifyPass, room
 from .sampling import TargetSampler, choose
-
-PREFILL_STEP = inspect.signature(generate_step).parameters["prefill_step_size"].default
 
 
 @dataclass
@@ -83,10 +80,10 @@ class SpeculativeRun:
     figures: SpecFigures
     fed: list[int] = field(default_factory=list)
     observer: object = None  # called with (inputs, kept) after each verify pass (benchmarks)
-    prefill_step: int = PREFILL_STEP  # prompt tokens per prefill chunk, as the plain path uses
+    feed: object = None  # feed(forward): the engine's prefill of all but the last prompt token
     kv_kwargs: dict = field(default_factory=dict)  # a quantized KV layout (stream_generate's kv_*)
-    progress: object = None  # progress(done, total) after each prefill chunk; it may raise to stop
     _linear_layers: Optional[list] = field(default=None, init=False, repr=False)  # VerifyPass's
+    _at: int = field(default=0, init=False, repr=False)  # prompt tokens fed so far by `_forward`
 
     def tokens(self) -> Iterator[tuple[int, mx.array, bool]]:
         """(token, logprobs, from_draft) as mlx-lm's step generators yield them."""
@@ -133,27 +130,21 @@ class SpeculativeRun:
                 y = out[-1]
 
     def _prefill(self) -> int:
-        """Feed all but the last prompt token in chunks as generate_step does; return the last."""
-        prompt, total = self.prompt, len(self.prompt)
-        while len(prompt) > 1:
-            n = min(self.prefill_step, len(prompt) - 1)
-            chunk = mx.array(prompt[:n])[None]
-            if self.drafter.needs_hidden:
-                # A drafter that reads hidden states (an MTP head) builds its own cache
-                # over the prompt: each position's state with the token it produced. The
-                # target's cache is what `self.model(chunk)` leaves, without the logits.
-                hidden = self.model.model(chunk, cache=self.cache)
-                self.drafter.accept(prompt[1 : n + 1], hidden[0])
-            else:
-                self.model(chunk, cache=self.cache)
-            self._quantize()
-            syncs.evaluate([c.state for c in self.cache])
-            self.fed.extend(prompt[:n])
-            prompt = prompt[n:]
-            mx.clear_cache()
-            if self.progress is not None:
-                self.progress(len(self.fed), total)
-        return prompt[0]
+        """Feed all but the last prompt token (`feed`, as the plain path feeds them); return the last."""
+        if len(self.prompt) > 1:
+            self._at = 0
+            self.feed(self._forward if self.drafter.needs_hidden else None)
+            self.fed.extend(self.prompt[:-1])
+        return self.prompt[-1]
+
+    def _forward(self, chunk: mx.array, embeddings=None) -> None:
+        """A prefill call for a drafter that reads hidden states (an MTP head): it builds
+        its own cache over the prompt, each position's state with the token it produced.
+        The target's cache is what `self.model(chunk)` leaves, without the logits."""
+        n = chunk.shape[1]
+        hidden = self.model.model(chunk, cache=self.cache)
+        self.drafter.accept(self.prompt[self._at + 1 : self._at + n + 1], hidden[0])
+        self._at += n
 
     def _processed(self, logits: mx.array, inputs: list[int]) -> mx.array:
         """The pass's (L, V) logits after the request's processors, row by row."""

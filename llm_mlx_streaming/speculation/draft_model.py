@@ -16,8 +16,9 @@ from mlx_lm.utils import common_prefix_len
 
 from .. import syncs
 from ..errors import one_line
-from .decode import PREFILL_STEP
 from .drafter import DraftContext, DraftError
+
+PREFILL_STEP = 2048  # a draft model is dense and resident: it reads the conversation in mlx-lm's own chunks
 
 
 class DraftModelDrafter:

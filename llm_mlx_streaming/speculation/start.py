@@ -39,12 +39,12 @@ def off_reason(request, loaded) -> Optional[str]:
 
 
 def make_run(request, loaded, cache, history, prompt, max_tokens, drafters: dict, figures, *,
-             prefill_step: int, kv_kwargs: dict, progress=None) -> SpeculativeRun:
+             feed, kv_kwargs: dict) -> SpeculativeRun:
     """The speculative run for `request`; DraftError (one line) if its drafter cannot be built.
 
-    `prefill_step` and `kv_kwargs` (a quantized KV layout) are what the plain path
-    would pass to stream_generate, so both paths fill the cache alike; `progress` is its
-    prompt_progress_callback, called after each prefill chunk (a cancelled run stops there)."""
+    `feed(forward)` prefills all but the last prompt token as the plain path does (the
+    engine's prefill), with the run's `forward` where its drafter reads hidden states;
+    `kv_kwargs` (a quantized KV layout) is what the plain path passes to stream_generate."""
     drafter = request.injected.drafter or _drafter(request, loaded, drafters)
     return SpeculativeRun(
         model=loaded.model, cache=cache, history=list(history), prompt=list(prompt),
@@ -53,8 +53,7 @@ def make_run(request, loaded, cache, history, prompt, max_tokens, drafters: dict
                              request.sampling.top_k),
         sampler=request.make_sampler(), processors=list(request.logits_processors),
         max_tokens=max_tokens, figures=figures,
-        observer=request.injected.after_verify, prefill_step=prefill_step, kv_kwargs=kv_kwargs,
-        progress=progress,
+        observer=request.injected.after_verify, feed=feed, kv_kwargs=kv_kwargs,
     )
 
 
