@@ -15,8 +15,12 @@ slots through `get_manager().run(LoadSpec, Request)`:
 - kv_bits 4: tokens and logprobs equal stock mlx-lm's quantized cache (kv_bits 4, groups
   of 32, from token 0); where stock mlx-lm cannot quantize a sliding window it is run with
   the engine's caches (the windows kept full precision, the rest quantized by mlx-lm);
-- tiled long prompt: an 80-token prompt in one 64-token chunk plus the rest, attention in
-  tiles of 16, equal to stock mlx-lm's same chunks untiled;
+- long cold prompt: an 80-token prompt fed in one model call (the expert chunk), every
+  mixer in tiles of 16 and a snapshot at token 32, equal to stock mlx-lm's prefill in
+  16-token chunks at every pool size, and four such prompts joining a batch equal to stock
+  mlx-lm's BatchGenerator given the same prefilled caches; the passes over the experts at
+  2 slots are listed, and the models whose mixers cannot all be tiled (fed in mlx-lm's
+  chunks, still checked) with the reason;
 - conversation cache: turn 2 of a conversation, loaded from the cache on disk in a fresh
   session, gives the tokens of the same turn computed cold (no cache), and the tokens and
   logprobs of stock mlx-lm's turn 2 on the cache it kept from turn 1;
@@ -60,7 +64,7 @@ from llm_mlx_streaming.engine.disk_cache import DiskCacheSpec  # noqa: E402
 from llm_mlx_streaming.engine.kv import KVSpec, blocker, make_cache  # noqa: E402
 from llm_mlx_streaming.engine.manager import get_manager  # noqa: E402
 from llm_mlx_streaming.engine.planner import ATTENTION_TILE  # noqa: E402
-from llm_mlx_streaming.engine.prefill import tile_mixers  # noqa: E402
+from llm_mlx_streaming.engine.prefill import tile_mixers, tiling_of  # noqa: E402
 from llm_mlx_streaming.engine.request import Injected, LoadSpec, Request  # noqa: E402
 from llm_mlx_streaming.engine.snapshots import SYSTEM, Boundary, SnapshotSpec  # noqa: E402
 from fixtures.scripted import ScriptedDrafter  # noqa: E402
@@ -71,7 +75,7 @@ from llm_mlx_streaming.engine.manager import EngineManager  # noqa: E402
 EXPERTS, TOP_K, HEAD_DIM, N = 8, 2, 32, 10
 POOLS = {"all": None, "top-k": TOP_K, "2": 2}
 KV = KVSpec(4, 32, 0)
-FEATURES = ("plain", "overlap on", "k 3", "kv_bits 4", "tiled long prompt", "conversation cache", "agent pattern",
+FEATURES = ("plain", "overlap on", "k 3", "kv_bits 4", "long cold prompt", "conversation cache", "agent pattern",
             "batch", "llm CLI")
 PROMPT = "Tell me about tea"
 
@@ -104,7 +108,7 @@ def engine(path, slots, request, tile=None, overlap="auto"):
     finally:
         if tile:
             tile_mixers(manager.loaded.model, ATTENTION_TILE)
-    stats = dict(generation.stats, tiled_layers=tiled)
+    stats = dict(generation.stats, tiled_layers=tiled, tiling=tiling_of(manager.loaded.model))
     return [r.token for r in out], [np.array(r.logprobs) for r in out], stats
 
 
@@ -205,15 +209,45 @@ def kv_bits(path, model, prompt, cell):
             cell.fail(f"pool {name}: {got[0]} != stock {expected[0]}")
 
 
-def tiled(path, model, prompt, cell):
+def long_cold(path, model, prompt, cell):
+    """An 80-token prompt (five tiles of 16) fed in one expert chunk, a snapshot boundary
+    inside it, alone at every pool size and joining a batch: stock mlx-lm's prefill in
+    16-token chunks, and one pass over the experts."""
     prompt = (prompt * 4)[:80]
-    expected = stock(model, prompt, step=64)
-    for name, slots in POOLS.items():
-        got = engine(path, slots, Request(prompt=prompt, max_tokens=N, prefill_step=64), tile=16)
+    expected = stock(model, prompt, step=16)
+    limit = None
+    for i, (name, slots) in enumerate(POOLS.items()):
+        spec = SnapshotSpec(every=0, max_count=8 + i, max_bytes=10**9)  # a store of its own: a cold prompt
+        request = Request(prompt=prompt, max_tokens=N, prefill_step=128, snapshots=spec,
+                          boundaries=(Boundary(32, SYSTEM),))
+        got = engine(path, slots, request, tile=16)
+        stats = got[2]
+        limit = stats["tiling"].limit
         if not same(got, expected):
             cell.fail(f"pool {name}: {got[0]} != stock {expected[0]}")
-        if not got[2]["tiled_layers"]:
-            cell.notes.append("no attention module has mlx-lm's plain call: nothing tiled")
+        elif stats.get("untiled_calls"):
+            cell.fail(f"pool {name}: {stats['untiled_calls']} mixer calls were not tiled")
+        elif limit is None and stats["prefill_calls"] != 1:
+            cell.fail(f"pool {name}: {stats['prefill_calls']} model calls, not one")
+        elif name == "2" and limit is None:
+            cell.notes.append(f"{stats['expert_passes']} passes over the experts at 2 slots (the prompt's "
+                              "last token and one decode step included)")
+    if limit is not None:
+        cell.notes.append(f"in mlx-lm's chunks (checked exact): {limit}")
+    if alone_reason(Request(prompt=[1], max_batch=4), model) is None:
+        from mlx_lm.utils import load_tokenizer
+
+        vocab = load_config(path)["vocab_size"]
+        prompts = [prompt[:4] + tokens(vocab, n, seed) for seed, n in enumerate((70, 40, 3, 55))]
+        want = stock_batch(model, load_tokenizer(path), prompts, chunk=16)
+        manager = EngineManager()
+        manager.load(path, expert_slots=2)
+        tile_mixers(manager.loaded.model, 16)
+        try:
+            if (got := engine_batch(manager, prompts)) != want:
+                cell.fail(f"batched: {got} != stock BatchGenerator {want}")
+        finally:
+            manager.unload()
 
 
 def conversation(path, model, prompt, cell, root):
@@ -362,7 +396,7 @@ def row(arch, root):
     model, config = load_model(path)
     prompt, degenerate = choose_prompt(model, config["vocab_size"])
     cells = {}
-    runs = {"plain": plain, "overlap on": overlapped, "k 3": speculation, "kv_bits 4": kv_bits, "tiled long prompt": tiled,
+    runs = {"plain": plain, "overlap on": overlapped, "k 3": speculation, "kv_bits 4": kv_bits, "long cold prompt": long_cold,
             "batch": batched}
     for feature in FEATURES:
         cell = cells[feature] = Cell()

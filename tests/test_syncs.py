@@ -38,7 +38,9 @@ def counted(monkeypatch):
     return seen
 
 
-def _run(engine, prompt, **request):
+def _run(counted, engine, prompt, **request):
+    """(tokens, figures) of one request, counted from its start (not the load's trace)."""
+    counted.update(reads=0, evals=0, layer_calls=0)
     handle = generate(engine, prompt, max_tokens=12, **request)
     tokens = [r.token for r in handle]
     return tokens, handle.stats
@@ -47,7 +49,7 @@ def _run(engine, prompt, **request):
 def test_a_streamed_layer_reads_the_router_back_once_per_call(qwen, counted):
     engine = EngineManager()
     engine.load(qwen, expert_slots=4, overlap="off")  # no read-ahead: its predictions read back too
-    tokens, stats = _run(engine, prompt_tokens(vocab_size(qwen), n=2))  # no call over 4 experts
+    tokens, stats = _run(counted, engine, prompt_tokens(vocab_size(qwen), n=2))  # no call over 4 experts
     assert counted["evals"] == 0
     assert counted["reads"] == counted["layer_calls"] > 0
     assert stats["syncs"] == counted["reads"]
@@ -60,7 +62,7 @@ def test_a_streamed_layer_reads_the_router_back_once_per_call(qwen, counted):
 def test_whole_pools_need_no_read_back(qwen, counted):
     engine = EngineManager()
     engine.load(qwen, expert_slots=None)  # a slot per expert
-    _, stats = _run(engine, prompt_tokens(vocab_size(qwen), n=80))  # prefill calls >= 64 routes too
+    _, stats = _run(counted, engine, prompt_tokens(vocab_size(qwen), n=80))  # prefill calls >= 64 routes too
     assert counted["layer_calls"] > 0 and counted["reads"] == counted["evals"] == 0
     assert stats["syncs"] == 0 and stats["syncs_per_token"] == 0
     engine.unload()
@@ -69,7 +71,7 @@ def test_whole_pools_need_no_read_back(qwen, counted):
 def test_over_capacity_calls_count_each_chunk_they_evaluate(qwen, counted):
     engine = EngineManager()
     engine.load(qwen, expert_slots=2, overlap="off")
-    _, stats = _run(engine, prompt_tokens(vocab_size(qwen), n=40))
+    _, stats = _run(counted, engine, prompt_tokens(vocab_size(qwen), n=40))
     assert counted["evals"] > 0
     assert stats["syncs"] == counted["reads"] + counted["evals"]
     engine.unload()
@@ -79,7 +81,7 @@ def test_speculation_counts_its_verify_reads(qwen, counted):
     engine = EngineManager()
     engine.load(qwen, expert_slots=4, overlap="off")  # no read-ahead: its predictions read back too
     prompt = prompt_tokens(vocab_size(qwen), n=12) * 3  # repeats: the ngram drafter proposes
-    _, stats = _run(engine, prompt, k=3)
+    _, stats = _run(counted, engine, prompt, k=3)
     assert stats["verify_passes"] > 0
     assert counted["reads"] > counted["layer_calls"]  # each pass also reads its choice back
     assert stats["syncs"] == counted["reads"] + counted["evals"]

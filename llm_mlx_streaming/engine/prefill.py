@@ -407,7 +407,7 @@ def feed(model, cache: list, prompt: list[int], start: int, end: int, *, chunk: 
                     model(tokens, cache=cache, input_embeddings=rows)
                 else:
                     model(tokens, cache=cache)
-                syncs.evaluate([c.state for c in cache])
+                mx.eval([c.state for c in cache])  # as generate_step after each chunk
             given = list(cache)
             for i, c in enumerate(given):
                 cache[i] = _resolved(p.replaced, c)
