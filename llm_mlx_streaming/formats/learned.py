@@ -158,9 +158,6 @@ class _Cursor:
         found, self.at = self.text[self.at:match.start()], match.end()
         return found
 
-    def done(self) -> bool:
-        return not self.text[self.at:].strip()
-
 
 def _calls(learned: Learned, text: str, tools) -> list[dict]:
     cursor, calls = _Cursor(text), []
@@ -191,7 +188,7 @@ def _call(call: Call, cursor: _Cursor, tools) -> Optional[dict]:
         arguments = _arguments(call.tagged, cursor, name, tools)
         if arguments is None:
             return None
-    cursor.take(call.end) or cursor.done()
+    cursor.take(call.end)  # a call cut off before its end (a streamed one) is read as far as it goes
     return dict(name=name, arguments=arguments)
 
 
@@ -283,20 +280,29 @@ def _json_at(cursor: _Cursor):
     return value
 
 
-def _objects(call: Call, text: str) -> list[dict]:
-    """The calls among the JSON values in a block: objects naming a function, alone or in
-    lists."""
-    calls, at = [], 0
+def json_values(text: str) -> list[tuple[int, int, object]]:
+    """The JSON objects and lists written in a text: (start, end, value) each."""
+    values, at = [], 0
     while (found := re.compile(r"[\[{]").search(text, at)) is not None:
         try:
-            value, at = json.JSONDecoder().raw_decode(text, found.start())
+            value, end = json.JSONDecoder().raw_decode(text, found.start())
         except ValueError:
             at = found.start() + 1
             continue
+        values.append((found.start(), end, value))
+        at = end
+    return values
+
+
+def _objects(call: Call, text: str) -> list[dict]:
+    """The calls among the JSON values in a block: objects naming a function, alone or in
+    lists."""
+    calls = []
+    for _, _, value in json_values(text):
         for item in value if isinstance(value, list) else [value]:
-            found_call = _object_call(call, item)
-            if found_call is not None:
-                calls.append(found_call)
+            found = _object_call(call, item)
+            if found is not None:
+                calls.append(found)
     return calls
 
 

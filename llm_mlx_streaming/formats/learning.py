@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from .learned import COUNTER, JSON_ARGUMENTS, OBJECT, TAGGED, Call, Learned, Tagged
+from .learned import COUNTER, JSON_ARGUMENTS, OBJECT, TAGGED, Call, Learned, Tagged, json_values
 from .tool_format import ReasoningMarks
 
 # Markup: <tag>, <|token|>, <｜token｜>, [TOKEN]
@@ -272,22 +272,9 @@ def _calls(probe: _Probe) -> Learned:
     return _markup_format(probe, one, two)
 
 
-def _json_values(text: str) -> list[tuple[int, int, object]]:
-    values, at = [], 0
-    while (found := re.compile(r"[\[{]").search(text, at)) is not None:
-        try:
-            value, end = json.JSONDecoder().raw_decode(text, found.start())
-        except ValueError:
-            at = found.start() + 1
-            continue
-        values.append((found.start(), end, value))
-        at = end
-    return values
-
-
 def _call_objects(text: str) -> list[tuple[int, int, object]]:
     """The JSON values of a section that hold a call object naming the probe's function."""
-    return [(a, b, v) for a, b, v in _json_values(text)
+    return [(a, b, v) for a, b, v in json_values(text)
             if any(_object_fields(item) for item in (v if isinstance(v, list) else [v]))]
 
 
@@ -318,7 +305,7 @@ def _object_format(probe: _Probe, one: str, two: str, objects) -> Learned:
         if len(found) != 1 or len(found[0][2]) != 2:
             raise _Unclear("the template's list of calls holds one call of two")
         inner = two[found[0][0] + 1:found[0][1] - 1]
-        objects_in = _json_values(inner)
+        objects_in = json_values(inner)
         separator = inner[objects_in[0][1]:objects_in[1][0]]
         return Learned(head[0], tail[1], call, opening=head[1] + "[", closing="]" + tail[0], separator=separator)
     if len(found) != 2:
@@ -433,7 +420,7 @@ def _body(section: Optional[str], head: str, end: str, closing: str, blocks: boo
 def _call_shape(probe: _Probe, head: str, extract, counters, length: int) -> Call:
     single = lambda arguments: extract(probe.section([(ONE, arguments)]))  # noqa: E731
     text = single(ARGUMENTS)
-    for start, end, value in _json_values(text or ""):
+    for start, end, value in json_values(text or ""):
         if value == ARGUMENTS:
             after_name, call_end = _counted(text[:start], text[end:], text, counters, length)
             two = single({"first": "XXXX", "second": "ZZZZ"})
