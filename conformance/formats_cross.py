@@ -7,7 +7,8 @@ cross; conformance/contract_cross.py is the architecture half).
 Runs tests/test_family_doors.py (a tiny checkpoint per family with its real template and
 special tokens, fixtures/families.py; replies forced to what the family's model writes)
 and tabulates its outcomes: per family, the format found from the checkpoint (formats/),
-whose parser reads it (mlx-lm's or ours), whether it reasons, and for each door ok or
+whose parser reads it (mlx-lm's, ours, or one learned from the template: formats/learning.py),
+whether it reasons, and for each door ok or
 FAIL: OpenAI chat, Responses, Anthropic and Ollama (each: reasoning then parallel calls,
 whole and streamed, then the round trip with the results), llm's own tools (a chain),
 and the recorded Claude Code and Codex requests rendering with the template.
@@ -67,7 +68,8 @@ def main(families) -> int:
         for family in families:
             spec = FAMILIES[family]
             found = checkpoint_format(build_family_checkpoint(Path(scratch) / family, family))
-            parser = "-" if found is None else ("mlx-lm" if found.parser.startswith("mlx_lm.") else "ours")
+            parser = "-" if found is None else "learned" if found.origin == "learned" else (
+                "mlx-lm" if found.parser.startswith("mlx_lm.") else "ours")
             cells = [outcomes.cells.get((family, door), "-") for door in DOORS]
             print(f"| {family} ({spec.template}) | {found.name if found else 'none'} | {parser} | "
                   f"{'yes' if spec.reasons else 'no'} | " + " | ".join(cells) + " |")

@@ -47,6 +47,10 @@ PROMPT_ENDS = {
     "gemma4": ("<turn|>\n<|turn>model\n", "<turn|>\n<|turn>model\n<|channel>thought\n<channel|>"),
     "mistral": ("[/INST]",) * 2,
     "gpt_oss": ("<|end|><|start|>assistant",) * 2,
+    "kimi_k3": ('<|close|>message<|sep|><|end_of_msg|><|open|>message role="assistant"<|sep|><|open|>think<|sep|>',
+                '<|close|>message<|sep|><|end_of_msg|><|open|>message role="assistant"<|sep|><|open|>response<|sep|>'),
+    "laguna": ("\n</user>\n<assistant>\n<think>", "\n</user>\n<assistant>\n</think>"),
+    "seed_oss": ("<seed:eos><seed:bos>assistant\n",) * 2,
 }
 
 
@@ -139,7 +143,8 @@ RENDERS_TEXT_WITH_CALLS = sorted(set(RENDERS_CALLS) - {"gemma4", "mistral"})
 REASONING_FIELD = {"qwen3": "reasoning_content", "glm46": "reasoning_content",
                    "minimax_m2": "reasoning_content", "kimi_k2_thinking": "reasoning_content",
                    "step3": "reasoning_content", "deepseek_v32": "reasoning_content",
-                   "lfm2": "thinking"}
+                   "lfm2": "thinking", "kimi_k3": "reasoning_content", "laguna": "reasoning_content",
+                   "seed_oss": "reasoning_content"}
 
 
 def assistant(family, calls, text, reasoning):
@@ -180,8 +185,8 @@ def _segments(text, start, end):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_mlx_lms_own_parser_reads_the_native_calls_back(loaded, family):
     _, _, tokenizer = loaded(family)
-    if tokenizer.tool_parser is None:  # deepseek_v31/v32, kimi_k2, gpt_oss: none inferred
-        assert family in {"deepseek_v31", "deepseek_v32", "kimi_k2", "gpt_oss"}
+    if tokenizer.tool_parser is None:  # deepseek_v31/v32, kimi_k2, gpt_oss, seed_oss: none inferred
+        assert family in {"deepseek_v31", "deepseek_v32", "kimi_k2", "gpt_oss", "seed_oss"}
         return
     reasoning = REASONING if FAMILIES[family].reasons else None
     reply = native_reply(family, reasoning=reasoning, text="Let me look.", calls=(PARIS, ROME))

@@ -136,17 +136,32 @@ def test_models_add_remove_default(llm_env, tmp_path):
     assert copy.exists()  # files are left alone
 
 
-@pytest.mark.parametrize("family,found", [("gpt_oss", "harmony"), ("kimi_k2", "kimi_k2"),
-                                          ("deepseek_v32", "deepseek_v32"), ("qwen3", "json_tools")])
-def test_add_and_models_name_the_tool_call_format_found_in_the_checkpoint(llm_env, tmp_path, family, found):
+@pytest.mark.parametrize("family,found,origin,reasoning", [
+    ("gpt_oss", "harmony", "ours", "<|channel|>analysis<|message|>"), ("kimi_k2", "kimi_k2", "ours", None),
+    ("deepseek_v32", "deepseek_v32", "ours", "<think>"), ("qwen3", "json_tools", "ours", "<think>"),
+    ("seed_oss", "learned", "learned", "<seed:think>")])
+def test_add_and_models_say_what_tool_call_format_is_found_in_the_checkpoint(llm_env, tmp_path, family, found,
+                                                                            origin, reasoning):
     from fixtures.families import build_family_checkpoint
 
     path = build_family_checkpoint(tmp_path / family, family)
     added = assert_ok(llm_env.run("mlxs", "add", str(path), "--name", family))
     assert f"tool calls: {found})" in added.stdout
-    rows = json.loads(assert_ok(llm_env.run("mlxs", "models", "--json")).stdout)
-    assert {r["name"]: r["tool_calls"] for r in rows}[family] == found
-    assert {r["name"]: r["tool_calls"] for r in rows}["small"] is None  # its template has no tools
+    said = next(line for line in added.stdout.splitlines() if line.startswith("Tool calls:"))
+    assert said.startswith(f"Tool calls: {found} (") and "tool_choice required or named can be forced" in said
+    assert (f"reasoning {reasoning} ... " in said) if reasoning else "no reasoning markers" in said
+    rows = {r["name"]: r for r in json.loads(assert_ok(llm_env.run("mlxs", "models", "--json")).stdout)}
+    assert rows[family]["tool_calls"] == found
+    report = rows[family]["tool_format"]
+    assert report["origin"] == origin and report["forced"] and report["note"] is None
+    assert (report["reasoning"] or [None])[0] == reasoning
+    # the small model's template renders no calls: none, and learning says why in one line
+    assert rows["small"]["tool_calls"] is None
+    assert rows["small"]["tool_format"] == {"name": None, "origin": "none", "markup": None,
+                                            "reasoning": ["<think>", "</think>"],  # its vocabulary has the tags
+                                            "forced": False, "note": "the template renders no tool calls"}
+    listing = assert_ok(llm_env.run("mlxs", "models")).stdout
+    assert "mlx-stream/small: no tool-call format learned from its template: the template renders no tool calls" in listing
 
 
 def test_add_rejects_bad_sources(llm_env, tmp_path):

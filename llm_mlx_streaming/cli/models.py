@@ -50,6 +50,7 @@ def _model_rows(settings: Settings) -> list[dict]:
             "expert_slots": registry.effective_slots(name, entry, settings),
             "packed": False,
             "tool_calls": None,
+            "tool_format": None,
             "problem": None,
         }
         if name == BUNDLED_NAME and not is_built():
@@ -60,7 +61,8 @@ def _model_rows(settings: Settings) -> list[dict]:
                 row.update({k: info[k] for k in ("architecture", "experts", "layers", "top_k")})
                 row["size_bytes"] = registry.dir_size(path)
                 row["packed"] = has_packed(path)
-                row["tool_calls"] = tool_call_format(path)
+                row["tool_format"] = tool_call_report(path)
+                row["tool_calls"] = row["tool_format"]["name"]
             except CheckpointError as exc:
                 row["problem"] = "missing" if not path.exists() else str(exc)
         rows.append(row)
@@ -93,6 +95,9 @@ def models(json_):
         )
     table(["  model", "aliases", "architecture", "experts x layers", "slots", "tool calls", "size"], listing)
     click.echo("* = default, served by -m mlx-stream; slots 'plan' = sized by memory_budget (llm mlxs plan)")
+    for r in rows:
+        if r["tool_format"] and r["tool_format"]["note"]:
+            click.echo(f"{r['model_id']}: no tool-call format learned from its template: {r['tool_format']['note']}")
 
 
 @mlxs.command()
@@ -137,18 +142,45 @@ def add(source, aliases, name, expert_slots, hash_):
 
     if has_head(path, config_dict):
         shape += ", an MTP head for -o draft mtp"
+    report = tool_call_report(path)
     click.echo(
         f"Added {registry.MODEL_PREFIX}/{name} ({info['architecture']}, {shape}, "
-        f"{format_size(registry.dir_size(path))}; tool calls: {tool_call_format(path) or 'none'})"
+        f"{format_size(registry.dir_size(path))}; tool calls: {report['name'] or 'none'})"
     )
+    click.echo(describe_tool_calls(report))
 
 
-def tool_call_format(path: Path) -> str | None:
-    """The name of the checkpoint's tool-call format (formats/), or None."""
-    from ..formats.registry import checkpoint_format  # imports mlx-lm: not at `llm --help`
+def tool_call_report(path: Path) -> dict:
+    """The checkpoint's tool-call format (formats/) as `add` and `models` report it: its
+    name, where it comes from ("ours": a module of formats/, "mlx-lm": mlx-lm's parser as
+    it is, "learned": from the chat template, "none"), the markup its calls open and
+    close with, its reasoning markers, whether tool_choice can be forced, and, where
+    learning could not tell, why."""
+    from ..formats.registry import checkpoint_finding, checkpoint_reasoning  # imports mlx-lm: not at `llm --help`
 
-    found = checkpoint_format(path)
-    return found.name if found is not None else None
+    finding = checkpoint_finding(path)
+    fmt = finding.format
+    reasoning = checkpoint_reasoning(path, fmt)
+    return {"name": fmt.name if fmt else None, "origin": fmt.origin if fmt else "none",
+            "markup": [fmt.tool_call_start, fmt.tool_call_end] if fmt else None,
+            "reasoning": [reasoning.start, reasoning.end] if reasoning else None,
+            "forced": bool(fmt and fmt.grammar is not None), "note": finding.note or None}
+
+
+ORIGINS = {"ours": "a module of ours", "mlx-lm": "mlx-lm's parser, calls given whole", "learned": "learned from the chat template"}
+
+
+def describe_tool_calls(report: dict) -> str:
+    """One line: what `tool_call_report` found."""
+    reasoning = f"reasoning {' ... '.join(report['reasoning'])}" if report["reasoning"] else "no reasoning markers"
+    if report["origin"] == "none":
+        why = f"learning from the template: {report['note']}" if report["note"] else "no tool-call format"
+        return f"Tool calls: none ({why}; requests with tools are refused); {reasoning}"
+    start, end = report["markup"]
+    markup = f"{start} ... {end}" if end else f"{start} ... (the turn's end)"
+    forced = "can be forced" if report["forced"] else "cannot be forced (auto only)"
+    return (f"Tool calls: {report['name']} ({ORIGINS[report['origin']]}: {markup}); {reasoning}; "
+            f"tool_choice required or named {forced}")
 
 
 def _record_hashes(path: Path) -> None:

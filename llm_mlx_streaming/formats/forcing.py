@@ -29,6 +29,9 @@ class Lark(Protocol):
     def tag(self, text: str) -> str:
         """A markup tag: the special token it is, when it is one, else its text."""
 
+    def text(self, text: str) -> str:
+        """Text that may hold special tokens: each one as its token, the rest as text."""
+
     def json(self, schema: dict) -> str:
         """A value following a JSON schema."""
 

@@ -2,7 +2,8 @@
 
 Calls are streamed as OpenAI's clients expect them, a name and then the arguments as
 JSON text in pieces whose concatenation is the whole arguments' JSON. Three shapes cover
-the families: the arguments are JSON in the markup (`json_calls`: streamed as written),
+the families: the arguments are JSON in the markup (`json_calls`, or `json_objects`
+where the object's own brackets say where it ends: streamed as written),
 they are written one parameter at a time in markup (`param_calls`), or in a literal
 syntax of the format's own (`literal_calls`: Python's keywords, Gemma's objects); in
 the last two each parameter is streamed once complete, read by the format's own parser
@@ -45,6 +46,31 @@ def json_calls(head: str, call_end: str = "", tail: str = r"\s*", held: str = r"
             cut = (tail_re.search(region) if ended else None) or held_re.search(region)
             region = region[: cut.start()]
             out.append((match.group("name"), region))
+        return out
+
+    return reading
+
+
+def json_objects(head: str) -> Reading:
+    """Calls written as a head naming the function (`head`, a regex with a group `name`,
+    ending where the arguments begin) followed by the arguments as one JSON object,
+    streamed as written up to where its brackets close (what follows, an id or the next
+    call, is not read as it). A call's name is given once its arguments are due."""
+    heads = re.compile(head, re.S)
+
+    def reading(parser: ModuleType, text: str, closed: bool, tools=None) -> list[tuple[str, str]]:
+        out, at = [], 0
+        while match := heads.search(text, at):
+            begin = match.end()
+            if not text.startswith("{", begin):
+                if begin == len(text):
+                    out.append((match.group("name"), ""))
+                break
+            _, end = bracketed(text, begin + 1, ('"',), True)
+            out.append((match.group("name"), text[begin:] if end is None else text[begin:end + 1]))
+            if end is None:
+                break
+            at = end + 1
         return out
 
     return reading

@@ -36,8 +36,11 @@ class ReasoningMarks:
 @dataclass(frozen=True)
 class ToolFormat:
     """A family's tool-call format. `parser` names a module with mlx-lm's parser
-    interface. `reading` and `grammar` are None where calls are given whole when their
-    block closes and cannot be forced. `detect(template, vocab)` recognises the format
+    interface (`tool_call_start`, `tool_call_end`, `parse_tool_call`), or is an object
+    with it (a format learned from a template, learned.py). `origin` says where the
+    format comes from: a module of ours ("ours"), mlx-lm's parser as it is ("mlx-lm"),
+    or the checkpoint's template ("learned"). `reading` and `grammar` are None where
+    calls are given whole when their block closes and cannot be forced. `detect(template, vocab)` recognises the format
     where mlx-lm's inference does not. `response_format` is mlx-lm's text-state-machine
     spec for formats that write in channels (harmony). `blocks`: each call is its own
     block (tool_call_start ... tool_call_end), else all the turn's calls share one.
@@ -50,7 +53,7 @@ class ToolFormat:
     mlx-lm's to find)."""
 
     name: str
-    parser: str
+    parser: Any
     reading: Optional[Reading] = None
     grammar: Optional[Grammar] = None
     detect: Optional[Callable[[str, dict], bool]] = None
@@ -61,10 +64,11 @@ class ToolFormat:
     call_id: Optional[Callable[[str, int], str]] = None  # the id the model gives the conversation's i-th call
     declare: Optional[Callable[[list[dict]], str]] = None  # tools -> their description
     reasoning: Optional[ReasoningMarks] = None
+    origin: str = "ours"
 
     @property
     def module(self):
-        return importlib.import_module(self.parser)
+        return importlib.import_module(self.parser) if isinstance(self.parser, str) else self.parser
 
     @property
     def tool_call_start(self) -> str:

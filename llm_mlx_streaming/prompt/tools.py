@@ -78,7 +78,8 @@ def forced_call_grammar(tokenizer, tools: list[dict], choice: str, parallel: Opt
     """The llguidance grammar that makes the reply tool calls (one, or one or more when
     `parallel` is not off), in the model's own format: for `choice` required any of
     `tools`, else the one it names. `thinking`: the reply starts inside a think block,
-    which it closes before the calls. ToolError for a format that cannot be forced."""
+    which it closes before the calls (and opens its answer, where the format writes
+    that: `ReasoningMarks.answer`). ToolError for a format that cannot be forced."""
     import llguidance
 
     check_tool_support(tokenizer)
@@ -89,7 +90,7 @@ def forced_call_grammar(tokenizer, tools: list[dict], choice: str, parallel: Opt
     lark = _Lark(tokenizer)
     picked = [t["function"] for t in tools if choice == REQUIRED or t["function"]["name"] == choice]
     several = parallel is not False and choice == REQUIRED
-    start, end = lark.tag(fmt.tool_call_start), lark.tag(fmt.tool_call_end) if fmt.tool_call_end else ""
+    start, end = lark.text(fmt.tool_call_start), lark.text(fmt.tool_call_end) if fmt.tool_call_end else ""
     lead = lark.text(fmt.lead) if fmt.lead else ""
     lines = [*fmt.grammar(lark, picked), "call: " + " | ".join(f"call{i}" for i in range(len(picked)))]
     if fmt.blocks:
@@ -100,7 +101,8 @@ def forced_call_grammar(tokenizer, tools: list[dict], choice: str, parallel: Opt
     if thinking:
         think_end = tokenizer.think_end
         never = re.escape(think_end).replace("/", "\\/")
-        lines += [f"start: THOUGHT {lark.tag(think_end)} /\\n{{0,2}}/ calls",
+        answer = lark.text(fmt.reasoning.answer) if fmt.reasoning is not None and fmt.reasoning.answer else ""
+        lines += [f"start: THOUGHT {lark.text(think_end)} {answer} /\\n{{0,2}}/ calls",
                   f"THOUGHT: /(?s:.*)/ & ~/(?s:.*{never}.*)/"]
     else:
         lines.append("start: calls")
