@@ -113,3 +113,41 @@ def test_a_cancelled_member_leaves_and_the_others_go_on(qwen):
     assert len(calls) <= 4 and engine.served == served + 2  # it left at the next pass
     assert engine.bad_slots() == 0
     engine.unload()
+
+
+def test_a_long_prompt_joins_in_one_call_while_the_members_go_on_decoding(qwen, monkeypatch):
+    from llm_mlx_streaming.engine import batch as batching
+    from llm_mlx_streaming.engine.generation import Channel
+
+    monkeypatch.setattr(batching.Batch, "_members_due", lambda self, fed: True)  # a pass after each group
+    engine = EngineManager()
+    engine.load(qwen, expert_slots=2)  # 8 experts a layer: each call of the long prompt reads 4 groups
+    short = prompt_tokens(vocab_size(qwen), n=6, seed=1)
+    long = prompt_tokens(vocab_size(qwen), n=300, seed=2)
+    alone = {len(p): [r.token for r in engine.run(None, Request(prompt=p, max_tokens=n))]
+             for p, n in ((short, 40), (long, 4))}
+    running = batching.Batch(engine, 4)
+    outs = [Channel(), Channel()]
+    events = {id(out): [] for out in outs}
+
+    def tokens(out):
+        while not out.events.empty():
+            events[id(out)].append(out.events.get())
+        return [r.token for kind, r in events[id(out)] if kind == "response"]
+
+    try:
+        running.admit(Request(prompt=short, max_tokens=40, max_batch=4), outs[0])
+        running.step()
+        before = len(tokens(outs[0]))
+        running.admit(Request(prompt=long, max_tokens=4, max_batch=4), outs[1])
+        assert len(tokens(outs[0])) > before  # the member decoded while the long prompt was fed
+        for _ in range(100):
+            if not running.members:
+                break
+            running.step()
+    finally:
+        running.close()
+    assert tokens(outs[0]) == alone[len(short)] and tokens(outs[1]) == alone[len(long)]
+    done = dict(e for e in events[id(outs[1])] if e[0] == "done")["done"]
+    assert done["prefill_calls"] == 1  # (its passes count the member's decode reads meanwhile too)
+    engine.unload()

@@ -136,8 +136,7 @@ class Batch:
         def between() -> None:
             nonlocal last
             out.check_cancelled()
-            now = time.perf_counter()
-            if self.members and now - last >= max(SHARE_SECONDS, self.pass_seconds):
+            if self.members and self._members_due(time.perf_counter() - last):
                 with suspended():
                     try:
                         self.step()
@@ -147,6 +146,10 @@ class Batch:
                 last = time.perf_counter()
 
         return between
+
+    def _members_due(self, fed_seconds: float) -> bool:
+        """Whether the members decode now, a joining prompt having been fed this long."""
+        return fed_seconds >= max(SHARE_SECONDS, self.pass_seconds)
 
     def kv_bytes(self) -> int:
         """Bytes of the batch's KV caches: mlx-lm's BatchGenerator keeps them in its prompt
