@@ -1,6 +1,7 @@
 """A cold prompt reads each expert once: an agent's first turn at the speed of one pass.
 
     python benchmarks/cold_prompt.py [--lengths 2048,12288,30720] [--archs ...] [--iobound MB]
+    python benchmarks/cold_prompt.py --plans
 
 Per architecture class (attention qwen3_moe, hybrid linear qwen3_5_moe, sliding window
 gpt_oss: tiny random 4-bit checkpoints, 32 experts, top-2, 4 MoE layers, a 32k context),
@@ -17,6 +18,12 @@ its share spent reading, the peak memory against the plan's estimate for the pro
 whether the first tokens equal stock's. `--iobound MB` runs the engine's rows in a
 memory cgroup of MB (benchmarks/peers/cgroup.py, root), with the checkpoint's pages
 dropped first, so reads come from the disk as on a machine smaller than the model.
+
+`--plans` prints the expert chunk `llm mlxs plan` computes for real models (their
+config.json shapes: REAL below) at 24, 48 and 128 GB on an Apple silicon Mac (Metal's
+fused attention), for an agent's 20k-token first prompt, a 60k one and one as long as
+the context `max_context` auto gives; the passes over the experts are ceil(prompt /
+chunk), where mlx-lm's 2048-token chunks make ceil(prompt / 2048).
 
 On this 2-core CPU a prefill's compute is most of its TTFT; what the expert chunk saves
 is its reads (`read s`). The projection for a real model on a Mac multiplies the passes
@@ -40,6 +47,29 @@ ARCHS = {"qwen3_moe": "attention", "qwen3_5_moe": "hybrid linear", "gpt_oss": "s
 SHAPE = dict(quant="4bit", hidden_size=256, num_layers=4, num_experts=32, top_k=2, moe_intermediate_size=1024,
              max_position_embeddings=32768, head_dim=64)
 BUDGET = "16GB"
+# Real models' shapes, from their config.json (transformers' Qwen3NextConfig, DeepseekV3Config and
+# GptOssConfig defaults are these models'; Qwen3.5-397B-A17B's as THUDM/slime's
+# scripts/models/qwen3.5-397B-A17B.sh gives them), with their own context.
+REAL = {
+    "Qwen3.5-397B-A17B": dict(model_type="qwen3_5_moe", hidden_size=4096, num_hidden_layers=60, num_attention_heads=32,
+                              num_key_value_heads=2, head_dim=256, num_experts=512, num_experts_per_tok=10,
+                              moe_intermediate_size=1024, shared_expert_intermediate_size=1024,
+                              linear_num_value_heads=64, linear_num_key_heads=16, linear_key_head_dim=128,
+                              linear_value_head_dim=128, full_attention_interval=4, max_position_embeddings=262144),
+    "Qwen3-Next-80B-A3B": dict(model_type="qwen3_next", hidden_size=2048, num_hidden_layers=48, num_attention_heads=16,
+                               num_key_value_heads=2, head_dim=256, num_experts=512, num_experts_per_tok=10,
+                               moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                               linear_num_value_heads=32, linear_num_key_heads=16, linear_key_head_dim=128,
+                               linear_value_head_dim=128, full_attention_interval=4, max_position_embeddings=262144),
+    "gpt-oss-120b": dict(model_type="gpt_oss", hidden_size=2880, num_hidden_layers=36, num_attention_heads=64,
+                         num_key_value_heads=8, head_dim=64, num_local_experts=128, num_experts_per_tok=4,
+                         intermediate_size=2880, sliding_window=128,
+                         layer_types=["sliding_attention", "full_attention"] * 18, max_position_embeddings=131072),
+    "DeepSeek-V3": dict(model_type="deepseek_v3", hidden_size=7168, num_hidden_layers=61, num_attention_heads=128,
+                        num_key_value_heads=128, n_routed_experts=256, num_experts_per_tok=8,
+                        moe_intermediate_size=2048, intermediate_size=18432, kv_lora_rank=512, qk_rope_head_dim=64,
+                        first_k_dense_replace=3, n_shared_experts=1, max_position_embeddings=163840),
+}
 
 
 def checkpoint(arch: str) -> Path:
@@ -125,12 +155,36 @@ def _child(argv: list[str]) -> dict:
     return engine_row(path, prompt_for(path, n), slots, mode)
 
 
+def plans() -> None:
+    """The expert chunk of real models on a Mac (see the module's docstring)."""
+    from llm_mlx_streaming.engine.footprint import Layout
+    from llm_mlx_streaming.engine.planner import auto_context, expert_chunk
+
+    print("| model | budget | max_context (auto) | per token | chunk at 20k | passes at 20k (2048s) | "
+          "chunk at 60k | chunk at the context |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, config in REAL.items():
+        experts = config.get("num_experts") or config.get("num_local_experts") or config["n_routed_experts"]
+        top_k = config["num_experts_per_tok"]
+        layout = Layout(Path(name), config, config["model_type"], experts, top_k, dense_bytes=0, skipped_bytes=0)
+        for gb in (24, 48, 128):
+            budget = gb * 10**9
+            context = auto_context(layout, budget)
+            chunk = expert_chunk(layout, budget, max_context=context, fused=True)
+            print(f"| {name} | {gb} GB | {context:,} | {chunk.per_token / 1024:.0f} KiB | {chunk.tokens(20000):,} | "
+                  f"{chunk.passes(20000)} ({-(-19999 // 2048)}) | {chunk.tokens(60000):,} | "
+                  f"{chunk.tokens(context):,} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plans", action="store_true", help="the expert chunk of real models on a Mac")
     parser.add_argument("--lengths", default="2048,12288,30720")
     parser.add_argument("--archs", default=",".join(ARCHS))
     parser.add_argument("--iobound", type=int, metavar="MB", help="engine rows in a memory cgroup of MB (root)")
     args = parser.parse_args()
+    if args.plans:
+        return plans()
     cgroup = None
     if args.iobound:
         from benchmarks.peers.cgroup import MemoryCgroup

@@ -156,7 +156,7 @@ def _long_context_lines(st: dict) -> list[list[str]]:
         lines.append(["KV cache", text])
     if isinstance(st.get("ttft_seconds"), (int, float)):
         step = st.get("prefill_step")
-        lines.append(["first token", f"{st['ttft_seconds']} s" + (f" (prefill chunks of {step} tokens)" if step else "")])
+        lines.append(["first token", f"{st['ttft_seconds']} s" + (f" (prefill calls of up to {step} tokens)" if step else "")])
     return lines
 
 
