@@ -32,7 +32,7 @@ from fixtures.factory import build_checkpoint  # noqa: E402
 from llm_mlx_streaming.engine.kv import KVSpec, cache_bytes, make_cache  # noqa: E402
 from llm_mlx_streaming.engine.manager import EngineManager  # noqa: E402
 from llm_mlx_streaming.engine.planner import ATTENTION_TILE, plan_memory  # noqa: E402
-from llm_mlx_streaming.engine.prefill import tile_attention  # noqa: E402
+from llm_mlx_streaming.engine.prefill import tile_mixers  # noqa: E402
 from llm_mlx_streaming.engine.request import Request  # noqa: E402
 
 CACHE = Path(__file__).resolve().parent / ".cache"
@@ -118,7 +118,7 @@ def prefill_table(prompts: list[int], share: float, untiled: set[int], kinds: se
             rows.append((f"{n}, no tiles", n, n))
         rows = [r for r in rows if r[0].split(" ")[-1].strip("(),") in kinds or (", no" in r[0] and "untiled" in kinds)]
         for label, step, tile in rows:
-            tile_attention(engine.loaded.model, tile)
+            tile_mixers(engine.loaded.model, tile)
             engine.configure(expert_slots=slots + 1)
             engine.configure(expert_slots=slots)  # every row starts from an empty pool
             engine.session.reset()

@@ -91,15 +91,18 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
 
             responses = stream_speculative(run, loaded.tokenizer)
         else:
-            fed = feeder(None)
-            responses = stream_generate(
-                loaded.model, loaded.tokenizer, prompt[fed:],
-                input_embeddings=None if embeddings is None else embeddings[fed - reused:],
-                max_tokens=max_tokens, sampler=request.make_sampler(),
-                logits_processors=with_history(request.logits_processors, prompt[:fed]) or None,
-                prompt_cache=cache, **kv.generate_kwargs(),
-                prompt_progress_callback=lambda done, total: prefilled(fed - reused + done, done == total),
-            )
+            def plain():  # fed when first asked for, as a speculative run is (a pipeline tells its ranks first)
+                fed = feeder(None)
+                yield from stream_generate(
+                    loaded.model, loaded.tokenizer, prompt[fed:],
+                    input_embeddings=None if embeddings is None else embeddings[fed - reused:],
+                    max_tokens=max_tokens, sampler=request.make_sampler(),
+                    logits_processors=with_history(request.logits_processors, prompt[:fed]) or None,
+                    prompt_cache=cache, **kv.generate_kwargs(),
+                    prompt_progress_callback=lambda done, total: prefilled(fed - reused + done, done == total),
+                )
+
+            responses = plain()
         responses = provider.steps(responses)
         for response in responses:
             if ttft is None:
