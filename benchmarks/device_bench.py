@@ -12,13 +12,14 @@ engine's reads:
 - speculation at 25%: ngram at k 0 / 3 / auto on spec_bench's repetitive and ordinary
   prompts, and its oracle drafter (always right) at k 3, the bound for landing drafts;
 - overlap auto / on / off at 25%, each run from an empty pool;
-- prefill of a 4k-token prompt at 25% against stock;
+- cold prompts of 4k and 16k tokens at 25% against stock, in mlx-lm's 2048-token calls and
+  in one expert chunk, with their passes over the experts;
 - continuous batching at 25% through the server (batch_bench), B = 1, 2, 4, 8.
 
 Prints one table, then the issue's targets as measured. Each row is also a JSON line in
 OUT/bench.jsonl (OUT: --out, else $OUT, else a new temporary folder).
 
-    python benchmarks/device_bench.py [--tokens 64] [--runs 3] [--rounds 2] [--prefill 4000]
+    python benchmarks/device_bench.py [--tokens 64] [--runs 3] [--rounds 2] [--prefill 4000,16000]
 """
 
 from __future__ import annotations
@@ -185,20 +186,31 @@ def overlap_rows(table, engine, path, args, prompt, stock) -> None:
 
 
 def prefill_rows(table, engine, path, args) -> None:
+    """Cold prompts at 25% resident: stock mlx-lm's prefill against the engine's, in
+    mlx-lm's 2048-token calls and in one expert chunk (engine/prefill.py), each with its
+    passes over the experts; tokens per second of prompt, best of 2 from an empty pool."""
+    from llm_mlx_streaming.engine.planner import prefill_step_for
+
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
-    prompt = [int(t) for t in np.random.default_rng(3).integers(3, vocab - 40, args.prefill)]
-    stock = max(stock_decode(path, prompt, 1)["prefill_tps"] for _ in range(2))  # the first compiles
-    table.add("prefill", f"stock mlx-lm, {args.prefill} tokens", stock, "tok/s", 1.0, "stock")
-    engine.load(path, expert_slots=SHAPE["num_experts"] // 4)
-    runs = []
-    for _ in range(2):
-        empty_pool(engine, SHAPE["num_experts"] // 4)
-        engine.session.reset()
-        list(engine.run(None, Request(prompt=prompt, max_tokens=1)))
-        runs.append(engine.last_stats)
-    best = max(runs, key=lambda s: s["prefill_tps"])
-    table.add("prefill", f"streaming 25%, {args.prefill} tokens", best["prefill_tps"], "tok/s",
-              best["prefill_tps"] / stock, "stock", f"{best['mb_read']:.0f} MB read; best of 2, empty pool")
+    slots = SHAPE["num_experts"] // 4
+    for n in args.prefill:
+        prompt = [int(t) for t in np.random.default_rng(3).integers(3, vocab - 40, n)]
+        stock = max(stock_decode(path, prompt, 1)["prefill_tps"] for _ in range(2))  # the first compiles
+        table.add("prefill", f"stock mlx-lm, {n} tokens", stock, "tok/s", 1.0, "stock")
+        engine.load(path, expert_slots=slots)
+        chunk = prefill_step_for(path, "16GB", max_context=n + 8)
+        for label, step in (("2048-token calls", 2048), ("expert chunk", chunk)):
+            runs = []
+            for _ in range(2):
+                empty_pool(engine, slots)
+                engine.session.reset()
+                list(engine.run(None, Request(prompt=prompt, max_tokens=1, prefill_step=step, max_context=n + 8)))
+                runs.append(engine.last_stats)
+            best = max(runs, key=lambda s: s["prefill_tps"])
+            table.add("prefill", f"streaming 25%, {n} tokens, {label}", best["prefill_tps"], "tok/s",
+                      best["prefill_tps"] / stock, "stock",
+                      f"{best['expert_passes']} passes over the experts in {best['prefill_calls']} calls, "
+                      f"{best['prefill_mb_read']:.0f} MB read, TTFT {best['ttft_seconds']:.2f} s")
 
 
 def batch_rows(table, path, args, stock) -> None:
@@ -238,7 +250,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="tokens per decode run and per batched request")
     parser.add_argument("--runs", type=int, default=3, help="runs per decode row (median)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds over B = 1, 2, 4, 8 (median)")
-    parser.add_argument("--prefill", type=int, default=4000, help="prompt tokens of the prefill rows")
+    parser.add_argument("--prefill", type=lambda v: [int(n) for n in v.split(",")], default=[4000, 16000],
+                        help="prompt tokens of the prefill rows, comma-separated")
     parser.add_argument("--out", type=Path, help="folder for bench.jsonl (default: $OUT, else a temporary one)")
     args = parser.parse_args()
     out = args.out or Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="device-bench-"))
