@@ -20,9 +20,15 @@ def test_models_options_lists_every_option(llm_env):
     assert "mlx-stream/small (aliases: sm)" in listed and "mlx-stream/tiny-moe" in listed
 
 
-def test_config_show_set_unset(llm_env):
+def test_config_show_set_unset(llm_env, monkeypatch):
+    from llm_mlx_streaming.options.knobs import GROUPS
+
+    monkeypatch.setenv("COLUMNS", "80")
     out = assert_ok(llm_env.run("mlxs", "config")).stdout
-    lines = {line.split()[0]: line for line in out.splitlines()[2:]}
+    assert max(len(line) for line in out.splitlines()[1:]) <= 80  # cut to the terminal's width
+    titles = [line for line in out.splitlines() if line and not line.startswith(("  ", "* ", "Settings file"))]
+    assert titles == [title for title, _ in GROUPS]  # grouped as knobs.py groups them
+    lines = {line[2:].split()[0]: line for line in out.splitlines() if line.startswith(("  ", "* "))}
     assert set(lines) == {
         "default_model", "expert_slots", "policy", "max_tokens",
         "memory_budget", "max_context", "buffer_cache", "threads", "page_cache", "overlap", "trace", "packed",
@@ -34,12 +40,16 @@ def test_config_show_set_unset(llm_env):
         "snapshot_every", "snapshots", "snapshot_memory",  # an agent's prompt read once (#46)
         "max_models", "keep_alive",  # several models in one memory (#47)
     }
-    assert " set " in lines["default_model"] and " default " in lines["max_tokens"]
+    assert lines["default_model"].startswith("* ") and lines["max_tokens"].startswith("  ")
+    assert lines["max_tokens"].endswith("...")  # its description is longer than the room left
+    long = assert_ok(llm_env.run("mlxs", "config", "--long")).stdout
+    assert "full." in long and not any(line.endswith("...") for line in long.splitlines())  # whole, wrapped
 
     assert_ok(llm_env.run("mlxs", "config", "max_tokens", "7"))
     assert_ok(llm_env.run("mlxs", "config", "policy", "lru"))
     assert llm_env.read_settings()["max_tokens"] == 7
-    assert assert_ok(llm_env.run("mlxs", "config", "max_tokens")).stdout == "7\n"
+    one = assert_ok(llm_env.run("mlxs", "config", "max_tokens"))
+    assert one.stdout == "7\n" and one.stderr.startswith("max_tokens (set): Most tokens generated per response;")
     data = json.loads(assert_ok(llm_env.run("mlxs", "config", "--json")).stdout)
     assert {d["key"]: d["default"] for d in data}["max_tokens"] is False
 

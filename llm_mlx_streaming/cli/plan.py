@@ -127,10 +127,10 @@ def _plan_shared(names, options, settings, json_) -> None:
 def _plan_ranks(label, path, budgets: str, context: int, kv, hit_rate, json_) -> None:
     """One plan per rank of a pipeline: its layers, slots and the hit rate to expect."""
     from ..distributed.plan import plan_ranks
-    from ..sizes import parse_size
+    from ..sizes import given_size
 
     try:
-        sizes = [parse_size(b.strip()) for b in budgets.split(",")]
+        sizes = [given_size(b.strip()) for b in budgets.split(",")]
         ranks = plan_ranks(path, sizes, max_context=context, kv=kv)
     except (PlanError, CheckpointError, ValueError, OSError) as exc:
         raise MlxStreamError(f"Cannot plan {label} over {budgets}: {one_line(exc)}") from None
