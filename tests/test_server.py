@@ -401,6 +401,7 @@ def test_llm_mlxs_stats_live_and_config_push(served):
     assert json.loads(live.stdout)["state"] in ("loaded", "empty")
     shown = assert_ok(served.run("mlxs", "stats", "--live")).stdout
     assert served.server.url in shown
+    assert "a batch of up to" not in shown and "peak memory" not in shown  # the rows above say them, once
     out = assert_ok(served.run("mlxs", "config", "max_tokens", "5"))
     assert "applied to the server" in out.stderr
     assert call(served, "GET", "/api/engine/config")[2]["max_tokens"] == 5

@@ -11,7 +11,7 @@ import click
 from .group import mlxs
 
 
-@mlxs.command()
+@mlxs.command(short_help="Serve the models: OpenAI, Anthropic, Ollama APIs.")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on; anything but loopback needs --api-key")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535),

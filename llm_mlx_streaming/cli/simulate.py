@@ -65,7 +65,7 @@ def _int_list(text: str, what: str) -> list[int]:
     return values
 
 
-@mlxs.command(short_help="Replay a routing trace: hit rates of each policy and Belady.")
+@mlxs.command(short_help="Replay a routing trace through each policy.")
 @click.argument("trace")
 @click.option("--slots", help="Comma-separated slot counts, e.g. 8,16,32 (default: a sweep from top_k up)")
 @click.option("--policies", default=",".join(POLICY_NAMES), show_default=True, help="Comma-separated policies to compare with LRU and Belady")
@@ -105,7 +105,7 @@ def simulate(trace, slots, policies, phase, json_, plot):
     click.echo(format_table(rows))
 
 
-@mlxs.command()
+@mlxs.command(short_help="List the routing traces to replay.")
 @click.option("json_", "--json", is_flag=True, help="Output as JSON")
 def traces(json_):
     """List the routing traces recorded while the trace setting was on."""
