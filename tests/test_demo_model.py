@@ -19,7 +19,7 @@ from exactness import greedy_tokens, logits_trace
 from llm_mlx_streaming.checkpoints.default import SHIPPED
 from llm_mlx_streaming.engine.loading import load_streaming
 from llm_mlx_streaming.experts.simulate import simulate
-from llm_mlx_streaming.experts.traces import load_trace
+from llm_mlx_streaming.experts.traces import bundled_traces, load_trace
 from llm_mlx_streaming.options.knobs import BUNDLED_REPETITION_PENALTY, REPETITION_CONTEXT
 from llm_mlx_streaming.options.settings import Options
 from llm_mlx_streaming.reply.build import repetition_processors
@@ -177,7 +177,7 @@ def test_repetition_penalty_1_gives_plain_greedy(tmp_path, monkeypatch):
 # -- its recorded routing trace ------------------------------------------------------
 
 
-TRACE = DATA / "demo-trace.jsonl"
+TRACE = bundled_traces()["demo"]
 
 
 def test_the_recorded_trace_is_of_the_shipped_model():

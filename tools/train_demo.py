@@ -511,7 +511,7 @@ def cmd_export(args):
 
 # -- routing trace (the plugin's own recorder) -------------------------------------
 
-TRACE = Path(__file__).resolve().parents[1] / "tests" / "data" / "demo-trace.jsonl"
+TRACE = Path(__file__).resolve().parents[1] / "llm_mlx_streaming" / "experts" / "recorded" / "demo.jsonl"
 TRACE_PROMPTS = (
     "Once upon a time",
     "The Python standard library",
