@@ -248,7 +248,7 @@ def test_the_traces_shipped_with_the_plugin_replay_by_name(llm_env):
     rows = {line.split()[0]: line for line in listed.stdout.splitlines()[1:]}
     assert "(shipped)" in rows["mixtral-8x7b"] and "(shipped)" in rows["demo"] and "No traces recorded" in listed.stderr
     out = assert_ok(llm_env.run("mlxs", "simulate", "mixtral-8x7b", "--slots", "2,4")).stdout
-    assert out.splitlines()[0] == "mixtral-8x7b (shipped with the plugin) (decode)"
+    assert out.splitlines()[0] == "mixtral-8x7b, shipped with the plugin (decode)"
     assert "hit rate over 37,336 accesses (4 sequences x 32 layers" in out
     assert "(traces shipped with the plugin: demo, mixtral-8x7b)" in assert_one_line_error(
         llm_env.run("mlxs", "simulate", "mixtral"))

@@ -31,8 +31,6 @@ def _shown(key: str, value) -> str:
             return f"auto ({format_size(budget_bytes(value))})"
         except SettingsError:
             return "auto (unknown memory size)"
-    if key == "max_image_bytes":
-        return f"{value} ({format_size(value)})"
     return _fmt(value)
 
 
@@ -94,7 +92,7 @@ def config(key, value, unset_key, long_, json_):
     _settings_table(rows, long_)
 
 
-VALUE_WIDTH = 24  # a longer value (a list of hosts) is cut in the table; `config KEY` shows it whole
+VALUE_WIDTH = 18  # the value column: a longer value (a list of hosts) is cut; `config KEY` shows it whole
 
 
 def _settings_table(rows: list[dict], long_: bool) -> None:
@@ -104,14 +102,13 @@ def _settings_table(rows: list[dict], long_: bool) -> None:
     by_key = {r["key"]: r for r in rows}
     name_width = max(len(k) for k in by_key)
     shown = {k: _cut(_shown(k, r["value"]), VALUE_WIDTH) for k, r in by_key.items()}
-    value_width = max(len(v) for v in shown.values())
-    room = width - (2 + name_width + 2 + value_width + 2)
+    room = width - (2 + name_width + 2 + VALUE_WIDTH + 2)
     for title, keys in grouped(by_key):
         click.echo(f"\n{title}")
         for k in keys:
             mark = " " if by_key[k]["default"] else "*"
             text = by_key[k]["description"] or ""
-            head = f"{mark} {k:<{name_width}}  {shown[k]:<{value_width}}  "
+            head = f"{mark} {k:<{name_width}}  {shown[k]:<{VALUE_WIDTH}}  "
             if not long_:
                 click.echo((head + _cut(text, max(room, 20))).rstrip())
                 continue

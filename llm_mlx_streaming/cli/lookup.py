@@ -60,7 +60,7 @@ def trace_path(trace: str) -> tuple[Path, str]:
         return path, f"{registry.MODEL_PREFIX}/{canonical}"
     bundled = bundled_traces()
     if trace in bundled:
-        return bundled[trace], f"{trace} (shipped with the plugin)"
+        return bundled[trace], f"{trace}, shipped with the plugin"
     if path is None:
         raise SettingsError(f"No such trace file or model: {trace} (traces shipped with the plugin: "
                             f"{', '.join(bundled)})")

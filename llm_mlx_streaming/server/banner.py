@@ -48,9 +48,9 @@ def model_line(m: dict) -> str:
 def models_line(models: list[dict]) -> str:
     """The models loaded now, and how many more a request may load."""
     others = len(model_ids()) - len({i for m in models for i in m["ids"]})
-    loaded = ", ".join(model_line(m) for m in models) or "none yet"
+    loaded = f"{', '.join(model_line(m) for m in models)} loaded" if models else "none loaded yet"
     more = f"; {others} more load on request" if others > 0 else ""
-    return f"  models     loaded: {loaded}{more} (GET /v1/models lists them)"
+    return f"  models     {loaded}{more}; GET /v1/models lists them"
 
 
 class Banner:
