@@ -32,7 +32,6 @@ class Started:
     prompt_tokens: list[int]
     reused_tokens: int
     max_tokens: Optional[int] = None  # the tokens it may generate: max_tokens, within the context
-    expert_slots: Any = None  # the slots per MoE layer it runs with (engine/figures.slots_per_layer)
 
 
 class Channel:
