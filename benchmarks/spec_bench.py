@@ -175,9 +175,9 @@ DEMO_PROMPTS = ("Once upon a time", "The Python standard library", "A list is")
 
 def demo_rows(engine: EngineManager, args) -> None:
     """ngram on the bundled trained model (docs/demo-model.md), continuing its own kind of
-    text. Plain greedy decoding, without the demo's default repetition penalty: a logits
-    processor turns speculation off, and a small model decoded greedily repeats itself,
-    which is where prompt lookup pays (so these rows flatter ngram; say so when quoting)."""
+    text. Plain greedy decoding, without the demo's default repetition penalty (speculation
+    runs with it too): a small model decoded greedily repeats itself, which is where prompt
+    lookup pays (so these rows flatter ngram; say so when quoting)."""
     from llm_mlx_streaming.checkpoints.default import SHIPPED
 
     experts = json.loads((SHIPPED / "config.json").read_text())["num_experts"]

@@ -40,6 +40,21 @@ def parse_size(text: str | int) -> int:
     return int(round(float(match.group(1)) * unit))
 
 
+BARE_LEAST = 2**20  # a number without a unit below this many bytes is taken for a slip ("12" meant 12GB)
+
+
+def given_size(text: str | int, unit: str = "GB") -> int:
+    """Bytes in a size a person typed (a setting, an option, a flag): `parse_size`, except
+    that text of a number without a unit below BARE_LEAST is refused with the `unit` it
+    likely meant ("12: did you mean 12GB?"), not taken as a dozen bytes; 0 stays 0, and
+    an int (a JSON number, a stored byte count) is bytes as given."""
+    size = parse_size(text)
+    number = str(text).strip()
+    if isinstance(text, str) and 0 < size < BARE_LEAST and number.replace(".", "", 1).isdigit():
+        raise ValueError(f"{number}: did you mean {number}{unit}? Bytes are written {number}B")
+    return size
+
+
 def format_size(n: int | float | None) -> str:
     """A byte count in decimal units with one decimal: "2.0 GB", "48.3 MB", "512 B"
     ("-" for None: a size nobody could tell)."""

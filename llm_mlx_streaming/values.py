@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 
-from .sizes import parse_size
+from .sizes import given_size, parse_size
 
 DEFAULT_MAX_CONTEXT = 4096  # tokens of KV cache planned for when neither a number nor the model says
 KV_SHARE = 0.25  # max_context auto: the KV cache takes at most this share of the memory budget
@@ -99,16 +99,19 @@ def disk_size(value) -> str:
 
 def byte_count(value) -> int:
     """A size as bytes (a number of bytes, or a size like 20MiB), more than 0."""
-    return parse_size(_size(value, "20MiB, 5MB, 1048576", allow_zero=False))
+    return parse_size(_size(value, "20MiB, 5MB, 1048576", allow_zero=False, unit="MB"))
 
 
-def _size(value, examples: str, allow_zero: bool) -> str:
+def _size(value, examples: str, allow_zero: bool, unit: str = "GB") -> str:
+    """A size as stored; a number without a unit too small to be meant is refused with the
+    `unit` it likely meant (sizes.given_size)."""
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise ValueError(f"a size like {examples}")
     try:
-        size = parse_size(value)
+        parse_size(value)
     except ValueError:
         raise ValueError(f"not a size; use e.g. {examples}") from None
+    size = given_size(value, unit)
     if size < 0 or (size == 0 and not allow_zero):
         raise ValueError("must be 0 bytes or more" if allow_zero else "must be more than 0 bytes")
     return str(value).strip()

@@ -19,7 +19,7 @@ from exactness import greedy_tokens, logits_trace
 from llm_mlx_streaming.checkpoints.default import SHIPPED
 from llm_mlx_streaming.engine.loading import load_streaming
 from llm_mlx_streaming.experts.simulate import simulate
-from llm_mlx_streaming.experts.traces import load_trace
+from llm_mlx_streaming.experts.traces import bundled_traces, load_trace
 from llm_mlx_streaming.options.knobs import BUNDLED_REPETITION_PENALTY, REPETITION_CONTEXT
 from llm_mlx_streaming.options.settings import Options
 from llm_mlx_streaming.reply.build import repetition_processors
@@ -130,6 +130,29 @@ def test_llm_c_prefills_only_the_new_message(tmp_path, monkeypatch):
     assert second["prompt_tokens"] > second["reused_tokens"]
 
 
+def test_the_shipped_hashes_are_the_shipped_files():
+    """tools/train_demo.py export writes them with the files; a demo changed without them fails here."""
+    from llm_mlx_streaming.checkpoints.default import SHIPPED_HASHES
+    from llm_mlx_streaming.checkpoints.integrity import hashes
+
+    assert json.loads(SHIPPED_HASHES.read_text()) == hashes(SHIPPED)
+
+
+def test_verify_checks_the_bundled_demo_against_its_shipped_hashes(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLM_USER_PATH", str(tmp_path))
+    env = LlmEnv(tmp_path, SHIPPED)
+    assert assert_ok(env.run("mlxs", "verify")).stdout == "ok: 6 files match the hashes shipped with the package\n"
+    copy = next(tmp_path.glob("mlx-streaming/tiny-moe-*"))
+    weights = copy / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # one bit of an expert: fluent nonsense, found only by its hash
+    weights.write_bytes(bytes(data))
+    bad = env.run("mlxs", "verify", "tiny-moe")
+    assert bad.exit_code == 1 and bad.stdout.startswith(f"{weights}: sha256 ")
+    assert bad.stderr.strip() == ("Error: 1 of the 6 files of mlx-stream/tiny-moe do not match the hashes shipped "
+                                  "with the package")
+
+
 def test_the_repetition_penalty_is_on_for_the_bundled_demo_only():
     assert repetition_penalty(Options(), "tiny-moe") == BUNDLED_REPETITION_PENALTY
     assert repetition_penalty(Options(), "small") == 1.0
@@ -154,7 +177,7 @@ def test_repetition_penalty_1_gives_plain_greedy(tmp_path, monkeypatch):
 # -- its recorded routing trace ------------------------------------------------------
 
 
-TRACE = DATA / "demo-trace.jsonl"
+TRACE = bundled_traces()["demo"]
 
 
 def test_the_recorded_trace_is_of_the_shipped_model():

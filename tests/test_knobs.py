@@ -46,3 +46,22 @@ def test_options_left_out_are_none_and_settings_have_their_defaults():
             assert getattr(options, knob.name) is None
         if knob.setting:
             assert getattr(settings, knob.name) == knob.default
+
+
+SIZES = {"memory_budget": "GB", "buffer_cache": "GB", "snapshot_memory": "GB", "conversation_cache_size": "GB",
+         "max_image_bytes": "MB"}  # every size knob, and the unit a bare number of it likely meant
+
+
+def test_every_size_knob_refuses_a_number_without_a_unit_naming_the_unit_meant():
+    from llm_mlx_streaming import values
+
+    sizes = {values.budget, values.buffer_size, values.snapshot_size, values.disk_size, values.byte_count}
+    assert {k.name for k in KNOBS if k.check in sizes} == set(SIZES)  # a new size knob is listed here
+    for name, unit in SIZES.items():
+        for model in (Settings, Options) if BY_NAME[name].option else (Settings,):
+            with pytest.raises(ValidationError, match=rf"12: did you mean 12{unit}\? Bytes are written 12B"):
+                model(**{name: "12"})
+            assert getattr(model(**{name: f"12{unit}"}), name) in (f"12{unit}", 12 * 1000**(3 if unit == "GB" else 2))
+            model(**{name: "12MiB"})  # a unit, or a number of bytes that is a plausible size, is taken
+            model(**{name: "2000000"})
+            model(**{name: 4096})  # an int: a JSON number, or a byte count the settings file keeps

@@ -49,7 +49,7 @@ def ask(env, api: str, model: str, prompt: str, **extra) -> str:
 
 
 # each loaded model is listed by its first id: 'a' is the default model, 'mlx-stream'
-LISTED = {"a": "mlx-stream", "b": "mlx-stream/b"}
+LISTED = {"a": "mlx-stream:latest", "b": "mlx-stream/b:latest"}  # with Ollama's default tag
 
 
 def loaded(env) -> set[str]:

@@ -497,7 +497,7 @@ def test_cli_import_mtp_then_add_then_draft(build, tmp_path, monkeypatch):
     assert_one_line_error(env.run("mlxs", "import-mtp", "m", str(model), str(tmp_path / "x")),
                           "declares no MTP head")
     assert_one_line_error(env.run("mlxs", "import-mtp", "m", "no/such-dir-or-repo!", str(tmp_path / "y")),
-                          "No such directory")
+                          "No such folder")
 
 
 def test_importing_an_fp8_head_dequantizes_it_as_mlx_lm_does(build, tmp_path):

@@ -8,9 +8,10 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from dashboard_support import dash_server, request
+from llm_mlx_streaming.experts.traces import bundled_traces
 from plugin_support import assert_ok
 
-DEMO_TRACE = Path(__file__).parent / "data" / "demo-trace.jsonl"
+DEMO_TRACE = bundled_traces()["demo"]
 SVG = "{http://www.w3.org/2000/svg}"
 
 

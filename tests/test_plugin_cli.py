@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -20,9 +21,15 @@ def test_models_options_lists_every_option(llm_env):
     assert "mlx-stream/small (aliases: sm)" in listed and "mlx-stream/tiny-moe" in listed
 
 
-def test_config_show_set_unset(llm_env):
+def test_config_show_set_unset(llm_env, monkeypatch):
+    from llm_mlx_streaming.options.knobs import GROUPS
+
+    monkeypatch.setenv("COLUMNS", "80")
     out = assert_ok(llm_env.run("mlxs", "config")).stdout
-    lines = {line.split()[0]: line for line in out.splitlines()[2:]}
+    assert max(len(line) for line in out.splitlines()[1:]) <= 80  # cut to the terminal's width
+    titles = [line for line in out.splitlines() if line and not line.startswith(("  ", "* ", "Settings file"))]
+    assert titles == [title for title, _ in GROUPS]  # grouped as knobs.py groups them
+    lines = {line[2:].split()[0]: line for line in out.splitlines() if line.startswith(("  ", "* "))}
     assert set(lines) == {
         "default_model", "expert_slots", "policy", "max_tokens",
         "memory_budget", "max_context", "buffer_cache", "threads", "page_cache", "overlap", "trace", "packed",
@@ -34,12 +41,16 @@ def test_config_show_set_unset(llm_env):
         "snapshot_every", "snapshots", "snapshot_memory",  # an agent's prompt read once (#46)
         "max_models", "keep_alive",  # several models in one memory (#47)
     }
-    assert " set " in lines["default_model"] and " default " in lines["max_tokens"]
+    assert lines["default_model"].startswith("* ") and lines["max_tokens"].startswith("  ")
+    assert lines["max_tokens"].endswith("...")  # its description is longer than the room left
+    long = assert_ok(llm_env.run("mlxs", "config", "--long")).stdout
+    assert "full." in long and not any(line.endswith("...") for line in long.splitlines())  # whole, wrapped
 
     assert_ok(llm_env.run("mlxs", "config", "max_tokens", "7"))
     assert_ok(llm_env.run("mlxs", "config", "policy", "lru"))
     assert llm_env.read_settings()["max_tokens"] == 7
-    assert assert_ok(llm_env.run("mlxs", "config", "max_tokens")).stdout == "7\n"
+    one = assert_ok(llm_env.run("mlxs", "config", "max_tokens"))
+    assert one.stdout == "7\n" and one.stderr.startswith("max_tokens (set): Most tokens generated per response;")
     data = json.loads(assert_ok(llm_env.run("mlxs", "config", "--json")).stdout)
     assert {d["key"]: d["default"] for d in data}["max_tokens"] is False
 
@@ -164,8 +175,12 @@ def test_add_and_models_say_what_tool_call_format_is_found_in_the_checkpoint(llm
     assert "mlx-stream/small: no tool-call format learned from its template: the template renders no tool calls" in listing
 
 
-def test_add_rejects_bad_sources(llm_env, tmp_path):
-    assert_one_line_error(llm_env.run("mlxs", "add", str(tmp_path / "missing")), "No such directory")
+def test_add_rejects_bad_sources(llm_env, tmp_path, monkeypatch):
+    assert_one_line_error(llm_env.run("mlxs", "add", str(tmp_path / "missing")), f"No such folder: {tmp_path}/missing")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    for typo in ("models/foo", "./foo", "~/no-such-folder", "a/b/c"):  # a path, not a Hugging Face repo id
+        assert assert_one_line_error(llm_env.run("mlxs", "add", typo)) == f"Error: No such folder: {typo}"
     empty = tmp_path / "empty"
     empty.mkdir()
     assert_one_line_error(llm_env.run("mlxs", "add", str(empty)), "no config.json")
@@ -183,41 +198,85 @@ def test_add_rejects_bad_sources(llm_env, tmp_path):
 
 
 def test_add_from_hugging_face(llm_env, monkeypatch):
-    """A repo id in the local HF cache is added offline; otherwise it is downloaded."""
+    """A repo id in the local HF cache is added offline; otherwise its size is said, then it is downloaded."""
     import huggingface_hub
     from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.file_download import DryRunFileInfo
 
     calls = []
     cached = {"mlx-community/Tiny-MoE-4bit"}
 
     def fake_snapshot_download(repo_id, **kwargs):
-        calls.append((repo_id, kwargs.get("local_files_only", False)))
+        calls.append((repo_id, kwargs.get("local_files_only", False), kwargs.get("dry_run", False)))
         if kwargs.get("local_files_only") and repo_id not in cached:
             raise LocalEntryNotFoundError("not cached")
-        if repo_id == "org/unreachable":
-            raise OSError("connection refused\n(retry later)")
+        if kwargs.get("dry_run"):
+            return [DryRunFileInfo("abc", size, name, "", False, True)
+                    for name, size in (("config.json", 1000), ("model.safetensors", 17_200_000_000))]
         return str(llm_env.checkpoint)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     out = assert_ok(llm_env.run("mlxs", "add", "mlx-community/Tiny-MoE-4bit")).stdout
     assert "mlx-stream/Tiny-MoE-4bit" in out
-    assert calls == [("mlx-community/Tiny-MoE-4bit", True)]  # no network
+    assert calls == [("mlx-community/Tiny-MoE-4bit", True, False)]  # no network
     entry = llm_env.read_settings()["models"]["Tiny-MoE-4bit"]
     assert entry["source"] == "mlx-community/Tiny-MoE-4bit"
 
     calls.clear()
     added = assert_ok(llm_env.run("mlxs", "add", "org/Fresh-MoE", "-a", "fresh"))
-    assert calls == [("org/Fresh-MoE", True), ("org/Fresh-MoE", False)]
-    assert "Downloading org/Fresh-MoE" in added.stderr
-    failed = llm_env.run("mlxs", "add", "org/unreachable")
-    assert failed.exit_code == 1 and "Traceback" not in failed.output
-    assert failed.stderr.splitlines()[-1] == (
-        "Error: Could not download org/unreachable: connection refused (retry later)"
-    )
+    assert calls == [("org/Fresh-MoE", True, False), ("org/Fresh-MoE", False, True), ("org/Fresh-MoE", False, False)]
+    assert "Downloading org/Fresh-MoE from Hugging Face: 17.2 GB in 2 files..." in added.stderr
 
 
-def test_stats_after_two_prompts(llm_env):
+@pytest.mark.parametrize("raised, said", [
+    (lambda: OSError("connection refused\n(retry later)"), "Could not download org/x: connection refused (retry later)"),
+    (lambda: _hub("GatedRepoError"), "org/x is gated on Hugging Face: accept its terms at https://huggingface.co/org/x, "
+                                     "then log in with `hf auth login`"),
+    (lambda: _hub("RepositoryNotFoundError"), "No folder org/x here, and no model org/x on Hugging Face"),
+    (lambda: _offline(), "No folder org/x here, and Hugging Face cannot be reached to download a model of that name "
+                         "([Errno -2] Name or service not known): connect to the network"),
+])
+def test_a_hugging_face_error_is_one_line_naming_what_to_do(llm_env, monkeypatch, raised, said):
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def fake_snapshot_download(repo_id, **kwargs):
+        if kwargs.get("local_files_only"):
+            raise LocalEntryNotFoundError("not cached")
+        raise raised()
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    assert_one_line_error(llm_env.run("mlxs", "add", "org/x"), said)
+
+
+def _hub(kind: str) -> Exception:
+    """The error huggingface_hub raises for a repo answered `kind` (with the HTTP response it carries)."""
+    import httpx
+    from huggingface_hub import errors
+
+    response = httpx.Response(401, request=httpx.Request("GET", "https://huggingface.co/api/models/org/x"))
+    return getattr(errors, kind)("the Hub said no", response=response)
+
+
+def _offline() -> Exception:
+    """What a dry run raises without a network: DryRunError, caused by the failed connection."""
+    import socket
+
+    from huggingface_hub.errors import DryRunError
+
+    try:
+        try:
+            raise socket.gaierror(-2, "Name or service not known")
+        except OSError as e:
+            raise DryRunError("Dry run cannot be performed as the repository cannot be accessed.") from e
+    except DryRunError as e:
+        return e
+
+
+def test_stats_after_two_prompts(llm_env, tmp_path):
     assert_one_line_error(llm_env.run("mlxs", "stats"), "No mlx-stream responses")
+    assert_one_line_error(llm_env.run("mlxs", "stats", "-d", str(tmp_path / "none.db")),
+                          f"No such file: {tmp_path / 'none.db'}")
     assert_ok(llm_env.run("-m", "mlx-stream", "-o", "max_tokens", "5", "first"))
     assert_ok(llm_env.run("-m", "sm", "-o", "max_tokens", "6", "second"))
     table = assert_ok(llm_env.run("mlxs", "stats")).stdout
@@ -233,3 +292,37 @@ def test_stats_after_two_prompts(llm_env):
     assert agg["hits"] == first["hits"] + second["hits"]
     one = json.loads(assert_ok(llm_env.run("mlxs", "stats", "-n", "1", "--json")).stdout)
     assert one["aggregate"]["responses"] == 1
+
+
+def test_a_capped_max_tokens_or_expert_slots_is_named_once_on_stderr(llm_env):
+    capped = assert_ok(llm_env.run("-m", "mlx-stream", "-o", "max_context", "40", "-o", "max_tokens", "1000",
+                                   "-o", "expert_slots", "100", "hi"))
+    stats = llm_env.turns()[-1]["stats"]
+    given = 40 - stats["prompt_tokens"]
+    assert stats["capped"] == {"max_tokens": [1000, given], "expert_slots": [100, 8]} and stats["expert_slots"] == 8
+    assert capped.stderr.splitlines() == [f"mlx-stream: max_tokens 1000 capped at {given} (the context left after "
+                                          "the prompt); expert_slots 100 capped at 8 (the experts of a layer)"]
+    plain = assert_ok(llm_env.run("-m", "mlx-stream", "-o", "max_tokens", "3", "-o", "expert_slots", "8", "hi"))
+    assert plain.stderr == "" and "capped" not in llm_env.turns()[-1]["stats"]
+
+
+def test_a_size_without_a_unit_is_refused_with_the_unit_it_meant_everywhere(llm_env):
+    said = "12: did you mean 12GB? Bytes are written 12B"
+    assert_one_line_error(llm_env.run("mlxs", "config", "memory_budget", "12"), said)
+    assert_one_line_error(llm_env.run("mlxs", "config", "conversation_cache_size", "12"), said)
+    assert_one_line_error(llm_env.run("mlxs", "config", "max_image_bytes", "12"), "12: did you mean 12MB?")
+    assert_one_line_error(llm_env.run("mlxs", "plan", "--budget", "12"), said)
+    assert_one_line_error(llm_env.run("mlxs", "plan", "--budgets", "12,12GB"), said)
+    assert_one_line_error(llm_env.run("mlxs", "serve", "--hosts", "a,b", "--budgets", "12,12GB"), said)
+    option = llm_env.run("-m", "mlx-stream", "-o", "memory_budget", "12", "hi")
+    assert option.exit_code == 1 and said in option.stderr and llm_env.turns() == []
+    assert_ok(llm_env.run("mlxs", "config", "memory_budget", "12GB"))
+
+
+def test_llm_mlxs_help_gives_every_command_a_whole_summary(llm_env, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    out = assert_ok(llm_env.run("mlxs", "--help")).stdout
+    commands = out.split("Commands:\n", 1)[1].splitlines()
+    assert len(commands) >= 14
+    assert all(re.match(r"  [a-z][a-z-]* +\S.*\.$", line) and len(line) <= 80 for line in commands), commands
+    assert not [line for line in commands if line.endswith("...")]  # none cut mid-phrase, none wrapped

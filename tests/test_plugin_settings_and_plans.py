@@ -76,7 +76,7 @@ def test_config_of_each_new_setting(llm_env, key, good, stored, shown, bad):
     assert llm_env.read_settings()[key] == stored
     assert assert_ok(llm_env.run("mlxs", "config", key)).stdout == shown + "\n"
     table = assert_ok(llm_env.run("mlxs", "config")).stdout
-    assert next(line for line in table.splitlines() if line.startswith(key + " ")).split()[2] == "set"
+    assert next(line for line in table.splitlines() if line.startswith(f"* {key} "))  # marked set
 
     assert_ok(llm_env.run("mlxs", "config", "--unset", key))
     assert key not in llm_env.read_settings()
@@ -92,7 +92,7 @@ def _fmt_default(key):
 
 def test_config_auto_budget_and_wrong_types_in_the_file(llm_env):
     table = assert_ok(llm_env.run("mlxs", "config")).stdout
-    row = next(line for line in table.splitlines() if line.startswith("memory_budget"))
+    row = next(line for line in table.splitlines() if line.startswith("  memory_budget"))
     assert "auto (" in row and "GB)" in row  # the size auto stands for here
     assert_one_line_error(llm_env.run("mlxs", "config", "memory_budget", "0GB"), "memory_budget", "more than 0")
     llm_env.write_settings(threads="eight")
@@ -130,6 +130,19 @@ def test_plan_prints_slots_per_layer_and_refuses_a_small_budget(llm_env):
     assert "it takes at least" in error
     assert_one_line_error(llm_env.run("mlxs", "plan", "small", "--budget", "lots"), "lots")
     assert_one_line_error(llm_env.run("mlxs", "plan", "ghost"), "Unknown model 'ghost'")
+
+
+def test_plan_without_a_budget_shows_the_plan_the_model_runs_with(llm_env):
+    """'small' has 4 expert slots per layer of its own: that is its plan, not what the budget would allow."""
+    out = assert_ok(llm_env.run("mlxs", "plan"))
+    assert "slots per layer  layers 0-1: 4\n" in out.stdout and "expert pool" in out.stdout
+    assert out.stderr.strip() == ("Note: mlx-stream/small runs with 4 expert slots per layer (its --expert-slots), "
+                                  "as planned above; --budget SIZE shows the plan a memory budget makes "
+                                  "(-o memory_budget SIZE runs with it).")
+    data = json.loads(assert_ok(llm_env.run("mlxs", "plan", "--json")).stdout)
+    assert data["slots_per_layer"] == [4, 4] and data["expert_slots_in_use"] == 4
+    assert data["expected_peak_bytes"] == data["dense_bytes"] + data["kv_bytes"] + data["reserve_bytes"] + \
+        data["pool_bytes"] and data["pool_bytes"] == 4 * sum(data["expert_bytes_per_layer"])
 
 
 # -- pools from the budget ---------------------------------------------------------------
@@ -228,6 +241,17 @@ def test_trace_then_simulate(llm_env):
     assert_one_line_error(llm_env.run("mlxs", "simulate", "sm", "--policies", "fifo"), "fifo")
     assert llm_env.run("mlxs", "simulate", "sm", "--slots", "two").exit_code == 2
     assert_one_line_error(llm_env.run("mlxs", "simulate", "nothing-here.jsonl"), "No such trace file or model")
+
+
+def test_the_traces_shipped_with_the_plugin_replay_by_name(llm_env):
+    listed = assert_ok(llm_env.run("mlxs", "traces"))
+    rows = {line.split()[0]: line for line in listed.stdout.splitlines()[1:]}
+    assert "(shipped)" in rows["mixtral-8x7b"] and "(shipped)" in rows["demo"] and "No traces recorded" in listed.stderr
+    out = assert_ok(llm_env.run("mlxs", "simulate", "mixtral-8x7b", "--slots", "2,4")).stdout
+    assert out.splitlines()[0] == "mixtral-8x7b, shipped with the plugin (decode)"
+    assert "hit rate over 37,336 accesses (4 sequences x 32 layers" in out
+    assert "(traces shipped with the plugin: demo, mixtral-8x7b)" in assert_one_line_error(
+        llm_env.run("mlxs", "simulate", "mixtral"))
 
 
 # -- packed store ---------------------------------------------------------------------

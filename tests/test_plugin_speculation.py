@@ -66,7 +66,7 @@ def test_settings_k_and_draft(llm_env):
     assert_ok(llm_env.run("mlxs", "config", "draft", "ngram"))
     assert llm_env.read_settings()["k"] == 3
     out = assert_ok(llm_env.run("mlxs", "config")).stdout
-    assert any(line.split()[:2] == ["k", "3"] for line in out.splitlines())
+    assert any(line.split()[:3] == ["*", "k", "3"] for line in out.splitlines())  # marked set
     _say(llm_env)
     assert llm_env.turns()[-1]["stats"]["k"] == 3
     assert_ok(llm_env.run("mlxs", "config", "k", "auto"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import stat
 import threading
@@ -401,6 +402,7 @@ def test_llm_mlxs_stats_live_and_config_push(served):
     assert json.loads(live.stdout)["state"] in ("loaded", "empty")
     shown = assert_ok(served.run("mlxs", "stats", "--live")).stdout
     assert served.server.url in shown
+    assert "a batch of up to" not in shown and "peak memory" not in shown  # the rows above say them, once
     out = assert_ok(served.run("mlxs", "config", "max_tokens", "5"))
     assert "applied to the server" in out.stderr
     assert call(served, "GET", "/api/engine/config")[2]["max_tokens"] == 5
@@ -702,8 +704,9 @@ def test_a_cancelled_async_prompt_hangs_up_on_the_server(served, monkeypatch):
     wait_for(lambda: call(served, "GET", "/api/stats")[2]["server"]["disconnects"] == gone + 1)
 
 
-@pytest.mark.parametrize("stop_signal", ["SIGINT", "SIGTERM"])
-def test_the_serve_command_runs_until_stopped_and_cleans_up(llm_env, stop_signal):
+@pytest.mark.parametrize("stop_signal,quiet", [("SIGINT", False), ("SIGTERM", True)])
+def test_the_serve_command_runs_until_stopped_and_cleans_up(llm_env, stop_signal, quiet):
+    """It says where things are, logs each request (not with --quiet), and stops cleanly."""
     import signal
     import subprocess
     import sys
@@ -712,19 +715,25 @@ def test_the_serve_command_runs_until_stopped_and_cleans_up(llm_env, stop_signal
 
     env = {**os.environ, "LLM_USER_PATH": str(llm_env.user_dir)}
     llm_bin = os.path.join(os.path.dirname(sys.executable), "llm")
-    proc = subprocess.Popen([llm_bin, "mlxs", "serve", "--port", "0", "--max-queue", "2"], env=env,
+    proc = subprocess.Popen([llm_bin, "mlxs", "serve", "--port", "0", "--max-queue", "2", *(["--quiet"] * quiet)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, b"")), daemon=True).start()
     try:
         wait_for(lambda: discovery.read() is not None or proc.poll() is not None, timeout=60)
         info = discovery.read()
-        assert info is not None and info.pid == proc.pid, proc.stderr.read()
+        assert info is not None and info.pid == proc.pid, lines
+        wait_for(lambda: any(b"GET /v1/models lists them" in line for line in lines) or proc.poll() is not None)
         with urllib.request.urlopen(info.url + "/health", timeout=30) as resp:
             assert json.loads(resp.read()) == {"status": "ok", "id": discovery.public_id(info.secret)}
         proc.send_signal(getattr(signal, stop_signal))
         assert proc.wait(30) == 0
         assert not discovery.discovery_path().exists()
-        said = proc.stderr.read().decode()
+        wait_for(lambda: any(b"server stopped" in line for line in lines))  # read to its end
+        said = b"".join(lines).decode()
         assert "serving on " + info.url in said and "server stopped" in said and "Traceback" not in said
+        assert f"mlx-stream: ready on {info.url}:\n  dashboard  {info.url}/dashboard" in said
+        assert ("GET /health 200 " in said) is not quiet
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -904,3 +913,82 @@ def test_llm_top_logprobs_is_logged_the_same_routed_or_in_process(served):
     assert routed["served_by"] == served.server.url and "served_by" not in local
     assert routed["logprobs"] == local["logprobs"] and len(local["logprobs"]) == 3
     assert all(len(e["top_logprobs"]) == 2 for e in local["logprobs"])
+
+
+# -- where things are, and what each request did -------------------------------------
+
+
+def test_the_root_answers_a_probe_with_the_dashboards_address(served):
+    status, headers, body = send(served, "GET", "/")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    assert b"llm-mlx-streaming is running" in body and b"/dashboard" in body
+    status, _, body = send(served, "HEAD", "/")
+    assert status == 200 and body == b""
+
+
+def test_the_openai_client_retrieves_a_model_and_is_told_embeddings_are_not_served(served):
+    import openai
+
+    c = client(served)
+    assert c.models.retrieve("mlx-stream/small").id == "mlx-stream/small"
+    assert c.models.retrieve("sm").id == "mlx-stream/small"  # an alias names the model it stands for
+    with pytest.raises(openai.NotFoundError) as e:
+        c.models.retrieve("no-such-model")
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError) as e:
+        c.embeddings.create(model="mlx-stream", input="hello")
+    assert "not supported by this server" in e.value.body["message"]
+    status, _, reply = call(served, "GET", "/v1/no-such-route")
+    assert status == 404 and reply["error"]["message"].startswith("GET /v1/no-such-route: no such route")
+
+
+def test_each_request_is_one_log_line_and_a_capped_value_is_named_in_a_header(served, caplog):
+    from llm_mlx_streaming.server.request_log import CAPPED_HEADER
+
+    caplog.set_level("INFO", logger="llm_mlx_streaming.server.request_log")
+    status, headers, reply = call(served, "POST", "/v1/chat/completions",
+                                  chat_body("a prompt of its own", max_tokens=100_000, expert_slots=1000))
+    assert status == 200
+    generated = reply["usage"]["completion_tokens"]
+    assert reply["mlx_stream"]["stats"]["capped"] == {"max_tokens": [100_000, generated], "expert_slots": [1000, 8]}
+    assert headers[CAPPED_HEADER] == f"max_tokens={generated}, expert_slots=8"
+    call(served, "GET", "/v1/models")
+    status, headers, _ = send(served, "POST", "/v1/chat/completions", json.dumps(
+        chat_body("a prompt of its own", max_tokens=100_000, stream=True)).encode(), {"Content-Type": "application/json"})
+    assert status == 200 and headers[CAPPED_HEADER] == f"max_tokens={generated}"
+
+    def logged():  # this test's (an earlier test's last line may come in late)
+        found = [r.getMessage() for r in caplog.records if r.name.endswith("request_log")]
+        return [line for line in found if "capped max_tokens 100000->" in line or line.startswith("GET /v1/models ")]
+
+    wait_for(lambda: len(logged()) == 3)  # each once its response has been sent
+    lines = logged()
+    prompt, cached = reply["usage"]["prompt_tokens"], reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert lines[0].startswith("POST /v1/chat/completions 200 ")
+    assert lines[0].endswith(f"s mlx-stream prompt {prompt} (cached {cached}) generated {generated} "
+                             f"capped max_tokens 100000->{generated}, expert_slots 1000->8")
+    assert lines[1].startswith("GET /v1/models 200 ") and "prompt" not in lines[1]
+    assert re.search(rf"s mlx-stream prompt {prompt} \(cached \d+\) generated {generated} "
+                     rf"capped max_tokens 100000->{generated}$", lines[2]), lines[2]
+
+
+def test_the_server_says_where_things_are_once_its_model_is_loaded(tmp_path, plugin_checkpoint):
+    from server_support import small_server
+
+    said = []
+    with small_server(tmp_path / "llm", plugin_checkpoint, model="small", api_key="sesame",
+                      say=lambda text, end="\n": said.append(text)) as env:
+        wait_for(lambda: env.server.banner.shown)
+        url = env.server.url
+        assert said[0] == "loading mlx-stream/small..."
+        assert said[1].startswith(f"ready on {url} (loaded in ") and said[1].endswith("s):")
+        text = "\n".join(said)
+        for where in (f"{url}/dashboard", f"OpenAI     {url}/v1", f"Anthropic  {url} ", f"Ollama     {url} ",
+                      "Authorization: Bearer KEY"):
+            assert where in text, where
+        memory = env.server.service.models_figures()[0]["memory_bytes"]
+        from llm_mlx_streaming.sizes import format_size
+
+        assert said[-1].startswith(f"  models     mlx-stream/small ({format_size(memory)}, 4 expert slots per "
+                                   "layer")  # and pinned, unless this process loaded it before
+        assert said[-1].endswith(" loaded; 1 more load on request; GET /v1/models lists them")

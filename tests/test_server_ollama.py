@@ -188,19 +188,21 @@ def test_models_show_ps_version_and_unloading(served):
 
     c = client(served)
     names = {m.model for m in c.list().models}
-    assert {"mlx-stream", "mlx-stream/small"} <= names
-    small = next(m for m in c.list().models if m.model == "mlx-stream/small")
+    assert {"mlx-stream:latest", "mlx-stream/small:latest"} <= names  # Ollama's names carry its default tag
+    small = next(m for m in c.list().models if m.model == "mlx-stream/small:latest")
     assert small.size > 0 and small.details.family == "qwen3_moe"
+    assert small.details.quantization_level == "F32" and small.details.parameter_size.endswith("K")
     shown = c.show("sm")
     assert shown.details.family == "qwen3_moe" and "completion" in shown.capabilities
-    assert call(served, "GET", "/api/version")[2]["version"]
+    version = tuple(int(n) for n in call(served, "GET", "/api/version")[2]["version"].split("."))
+    assert version >= (0, 6, 4)  # what clients that check it want (VS Code's Copilot: 0.6.4)
 
     c.chat(model="mlx-stream", messages=HELLO, options={"num_predict": 2})
-    assert [m.model for m in c.ps().models] == ["mlx-stream"]
+    assert [m.model for m in c.ps().models] == ["mlx-stream:latest"]
     unloaded = c.chat(model="mlx-stream", messages=[], keep_alive=0)
     assert unloaded.done_reason == "unload" and c.ps().models == []
     loaded = c.generate(model="mlx-stream")
-    assert loaded.done_reason == "load" and [m.model for m in c.ps().models] == ["mlx-stream"]
+    assert loaded.done_reason == "load" and [m.model for m in c.ps().models] == ["mlx-stream:latest"]
     after = c.chat(model="mlx-stream", messages=HELLO, options={"num_predict": 2}, keep_alive=0)
     assert after.message.content and c.ps().models == []
     streamed = list(c.chat(model="mlx-stream", messages=HELLO, options={"num_predict": 2}, keep_alive=0, stream=True))
@@ -210,7 +212,7 @@ def test_models_show_ps_version_and_unloading(served):
     service = served.server.service
     c.generate(model="mlx-stream", keep_alive="1h")
     [listed] = c.ps().models
-    assert "mlx-stream" in service.unload_due and listed.model == "mlx-stream"
+    assert "mlx-stream" in service.unload_due and listed.model == "mlx-stream:latest"
     assert 3500 < listed.expires_at.timestamp() - time.time() <= 3600
     c.chat(model="mlx-stream", messages=HELLO, options={"num_predict": 2})  # the server's keep_alive: until told
     assert service.unload_due == {}
@@ -219,6 +221,29 @@ def test_models_show_ps_version_and_unloading(served):
     with pytest.raises(ollama.ResponseError) as e:
         c.pull("llama3")
     assert e.value.status_code == 400
+
+
+def test_every_route_takes_a_name_with_ollamas_latest_tag(served):
+    """Ollama's clients add `:latest`: `name` and `name:latest` are one model on each route."""
+    c = client(served)
+    expected = c.chat(model="sm", messages=HELLO, options={"num_predict": 4}).message.content
+    for name in ("sm:latest", "mlx-stream/small:latest", "mlx-stream:latest"):
+        reply = c.chat(model=name, messages=HELLO, options={"num_predict": 4})
+        assert reply.message.content == expected and reply.model == name
+        streamed = "".join(p.message.content for p in c.chat(model=name, messages=HELLO, stream=True,
+                                                              options={"num_predict": 4}))
+        assert streamed == expected
+        assert c.generate(model=name, prompt="hello", options={"num_predict": 2}).done
+        assert c.show(name).details.family == "qwen3_moe"
+    assert c.chat(model="mlx-stream:latest", messages=[], keep_alive=0).done_reason == "unload"
+    assert c.ps().models == []
+    assert c.generate(model="mlx-stream:latest").done_reason == "load"
+    assert [m.model for m in c.ps().models] == ["mlx-stream:latest"]
+    import ollama
+
+    with pytest.raises(ollama.ResponseError) as e:
+        c.chat(model="nothing:latest", messages=HELLO)
+    assert e.value.status_code == 404
 
 
 def test_unloading_needs_the_api_key_when_one_is_set(tmp_path, plugin_checkpoint):

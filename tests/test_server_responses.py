@@ -113,6 +113,20 @@ def test_a_streamed_response_is_the_event_sequence_the_client_parses(served):
     assert final.output_text == whole.output_text and final.usage.output_tokens == 8
 
 
+def test_created_at_is_whole_seconds_and_a_cut_message_is_incomplete_as_its_response(served):
+    """OpenAI sends created_at as an integer; the message the token limit ended says
+    `incomplete`, as the response does, whole and streamed."""
+    whole = call(served, "POST", "/v1/responses", {"model": "mlx-stream", "input": "tell me a story",
+                                                   "max_output_tokens": 4})[2]
+    with client(served).responses.stream(model="mlx-stream", input="tell me a story", max_output_tokens=4) as s:
+        done = [e.item.status for e in s if e.type == "response.output_item.done"]
+        streamed = s.get_final_response()
+    assert type(whole["created_at"]) is int and type(whole["completed_at"]) is int
+    assert whole["status"] == streamed.status == "incomplete"
+    assert [item["status"] for item in whole["output"]] == ["incomplete"]
+    assert done == [item.status for item in streamed.output] == ["incomplete"]
+
+
 def test_previous_response_id_continues_on_the_kv_cache_and_is_kept_per_id(served):
     first = client(served).responses.create(model="mlx-stream", input="hello there", max_output_tokens=6)
     second = client(served).responses.create(model="mlx-stream", input="and then?", max_output_tokens=6,

@@ -14,9 +14,9 @@ import pytest
 
 from llm_mlx_streaming.experts import policies
 from llm_mlx_streaming.experts.simulate import belady, format_table, replay, simulate, split_step
-from llm_mlx_streaming.experts.traces import load_trace, write_trace_line
+from llm_mlx_streaming.experts.traces import bundled_traces, load_trace, write_trace_line
 
-MIXTRAL = Path(__file__).parents[2] / "shared/traces/mixtral-8x7b-instruct-fp8_vllm.jsonl"
+MIXTRAL = bundled_traces()["mixtral-8x7b"]  # the real Mixtral trace, shipped (experts/recorded/NOTICE)
 POLICY_NAMES = tuple(policies.POLICIES)
 
 
@@ -301,15 +301,11 @@ def test_format_table(tmp_path):
 README = {2: (.318, .286, .460), 3: (.458, .444, .635), 4: (.589, .583, .751),
           5: (.697, .705, .834), 6: (.799, .810, .896)}
 
-needs_mixtral = pytest.mark.skipif(not MIXTRAL.is_file(), reason=f"shared trace not found: {MIXTRAL}")
-
-
 def flat(steps):
     """Each routed expert as its own call: the model the README's numbers use."""
     return [[e] for s in steps if s for e in s]
 
 
-@needs_mixtral
 def test_mixtral_readme_numbers_flat_access_model(monkeypatch):
     # The README's sanity numbers come from a flat access stream: every routed expert is
     # its own request, so loading a token's 2nd expert may evict its 1st. Replaying that
@@ -363,7 +359,6 @@ def test_decayed_lfu_remembers_evicted_experts_and_forgets_slowly():
     assert p.count[5] == (p.period - 1) / 2 and p.count[6] == 0.5
 
 
-@needs_mixtral
 def test_default_policy_measures_best_on_the_mixtral_trace():
     # docs/policies.md: the default is the policy with the highest hit rate at every slot
     # count where there is a choice (3..7 of 8).
@@ -372,7 +367,6 @@ def test_default_policy_measures_best_on_the_mixtral_trace():
         assert best == policies.DEFAULT_POLICY, r
 
 
-@needs_mixtral
 def test_mixtral_engine_model():
     # The engine's pool needs a token's top-2 experts resident together, so neither may
     # evict the other. With 2 slots that leaves no choice at all (every policy = Belady =

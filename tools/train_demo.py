@@ -501,11 +501,17 @@ def cmd_export(args):
     (out / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2) + "\n")
     size = sum(f.stat().st_size for f in out.iterdir())
     print(f"wrote {out} ({size / 1e6:.1f} MB, {len(tree_flatten(model.parameters()))} tensors)")
+    if out == PACKAGE_DIR:  # the hashes `llm mlxs verify` checks the copy against
+        from llm_mlx_streaming.checkpoints.default import SHIPPED_HASHES
+        from llm_mlx_streaming.checkpoints.integrity import hashes
+
+        SHIPPED_HASHES.write_text(json.dumps(hashes(out), indent=1) + "\n")
+        print(f"wrote {SHIPPED_HASHES}")
 
 
 # -- routing trace (the plugin's own recorder) -------------------------------------
 
-TRACE = Path(__file__).resolve().parents[1] / "tests" / "data" / "demo-trace.jsonl"
+TRACE = Path(__file__).resolve().parents[1] / "llm_mlx_streaming" / "experts" / "recorded" / "demo.jsonl"
 TRACE_PROMPTS = (
     "Once upon a time",
     "The Python standard library",

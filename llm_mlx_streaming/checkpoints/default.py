@@ -24,6 +24,7 @@ from ..errors import CheckpointError
 # Bump the directory name when the shipped files change, so an old copy is not reused.
 BUNDLED_DIR = "tiny-moe-pydocs-v2"
 SHIPPED = Path(__file__).resolve().parent / "demo"
+SHIPPED_HASHES = Path(__file__).resolve().parent / "demo.sha256.json"  # for `llm mlxs verify` (tools/train_demo.py)
 MARKER = "bundled.json"  # {file name: size} of the copy, written last
 
 

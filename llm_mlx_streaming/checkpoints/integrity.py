@@ -76,17 +76,31 @@ def read_manifest(checkpoint: Path) -> Optional[list[Expected]]:
     path = manifest_path(checkpoint)
     if not path.is_file():
         return None
+    return _manifest_files(path, f"the manifest of {checkpoint} is damaged; record it again")
+
+
+def _manifest_files(path: Path, damaged: str) -> list[Expected]:
+    """What each file must be, by a manifest file (`damaged`: the error's words)."""
     try:
         data = json.loads(path.read_text())
         if data.get("version") != MANIFEST_VERSION:
             raise ValueError
         return [Expected(name, "sha256", f["sha256"], int(f["size"])) for name, f in data["files"].items()]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        raise CheckpointError(f"{path}: the manifest of {checkpoint} is damaged; record it again") from None
+        raise CheckpointError(f"{path}: {damaged}") from None
 
 
-def record_manifest(checkpoint: Path, progress: Progress | None = None) -> Path:
-    """Hash every file of the checkpoint and keep the hashes as its manifest."""
+def shipped_manifest(checkpoint: Path) -> Optional[list[Expected]]:
+    """The hashes the package ships for the bundled demo, if `checkpoint` is its copy."""
+    from .default import SHIPPED_HASHES, bundled_path
+
+    if Path(checkpoint).resolve() != bundled_path().resolve():
+        return None
+    return _manifest_files(SHIPPED_HASHES, "the demo's shipped hashes are damaged; reinstall the package")
+
+
+def hashes(checkpoint: Path, progress: Progress | None = None) -> dict:
+    """A manifest's contents: the sha256 and size of every file of the checkpoint."""
     checkpoint = Path(checkpoint)
     files = sorted(_files(checkpoint, follow=True))
     total = sum(f.stat().st_size for f in files)
@@ -102,8 +116,14 @@ def record_manifest(checkpoint: Path, progress: Progress | None = None) -> Path:
         entries[file.relative_to(checkpoint).as_posix()] = {
             "size": file.stat().st_size, "sha256": file_hash(file, "sha256", step),
         }
+    return {"version": MANIFEST_VERSION, "files": entries}
+
+
+def record_manifest(checkpoint: Path, progress: Progress | None = None) -> Path:
+    """Hash every file of the checkpoint and keep the hashes as its manifest."""
+    checkpoint = Path(checkpoint)
     path = manifest_path(checkpoint)
-    data = {"version": MANIFEST_VERSION, "checkpoint": str(checkpoint.resolve()), "files": entries}
+    data = {**hashes(checkpoint, progress), "checkpoint": str(checkpoint.resolve())}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".manifest-")
@@ -123,6 +143,9 @@ def expected_files(checkpoint: Path) -> tuple[str, list[Expected]]:
     manifest = read_manifest(checkpoint)
     if manifest is not None:
         return "the recorded manifest", manifest
+    shipped = shipped_manifest(checkpoint)
+    if shipped is not None:
+        return "the hashes shipped with the package", shipped
     raise CheckpointError(
         f"{checkpoint}: no hashes to compare with (not in the Hugging Face cache, no manifest); "
         "record them while the files are good with `llm mlxs verify NAME --record` "

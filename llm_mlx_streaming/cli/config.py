@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import json
+import shutil
+import textwrap
 
 import click
 
 from ..options import registry
 from ..errors import SettingsError
-from ..options.knobs import BUNDLED_NAME
+from ..options.knobs import BUNDLED_NAME, grouped
 from ..options.settings import CONFIG_KEYS, Settings, budget_bytes, check_setting_name, explicit_keys, load_settings, set_value, settings_path, unset_value
 
 from .group import mlxs
 from ..sizes import format_size
-from .common import table
 from ..client.client import running_server
 
 
@@ -37,13 +38,15 @@ def _shown(key: str, value) -> str:
 @click.argument("key", required=False)
 @click.argument("value", required=False)
 @click.option("--unset", "unset_key", metavar="KEY", help="Reset KEY to its default")
+@click.option("--long", "long_", is_flag=True, help="Each setting's whole description")
 @click.option("json_", "--json", is_flag=True, help="Output as JSON")
-def config(key, value, unset_key, json_):
+def config(key, value, unset_key, long_, json_):
     """Show or change settings.
 
     \b
-    llm mlxs config                 every setting, its value, default or set
-    llm mlxs config KEY             one setting
+    llm mlxs config                 every setting: its value and what it does, in brief
+    llm mlxs config --long          ... and the whole description of each
+    llm mlxs config KEY             one setting's value (its description on stderr)
     llm mlxs config KEY VALUE       validate and save
     llm mlxs config --unset KEY     back to the default
     """
@@ -70,6 +73,8 @@ def config(key, value, unset_key, json_):
     if key:
         check_setting_name(key)
         click.echo(_fmt(getattr(settings, key)))
+        state = "set" if key in explicit else "the default"
+        click.echo(f"{key} ({state}): {Settings.model_fields[key].description}", err=True)
         return
     rows = [
         {
@@ -83,11 +88,38 @@ def config(key, value, unset_key, json_):
     if json_:
         click.echo(json.dumps(rows, indent=2))
         return
-    click.echo(f"Settings file: {settings_path()}")
-    table(
-        ["setting", "value", "", "description"],
-        [[r["key"], _shown(r["key"], r["value"]), "default" if r["default"] else "set", r["description"]] for r in rows],
-    )
+    click.echo(f"Settings file: {settings_path()}  (* set there; the others are defaults)")
+    _settings_table(rows, long_)
+
+
+VALUE_WIDTH = 18  # the value column: a longer value (a list of hosts) is cut; `config KEY` shows it whole
+
+
+def _settings_table(rows: list[dict], long_: bool) -> None:
+    """The settings under their groups (knobs.GROUPS): a mark for those set, the name, the
+    value and the description, cut to the terminal's width (`long_`: whole, wrapped)."""
+    width = shutil.get_terminal_size((100, 24)).columns
+    by_key = {r["key"]: r for r in rows}
+    name_width = max(len(k) for k in by_key)
+    shown = {k: _cut(_shown(k, r["value"]), VALUE_WIDTH) for k, r in by_key.items()}
+    room = width - (2 + name_width + 2 + VALUE_WIDTH + 2)
+    for title, keys in grouped(by_key):
+        click.echo(f"\n{title}")
+        for k in keys:
+            mark = " " if by_key[k]["default"] else "*"
+            text = by_key[k]["description"] or ""
+            head = f"{mark} {k:<{name_width}}  {shown[k]:<{VALUE_WIDTH}}  "
+            if not long_:
+                click.echo((head + _cut(text, max(room, 20))).rstrip())
+                continue
+            click.echo(head.rstrip())
+            for line in textwrap.wrap(text, width=max(width - 6, 40)):
+                click.echo(f"      {line}")
+
+
+def _cut(text: str, width: int) -> str:
+    """`text` in at most `width` characters, its end replaced by "..." when it is longer."""
+    return text if len(text) <= width else text[: width - 3].rstrip() + "..."
 
 
 # -- a running server takes the change too ---------------------------------

@@ -33,7 +33,7 @@ class _PassThrough(click.Command):
         return [*super().collect_usage_pieces(ctx), "[-- ARGS]..."]
 
 
-@mlxs.command(cls=_PassThrough)
+@mlxs.command(cls=_PassThrough, short_help="Run Claude Code or Codex on a model served here.")
 @click.argument("agent", type=click.Choice(sorted(AGENTS)))
 @click.argument("model", required=False)
 @click.option("--wait", default=900, show_default=True, type=click.IntRange(1),

@@ -8,6 +8,7 @@ from pathlib import Path
 from ..options import registry
 from ..checkpoints.config import read_config
 from ..errors import SettingsError
+from ..experts.traces import bundled_traces
 from ..options.knobs import BUNDLED_NAME
 from ..options.settings import Settings, load_settings, trace_file
 
@@ -40,7 +41,8 @@ def has_packed(path: Path) -> bool:
 
 
 def trace_path(trace: str) -> tuple[Path, str]:
-    """A trace file, or the recorded trace of a model (name, alias or mlx-stream)."""
+    """A trace file, the recorded trace of a model (name, alias or mlx-stream), or a trace
+    shipped with the package (experts/recorded/: `llm mlxs traces` lists them)."""
     local = Path(trace).expanduser()
     if local.is_file():
         return local, str(local)
@@ -52,11 +54,17 @@ def trace_path(trace: str) -> tuple[Path, str]:
             else registry.canonical_name(trace, settings)
         )
     except SettingsError:
-        raise SettingsError(f"No such trace file or model: {trace}") from None
-    path = trace_file(canonical)
-    if not path.is_file():
-        raise SettingsError(
-            f"No trace recorded for {registry.MODEL_PREFIX}/{canonical} yet ({path}): "
-            "run `llm mlxs config trace on`, then some prompts"
-        )
-    return path, f"{registry.MODEL_PREFIX}/{canonical}"
+        canonical = None
+    path = trace_file(canonical) if canonical else None
+    if path is not None and path.is_file():
+        return path, f"{registry.MODEL_PREFIX}/{canonical}"
+    bundled = bundled_traces()
+    if trace in bundled:
+        return bundled[trace], f"{trace}, shipped with the plugin"
+    if path is None:
+        raise SettingsError(f"No such trace file or model: {trace} (traces shipped with the plugin: "
+                            f"{', '.join(bundled)})")
+    raise SettingsError(
+        f"No trace recorded for {registry.MODEL_PREFIX}/{canonical} yet ({path}): "
+        "run `llm mlxs config trace on`, then some prompts"
+    )

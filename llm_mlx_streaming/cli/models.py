@@ -100,7 +100,7 @@ def models(json_):
             click.echo(f"{r['model_id']}: no tool-call format learned from its template: {r['tool_format']['note']}")
 
 
-@mlxs.command()
+@mlxs.command(short_help="Add a model: a folder or a Hugging Face repo id.")
 @click.argument("source")
 @click.option("-a", "--alias", "aliases", multiple=True, help="Alias for the model (repeatable)")
 @click.option("--name", help="Name to register it under (default: the directory or repo name)")
@@ -114,11 +114,9 @@ def add(source, aliases, name, expert_slots, hash_):
     llm mlxs add mlx-community/Qwen3-30B-A3B-4bit
     """
     local = Path(source).expanduser()
-    if local.exists() or source.startswith((".", "/", "~")) or not HF_REPO_RE.match(source):
+    if local.exists() or looks_local(source) or not HF_REPO_RE.match(source):
         if not local.exists():
-            raise SettingsError(
-                f"No such directory: {source} (nor a Hugging Face repo id like org/name)"
-            )
+            raise no_folder(source)
         path = local.resolve()
         stored_source = str(path)
     else:
@@ -205,8 +203,22 @@ def _check_llm_ids(name: str, aliases) -> None:
         raise SettingsError(f"Alias '{alias}' is already used by {existing.model_id}")
 
 
+def looks_local(source: str) -> bool:
+    """Whether `source` is written as a path (./, /, ~, a/b/c, or under a folder here), not a
+    Hugging Face repo id (org/name)."""
+    under = Path(source).parent
+    return source.startswith((".", "/", "~")) or source.count("/") > 1 or (under.name != "" and under.is_dir())
+
+
+def no_folder(source: str) -> SettingsError:
+    """The one line for a source that is no folder here (nor, unless written as a path, a repo id)."""
+    return SettingsError(f"No such folder: {source}" + ("" if looks_local(source) else
+                                                       " (nor a Hugging Face repo id like org/name)"))
+
+
 def _download(repo_id: str) -> Path:
-    """Snapshot a Hugging Face repo, offline first (no network when cached)."""
+    """Snapshot a Hugging Face repo, offline first (no network when cached); a download
+    says its size first and shows huggingface_hub's progress bars."""
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import LocalEntryNotFoundError
@@ -220,11 +232,36 @@ def _download(repo_id: str) -> Path:
         pass
     except Exception as exc:
         raise SettingsError(f"Could not read {repo_id} from the Hugging Face cache: {one_line(exc)}")
-    click.echo(f"Downloading {repo_id} from Hugging Face...", err=True)
     try:
+        files = [f for f in snapshot_download(repo_id, allow_patterns=HF_PATTERNS, dry_run=True) if f.will_download]
+        size = sum(f.file_size or 0 for f in files)
+        click.echo(f"Downloading {repo_id} from Hugging Face: {format_size(size)} in {len(files)} files...", err=True)
         return Path(snapshot_download(repo_id, allow_patterns=HF_PATTERNS))
     except Exception as exc:
-        raise SettingsError(f"Could not download {repo_id}: {one_line(exc)}")
+        raise hub_error(repo_id, exc) from None
+
+
+def hub_error(repo_id: str, exc: Exception) -> SettingsError:
+    """What the Hugging Face Hub answered (or that it could not be reached), in one line
+    that names what to do."""
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, OfflineModeIsEnabled, \
+        RepositoryNotFoundError
+
+    chain, cause = [], exc
+    while cause is not None and len(chain) < 10:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    if any(isinstance(e, GatedRepoError) for e in chain):
+        return SettingsError(f"{repo_id} is gated on Hugging Face: accept its terms at "
+                             f"https://huggingface.co/{repo_id}, then log in with `hf auth login`")
+    if any(isinstance(e, RepositoryNotFoundError) for e in chain):
+        return SettingsError(f"No folder {repo_id} here, and no model {repo_id} on Hugging Face (a private one "
+                             "needs `hf auth login`)")
+    if any(isinstance(e, (OfflineModeIsEnabled, LocalEntryNotFoundError, ConnectionError)) or
+           type(e).__name__ in ("ConnectError", "ConnectTimeout", "gaierror") for e in chain):
+        return SettingsError(f"No folder {repo_id} here, and Hugging Face cannot be reached to download a model of "
+                             f"that name ({one_line(chain[-1])}): connect to the network, or give the folder's path")
+    return SettingsError(f"Could not download {repo_id}: {one_line(exc)}")
 
 
 @mlxs.command()

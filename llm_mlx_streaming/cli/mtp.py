@@ -7,16 +7,16 @@ from pathlib import Path
 
 import click
 
-from ..errors import SettingsError, one_line
+from ..errors import SettingsError
 from ..options.settings import load_settings
 
 from .group import mlxs
-from .models import HF_REPO_RE
+from .models import HF_REPO_RE, hub_error, looks_local, no_folder
 from .lookup import find_checkpoint
 from ..checkpoints.config import read_config
 
 
-@mlxs.command("import-mtp", short_help="Add the original checkpoint's MTP head to a model (for -o draft mtp).")
+@mlxs.command("import-mtp", short_help="Put back a model's MTP head (for -o draft mtp).")
 @click.argument("name")
 @click.argument("source")
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
@@ -39,8 +39,8 @@ def import_mtp(name, source, out):
     label, path, _ = find_checkpoint(name, load_settings())
     local = Path(source).expanduser()
     if not local.is_dir():
-        if not HF_REPO_RE.match(source):
-            raise SettingsError(f"No such directory: {source} (nor a Hugging Face repo id like org/name)")
+        if looks_local(source) or not HF_REPO_RE.match(source):
+            raise no_folder(source)
         local = _fetch_head(source, path)
     out = out.expanduser()
     import_head(path, local, out)
@@ -70,5 +70,5 @@ def _fetch_head(repo_id: str, model: Path) -> Path:
         for shard in shards:
             hf_hub_download(repo_id, shard)
     except Exception as exc:
-        raise SettingsError(f"Could not download {repo_id}: {one_line(exc)}") from None
+        raise hub_error(repo_id, exc) from None
     return folder

@@ -19,7 +19,7 @@ from ..engine.planner import checkpoint_layout
 from ..errors import CheckpointError
 
 
-@mlxs.command(short_help="Pack a model's experts: one read per expert; --verify, --remove.")
+@mlxs.command(short_help="Pack a model's experts: one read per expert.")
 @click.argument("name", required=False)
 @click.option("--verify", is_flag=True, help="Check the packed store (every record against its checksum and the checkpoint) instead of packing")
 @click.option("--remove", is_flag=True, help="Delete the packed store")

@@ -19,11 +19,11 @@ from ..sizes import format_size
 from .common import slots_text, table
 from .group import mlxs
 from .lookup import find_checkpoint
-from ..engine.planner import PlanError, plan_memory
+from ..engine.planner import PlanError, plan_memory, with_slots
 from ..errors import CheckpointError
 
 
-@mlxs.command(short_help="How a memory budget is spent; slots per layer (loads nothing).")
+@mlxs.command(short_help="How a memory budget is spent (loads nothing).")
 @click.argument("names", nargs=-1)
 @click.option("--budget", metavar="SIZE", help="Memory budget, e.g. 12GB or auto (default: the memory_budget setting)")
 @click.option("--max-context", type=click.IntRange(1), help="Tokens of KV cache to plan for (default: the max_context setting)")
@@ -74,6 +74,8 @@ def plan(names, budget, max_context, kv_bits, hit_rate, budgets, json_):
     if entry is not None or label == f"{registry.MODEL_PREFIX}/{BUNDLED_NAME}":
         canonical = label.split("/", 1)[1]
         fixed = registry.effective_slots(canonical, entry, settings)
+    if fixed and budget is None:  # no budget asked about: the plan the model runs with
+        result = with_slots(result, fixed)
     if json_:
         data = result.as_dict()
         data["budget_setting"] = value
@@ -86,11 +88,13 @@ def plan(names, budget, max_context, kv_bits, hit_rate, budgets, json_):
         source = registry.slots_source(canonical, entry, settings)
         why = {"model": "its --expert-slots", "setting": "the expert_slots setting",
                "bundled": "the bundled demo's default"}.get(source, "a setting")
-        click.echo(
-            f"Note: {label} runs with {fixed} expert slots per layer ({why}), not this plan; "
-            f"-o memory_budget {value} uses the plan.",
-            err=True,
-        )
+        if budget is None:
+            note = (f"{label} runs with {fixed} expert slots per layer ({why}), as planned above; --budget SIZE "
+                    "shows the plan a memory budget makes (-o memory_budget SIZE runs with it)")
+        else:
+            note = (f"{label} runs with {fixed} expert slots per layer ({why}), not this plan; "
+                    f"-o memory_budget {value} uses the plan")
+        click.echo(f"Note: {note}.", err=True)
 
 
 def _plan_shared(names, options, settings, json_) -> None:
@@ -127,10 +131,10 @@ def _plan_shared(names, options, settings, json_) -> None:
 def _plan_ranks(label, path, budgets: str, context: int, kv, hit_rate, json_) -> None:
     """One plan per rank of a pipeline: its layers, slots and the hit rate to expect."""
     from ..distributed.plan import plan_ranks
-    from ..sizes import parse_size
+    from ..sizes import given_size
 
     try:
-        sizes = [parse_size(b.strip()) for b in budgets.split(",")]
+        sizes = [given_size(b.strip()) for b in budgets.split(",")]
         ranks = plan_ranks(path, sizes, max_context=context, kv=kv)
     except (PlanError, CheckpointError, ValueError, OSError) as exc:
         raise MlxStreamError(f"Cannot plan {label} over {budgets}: {one_line(exc)}") from None

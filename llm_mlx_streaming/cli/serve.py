@@ -4,13 +4,14 @@ Ollama APIs (docs/server.md)."""
 from __future__ import annotations
 
 import signal
+import sys
 
 import click
 
 from .group import mlxs
 
 
-@mlxs.command()
+@mlxs.command(short_help="Serve the models: OpenAI, Anthropic, Ollama APIs.")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on; anything but loopback needs --api-key")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535),
@@ -51,14 +52,15 @@ from .group import mlxs
 @click.option("--restarts", default=3, show_default=True, type=click.IntRange(0),
               help="With --hosts: how often in a row a failed pipeline is started again (0: never; "
               "the server then exits with the failure)")
+@click.option("-q", "--quiet", is_flag=True, help="No line per request on stderr (the loads and where things are "
+              "are still said)")
 @click.option("--pipeline-rank", is_flag=True, hidden=True)
 @click.option("--pipeline-restarts", default=0, type=int, hidden=True)
 @click.option("--pipeline-error", hidden=True)
 @click.option("--supervisor", hidden=True)  # HOST:PID
 @click.pass_context
 def serve(ctx, host, port, models, max_models, api_key, max_queue, hosts, origins, strict, aliases, any_model, pipeline, hostfile,
-          backend,
-          budgets, ring_port, restarts, pipeline_rank, pipeline_restarts, pipeline_error, supervisor):
+          backend, budgets, ring_port, restarts, quiet, pipeline_rank, pipeline_restarts, pipeline_error, supervisor):
     """Serve the mlx-stream models over HTTP: the OpenAI, Anthropic Messages and Ollama APIs.
 
     While it runs, `llm -m mlx-stream...`, `llm chat` and `llm -c` in this llm user
@@ -96,7 +98,8 @@ def serve(ctx, host, port, models, max_models, api_key, max_queue, hosts, origin
                     max_models=1 if pipeline_rank else max_models, api_key=api_key, max_queue=max_queue,
                     hosts=list(hosts) if hosts else None, origins=list(origins) if origins else None,
                     keeper=keeper, strict=strict, aliases=_aliases(aliases), any_model=any_model,
-                    sigterm_handled=engine.ended_elsewhere if engine is not None else None)
+                    sigterm_handled=engine.ended_elsewhere if engine is not None else None, say=_say,
+                    live=sys.stderr.isatty())
     if engine is not None:
         from .. import discovery
         from ..distributed.launch import leave_when_broken, stop_when_unsupervised
@@ -105,6 +108,7 @@ def serve(ctx, host, port, models, max_models, api_key, max_queue, hosts, origin
         if keeper is not None:  # a supervisor on another machine cannot be watched from here
             stop_when_unsupervised(lambda: not discovery.alive(keeper))
     click.echo(f"mlx-stream: serving on {server.url} (Ctrl-C stops)", err=True)
+    _log_requests(quiet)
     # uvicorn shuts down on SIGINT and SIGTERM, then re-raises the signal to the handler
     # it found: let SIGTERM end like Ctrl-C, so `kill` removes the discovery file too
     signal.signal(signal.SIGTERM, _interrupt)
@@ -119,6 +123,30 @@ def serve(ctx, host, port, models, max_models, api_key, max_queue, hosts, origin
     # stopped on purpose: status 0, within seconds (docs/server.md); a pipeline's rank 0
     # sends the others home once its engine rests, or ends without a word (they leave)
     worker.end_process(0, last=get_manager().shutdown if pipeline_rank else None)
+
+
+def _say(text: str, end: str = "\n") -> None:
+    """The server's words on stderr (server/banner.py): a load's progress starts with a
+    carriage return and ends without a newline, to be rewritten."""
+    back = text.startswith("\r")
+    text = text.removeprefix("\r")
+    if text and not text.startswith("  "):
+        text = "mlx-stream: " + text
+    click.echo(("\r" if back else "") + text + end, err=True, nl=False)
+
+
+def _log_requests(quiet: bool) -> None:
+    """One line per request on stderr (server/request_log.py), unless `quiet`."""
+    import logging
+
+    from ..server.request_log import log
+
+    if quiet:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("mlx-stream: %(asctime)s %(message)s", "%H:%M:%S"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
 
 
 def _supervise(ctx, pipeline, hostfile, backend, ring_port) -> None:
@@ -143,7 +171,7 @@ def _supervise(ctx, pipeline, hostfile, backend, ring_port) -> None:
             passed += [flag, value]
     for alias in ctx.params["aliases"]:
         passed += ["--model-alias", alias]
-    for flag in ("strict", "any_model"):
+    for flag in ("strict", "any_model", "quiet"):
         if ctx.params[flag]:
             passed.append(f"--{flag.replace('_', '-')}")
     hosts = pipeline.split(",") if pipeline else None
@@ -172,10 +200,10 @@ def _keeper(supervisor: str | None) -> int | None:
 
 def _budgets(budgets: str | None) -> list[int] | None:
     from ..errors import MlxStreamError
-    from ..sizes import parse_size
+    from ..sizes import given_size
 
     try:
-        return [parse_size(b.strip()) for b in budgets.split(",")] if budgets else None
+        return [given_size(b.strip()) for b in budgets.split(",")] if budgets else None
     except ValueError as e:
         raise MlxStreamError(f"--budgets {budgets}: {e}") from None
 

@@ -16,6 +16,7 @@ from .group import mlxs
 from ..sizes import format_size
 from .common import table
 from ..experts.simulate import format_table, simulate as run_simulation
+from ..experts.traces import RECORDED, bundled_traces
 from .lookup import trace_path
 from .plot import check_path, plot_simulation
 
@@ -65,7 +66,7 @@ def _int_list(text: str, what: str) -> list[int]:
     return values
 
 
-@mlxs.command(short_help="Replay a routing trace: hit rates of each policy and Belady.")
+@mlxs.command(short_help="Replay a routing trace through each policy.")
 @click.argument("trace")
 @click.option("--slots", help="Comma-separated slot counts, e.g. 8,16,32 (default: a sweep from top_k up)")
 @click.option("--policies", default=",".join(POLICY_NAMES), show_default=True, help="Comma-separated policies to compare with LRU and Belady")
@@ -76,13 +77,15 @@ def _int_list(text: str, what: str) -> list[int]:
 def simulate(trace, slots, policies, phase, json_, plot):
     """Replay a routing trace through each eviction policy and Belady's optimum.
 
-    TRACE is a trace file (JSON lines) or a model name, meaning the trace recorded
-    for it while the trace setting was on (see `llm mlxs traces`).
+    TRACE is a trace file (JSON lines), a model name, meaning the trace recorded
+    for it while the trace setting was on, or the name of a trace shipped with the
+    plugin: mixtral-8x7b (a real Mixtral-8x7B's routing), demo (the bundled demo's).
+    `llm mlxs traces` lists them.
 
     \b
     llm mlxs simulate q30 --slots 16,32,64
-    llm mlxs simulate ../shared/traces/mixtral.jsonl --slots 2,4,6 --json
-    llm mlxs simulate tests/data/demo-trace.jsonl --slots 4,8   (the bundled demo's routing)
+    llm mlxs simulate mixtral-8x7b --slots 2,4,6 --json
+    llm mlxs simulate demo --slots 4,8
     """
     check_path(plot)
     path, label = trace_path(trace)
@@ -105,26 +108,30 @@ def simulate(trace, slots, policies, phase, json_, plot):
     click.echo(format_table(rows))
 
 
-@mlxs.command()
+@mlxs.command(short_help="List the routing traces to replay.")
 @click.option("json_", "--json", is_flag=True, help="Output as JSON")
 def traces(json_):
-    """List the routing traces recorded while the trace setting was on."""
+    """List the routing traces recorded while the trace setting was on, and those shipped
+    with the plugin (`llm mlxs simulate NAME` replays one)."""
     folder = traces_dir()
     rows = []
-    for path in sorted(folder.glob("*.jsonl")) if folder.is_dir() else []:
+    recorded = sorted(folder.glob("*.jsonl")) if folder.is_dir() else []
+    for path in [*recorded, *bundled_traces().values()]:
         counts = {"decode": 0, "prefill": 0}
         with open(path, encoding="utf-8", errors="replace") as fh:
             for line in fh:
                 match = re.search(r'"phase":\s*"(\w+)"', line)
                 if match and match.group(1) in counts:
                     counts[match.group(1)] += 1
-        rows.append({"model": path.stem, "path": str(path), "size_bytes": path.stat().st_size,
+        rows.append({"model": path.stem, "shipped": path.parent == RECORDED, "path": str(path),
+                     "size_bytes": path.stat().st_size,
                      "decode_sequences": counts["decode"], "prefill_sequences": counts["prefill"]})
     if json_:
         click.echo(json.dumps(rows, indent=2))
         return
-    if not rows:
-        click.echo(f"No traces in {folder} (turn recording on with `llm mlxs config trace on`)", err=True)
-        return
-    table(["model", "decode", "prefill", "size", "file"],
-           [[r["model"], str(r["decode_sequences"]), str(r["prefill_sequences"]), format_size(r["size_bytes"]), r["path"]] for r in rows])
+    table(["trace", "decode", "prefill", "size", "file"],
+          [[r["model"] + (" (shipped)" if r["shipped"] else ""), str(r["decode_sequences"]),
+            str(r["prefill_sequences"]), format_size(r["size_bytes"]), r["path"]] for r in rows])
+    if not recorded:
+        click.echo(f"No traces recorded in {folder} yet (turn recording on with `llm mlxs config trace on`)",
+                   err=True)

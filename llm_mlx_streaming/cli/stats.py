@@ -255,7 +255,7 @@ def _stat_lines(st: dict) -> list[list[str]]:
     return lines
 
 
-@mlxs.command()
+@mlxs.command(short_help="The engine's figures of the last responses.")
 @click.option("-n", "--count", "count", default=10, show_default=True, type=click.IntRange(1), help="Aggregate over the last N responses")
 @click.option("json_", "--json", is_flag=True, help="Output as JSON")
 @click.option("-d", "--database", type=click.Path(dir_okay=False, path_type=Path), help="Path to log database (default: llm's logs.db)")
@@ -268,6 +268,8 @@ def stats(count, json_, database, live, plot):
     if live:
         return _live(json_, plot)
     db_path = database or (llm.user_dir() / "logs.db")
+    if database is not None and not database.is_file():
+        raise click.ClickException(f"No such file: {database}")
     rows = _logged(db_path, count)
     if plot is not None and rows:
         return plot_logged(rows, plot)
@@ -338,8 +340,9 @@ def _live(json_: bool, plot: Path | None = None) -> None:
     table(None, rows, indent="  ")
     from ..engine.figures import read_figures
 
-    figures = {**st, **read_figures(st), "peak_memory_bytes": st.get("mlx_peak_memory_bytes")}
-    table(None, _stat_lines(figures)[4:], indent="  ")
+    figures = {**st, **read_figures(st)}
+    shown = ("peak memory", "batch")  # the rows above say them, as the server sees them now
+    table(None, [row for row in _stat_lines(figures)[4:] if row[0] not in shown], indent="  ")
     if st.get("ranks"):
         _rank_table("ranks (a pipeline; the figures above are rank 0's), since the start:", st["ranks"])
     if st.get("models"):

@@ -31,6 +31,7 @@ class Started:
     checkpoint: Path
     prompt_tokens: list[int]
     reused_tokens: int
+    max_tokens: Optional[int] = None  # the tokens it may generate: max_tokens, within the context
 
 
 class Channel:

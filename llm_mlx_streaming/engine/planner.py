@@ -23,7 +23,7 @@ import math
 import os
 import platform
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Sequence
 
 from ..sizes import format_size, parse_size
@@ -218,6 +218,17 @@ class Plan:
         return {"bytes_per_token": chunk.per_token, "fixed_bytes": chunk.fixed,
                 "prompts": [{"prompt_tokens": n, "chunk_tokens": chunk.tokens(n), "passes": chunk.passes(n)}
                             for n in prompts]}
+
+
+def with_slots(plan: Plan, slots: int | Sequence[int]) -> Plan:
+    """`plan` for `slots` per MoE layer (a model's own slot count, at most its experts)
+    in place of those its budget allows: the same dense weights, KV cache and reserve,
+    the pool and the peak those slots make."""
+    counts = list(slots) if isinstance(slots, (list, tuple)) else [slots] * plan.num_moe_layers
+    counts = [min(int(n), plan.num_experts) for n in counts]
+    pool = sum(n * b for n, b in zip(counts, plan.expert_bytes_per_layer))
+    return replace(plan, slots_per_layer=counts, whole_layers=[i for i, n in enumerate(counts) if n == plan.num_experts],
+                   pool_bytes=pool, expected_peak_bytes=plan.expected_peak_bytes - plan.pool_bytes + pool)
 
 
 def model_context(config: dict) -> int:

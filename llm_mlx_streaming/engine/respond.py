@@ -208,7 +208,7 @@ def begin(provider: ModelProvider, request: Request, out: Channel, carried: Carr
     cache, new_tokens, reused = session.reuse_for(prompt, kv, images_of(request))
     disk = None if disk_cache_off(loaded, request) else disk_cache_for(provider, request, kv, carried)
     cache, new_tokens, reused, from_disk = cache_from_disk(disk, session, loaded, prompt, kv, cache, new_tokens, reused)
-    out.put("started", Started(loaded.tokenizer, provider.checkpoint, prompt, reused))
+    out.put("started", Started(loaded.tokenizer, provider.checkpoint, prompt, reused, max_tokens))
     return Begun(prompt, max_tokens, kv, kv_note, cache, new_tokens, reused, disk, from_disk, session.last)
 
 

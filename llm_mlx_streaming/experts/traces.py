@@ -20,10 +20,17 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, Any, Iterable, Optional
 
 Step = Optional[list[int]]  # expert ids in router-rank order; None = not recorded
 PHASES = ("decode", "prefill")
+RECORDED = Path(__file__).parent / "recorded"  # the traces the package ships (their NOTICE says whence)
+
+
+def bundled_traces() -> dict[str, Path]:
+    """The traces shipped with the package, by name (`llm mlxs simulate NAME`)."""
+    return {path.stem: path for path in sorted(RECORDED.glob("*.jsonl"))}
 
 
 @dataclass

@@ -104,7 +104,6 @@ KNOBS: tuple[Knob, ...] = (
         name="parallel_tool_calls", type=bool, check=values.parse_switch,
         description="With tools: on (default): a reply may hold several calls; off: at most one",
     ),
-    # -- the expert pools ------------------------------------------------------------
     Knob(
         name="expert_slots", type=Optional[int], default=None, bounds={"ge": 1},
         description="Expert slots per MoE layer kept in memory (the rest stream from disk); fewer slots "
@@ -160,7 +159,6 @@ KNOBS: tuple[Knob, ...] = (
         description="auto: read experts from the model's packed store (`llm mlxs pack`) when one is "
         "present and valid; off: always read the safetensors.",
     ),
-    # -- speculation -----------------------------------------------------------------
     Knob(
         name="k", type=Union[Literal["auto"], int], default=0, check=values.k,
         description="Speculative decoding: draft tokens verified per pass of the big model; "
@@ -172,7 +170,6 @@ KNOBS: tuple[Knob, ...] = (
         "(the checkpoint's own multi-token-prediction head), or the name of a small model added with "
         "`llm mlxs add` that shares the big model's vocabulary.",
     ),
-    # -- long context ----------------------------------------------------------------
     Knob(
         name="kv_bits", type=Union[Literal["off"], int], default="off", check=values.stored_kv_bits,
         description=f"Quantize the KV cache to {' or '.join(map(str, values.KV_BITS))} bits (off: full "
@@ -190,7 +187,6 @@ KNOBS: tuple[Knob, ...] = (
         description="Prompt tokens per prefill chunk; each expert is read at most once per chunk. "
         "auto: as large as the memory budget allows.",
     ),
-    # -- llm mlxs serve --------------------------------------------------------------
     Knob(
         name="server", type=Literal["auto", "off"], default="auto",
         description="auto: when `llm mlxs serve` runs for this llm user dir, prompts go to it (its warm "
@@ -246,7 +242,6 @@ KNOBS: tuple[Knob, ...] = (
         description="Responses `llm mlxs serve` keeps for the Responses API's previous_response_id and "
         "GET /v1/responses/ID (with their conversations); past this many the oldest is dropped.",
     ),
-    # -- prompt snapshots (engine/snapshots.py) ---------------------------------------
     _setting_only(
         name="snapshot_every", type=int, default=4096, bounds={"ge": 0},
         description="A cache that cannot be rewound (linear attention, a sliding window, chunked attention) is "
@@ -265,7 +260,6 @@ KNOBS: tuple[Knob, ...] = (
         f"cannot be rewound (`llm mlxs plan`): a size like 1GB, 0 (none), or auto: {values.SNAPSHOT_SHARE:.0%} "
         f"of memory_budget, at most {values.SNAPSHOT_MOST // 2**30} GiB.",
     ),
-    # -- the conversation cache on disk ----------------------------------------------
     _setting_only(
         name="conversation_cache", type=bool, default=True, check=values.parse_switch,
         description="on: save each response's KV cache under <llm user dir>/mlx-streaming/kv-cache, so "
@@ -283,7 +277,25 @@ KNOBS: tuple[Knob, ...] = (
     ),
 )
 
+# The knobs by what they are about (`llm mlxs config` lists them so): each group's title and
+# its first knob, in the order of KNOBS.
+GROUPS = (("Replies", "default_model"), ("Expert pools", "expert_slots"), ("Speculative decoding", "k"),
+          ("Long context", "kv_bits"), ("The server (llm mlxs serve)", "server"),
+          ("Prompt snapshots", "snapshot_every"),
+          ("The conversation cache on disk", "conversation_cache"))
+
 BY_NAME = {knob.name: knob for knob in KNOBS}
+
+
+def grouped(names) -> list[tuple[str, list[str]]]:
+    """`names` (of knobs) under their groups' titles, in the order of KNOBS."""
+    firsts, out = dict((first, title) for title, first in GROUPS), []
+    for knob in KNOBS:
+        if knob.name in firsts:
+            out.append((firsts[knob.name], []))
+        if knob.name in names:
+            out[-1][1].append(knob.name)
+    return [(title, members) for title, members in out if members]
 SETTING_NAMES = tuple(k.name for k in KNOBS if k.setting)
 OPTION_NAMES = tuple(k.name for k in KNOBS if k.option)
 

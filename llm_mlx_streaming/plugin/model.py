@@ -22,6 +22,7 @@ from ..prompt.constrained import cut_short_notice
 from ..prompt.images import IMAGE_TYPES
 from ..prompt.messages import reply_metadata
 from ..prompt.tools import function_tools, template_tools
+from ..reply import caps
 from ..reply.build import Ask
 from ..reply.core import reply
 from ..reply.events import CallArguments, CallBegins, Chunk, Event, Finished, Outcome
@@ -105,8 +106,9 @@ def _finish(outcome: Outcome, response) -> list:
         out.append(StreamEvent(type="tool_call_args", chunk="", tool_call_id=outcome.tool_calls[-1].id,
                                provider_metadata=metadata))
     out.append(StreamEvent(type="text", chunk="", provider_metadata=metadata))
-    if notice := cut_short_notice(outcome.figures):
-        click.echo(notice, err=True)
+    for notice in (cut_short_notice(outcome.figures), caps.notice(outcome.capped)):
+        if notice:
+            click.echo(notice, err=True)
     response.set_usage(input=outcome.prompt_tokens, output=outcome.figures.get("generated_tokens"))
     response.response_json = outcome.figures
     if outcome.resolved_model:

@@ -13,7 +13,7 @@ import asyncio
 from contextlib import contextmanager
 from typing import AsyncIterator, Iterator, Optional
 
-from ..engine.generation import Cancelled, Generation
+from ..engine.generation import Cancelled, Generation, Started
 from ..engine.manager import get_manager
 from ..engine.provider import EngineError, LoadError
 from ..errors import MlxStreamError, one_line
@@ -24,6 +24,7 @@ from ..prompt.messages import PromptError
 from ..prompt.render import encode_text
 from ..prompt.split import TOOL, TOOL_TEXT, UNFINISHED_TOOL, ReplySplitter, initial_state
 from ..prompt.tools import CallReader, ToolError
+from . import caps
 from .build import Ask, Prepared, count, grammar_of, prepare
 from .events import CallArguments, CallBegins, Chunk, Event, Finished, Outcome, ToolCall, plain
 
@@ -39,8 +40,7 @@ def reply(ask: Ask) -> Iterator[Event]:
     generation = engine.run(run.load, prepared.request)
     replier = Replier(run, ask, prepared)
     with generation, one_line_errors(run):
-        tokenizer = generation.tokenizer
-        replier.start(tokenizer)
+        replier.start(generation.wait_started().started)
         for result in generation:
             yield from replier.feed(result)
     yield from replier.finish(generation)
@@ -53,6 +53,7 @@ class AsyncReply:
     def __init__(self, ask: Ask) -> None:
         self.ask = ask
         self.cancelled = False
+        self.capped: dict = {}  # the values the engine lowered (reply/caps.py), once the generation started
         self._handles: list[Generation] = []
 
     def cancel(self) -> None:
@@ -76,7 +77,8 @@ class AsyncReply:
             generation = self._hold(engine.run(run.load, prepared.request))
             replier = Replier(run, ask, prepared)
             with one_line_errors(run):
-                replier.start((await generation.astarted()).tokenizer)
+                replier.start((await generation.astarted()).started)
+                self.capped = replier.capped
                 async for result in generation:
                     for event in replier.feed(result):
                         yield event
@@ -112,10 +114,13 @@ class Replier:
         self.logprobs: Optional[list] = [] if ask.options.top_logprobs is not None else None
         self.finish_reason = None
         self.calls: list[ToolCall] = []
+        self.capped: dict = {}
 
-    def start(self, tokenizer) -> None:
-        """Once the engine has the tokenizer: the splitter and the tool-call reader."""
-        self.tokenizer = tokenizer
+    def start(self, started: Started) -> None:
+        """Once the engine has started the generation: the splitter, the tool-call reader
+        and the values it lowered."""
+        self.tokenizer = tokenizer = started.tokenizer
+        self.capped = caps.capped(self.run, started.max_tokens)
         self.splitter = ReplySplitter(tokenizer, initial_state(tokenizer, self.prepared.generation_prompt),
                                       thinking=self.ask.options.thinking is not False)
         self.reader = CallReader(tokenizer, self.prepared.tools)
@@ -144,6 +149,8 @@ class Replier:
         figures = plain({**self.run.plan_figures, **generation.stats})
         if self.logprobs is not None:
             figures["logprobs"] = self.logprobs
+        if self.capped:
+            figures["capped"] = self.capped
         for schema in self.prepared.schema_check:
             figures["schema_closed"] = schema.closed(self.generated)
         tokens = _spelled(self.tokenizer, self.generated, "".join(self.raw))

@@ -92,6 +92,11 @@ class Outcome:
         return float(self.figures.get("ttft_seconds") or 0)
 
     @property
+    def capped(self) -> dict:
+        """{name: [asked, given]} of the values the engine lowered (reply/caps.py)."""
+        return self.figures.get("capped") or {}
+
+    @property
     def logprobs(self) -> Optional[list[dict]]:
         """Each generated token's {token, logprob, top_logprobs}, when they were asked for."""
         return self.figures.get("logprobs")

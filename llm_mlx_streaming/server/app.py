@@ -11,7 +11,8 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import APIRouter, Body, Depends, FastAPI
+from fastapi import APIRouter, Body, Depends, FastAPI, Request
+from fastapi.responses import PlainTextResponse
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
@@ -26,6 +27,7 @@ from .ollama import routes as ollama
 from .openai import routes as openai
 from .responses import routes as responses
 from .openai.schemas import ErrorResponse
+from .request_log import RequestLog
 from .runtime import POOL_KEYS, ConfigError
 from .service import Service
 
@@ -44,7 +46,8 @@ def create_app(service: Service) -> FastAPI:
     app.add_middleware(JsonBody)
     app.add_middleware(IgnoredHeader)
     app.add_middleware(BodyLimit)
-    app.add_middleware(Guard, hosts=service.hosts, origins=service.origins)  # outermost
+    app.add_middleware(Guard, hosts=service.hosts, origins=service.origins)
+    app.add_middleware(RequestLog)  # outside the guard: its refusals are logged too
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
@@ -58,11 +61,20 @@ def create_app(service: Service) -> FastAPI:
     async def _http(request, exc: HTTPException):
         if isinstance(exc.__cause__, ValueError):  # FastAPI could not decode the body
             return not_json(one_line(exc.__cause__)).response(request.scope)
+        if exc.status_code == 404 and exc.detail == "Not Found":  # no route: say which, and where they are
+            return ApiError(404, f"{request.method} {request.url.path}: no such route on this server (its routes: "
+                            "/docs)", code="unknown_route").response(request.scope)
         return ApiError(exc.status_code, str(exc.detail), headers=exc.headers).response(request.scope)
 
     @app.exception_handler(Exception)
     async def _unexpected(request, exc: Exception):
         return error_for(exc).response(request.scope)
+
+    @app.api_route("/", methods=["GET", "HEAD"], response_class=PlainTextResponse, include_in_schema=False)
+    async def root(request: Request) -> str:
+        """What answers here, for a person or a script probing the port (Ollama answers "Ollama is running")."""
+        return (f"llm-mlx-streaming is running: the dashboard is at {request.base_url}dashboard, the API "
+                f"reference at {request.base_url}docs\n")
 
     @app.get("/health")
     async def health() -> dict:

@@ -6,15 +6,25 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from ..checkpoints.config import read_config
-from ..errors import MlxStreamError
+from ..errors import CheckpointError, MlxStreamError
+from ..experts.index import CheckpointIndex
 from ..options.registry import checkpoint_for, name_of
 from ..options.run_config import checked_name
 from ..options.settings import load_settings
+
+
+LATEST = ":latest"  # Ollama's default tag: `name` and `name:latest` are one model
+
+
+def untagged(name: Optional[str]) -> Optional[str]:
+    """A requested model name without Ollama's default tag, which its clients add."""
+    return name.removesuffix(LATEST) if name else name
 
 
 @dataclass
@@ -45,8 +55,41 @@ class Checkpoint:
 
     @property
     def quantization(self) -> str:
+        """Ollama's quantization_level: Q4, Q8, MXFP4 (mlx's quantization), else the weights' dtype."""
+        quantization = self.config.get("quantization") or {}
+        if quantization.get("mode") not in (None, "affine"):
+            return str(quantization["mode"]).upper()
+        if quantization.get("bits"):
+            return f"Q{quantization['bits']}"
+        return DTYPES.get(str(self.config.get("torch_dtype") or self.config.get("dtype") or ""), "")
+
+    @property
+    def parameter_size(self) -> str:
+        """Ollama's parameter_size ("30.5B"): the parameters in the safetensors headers, a
+        quantized weight counted as the values it packs."""
+        try:
+            tensors = CheckpointIndex(self.path).tensors
+        except CheckpointError:
+            return ""
         bits = (self.config.get("quantization") or {}).get("bits")
-        return f"Q{bits}" if bits else ""
+        count = 0
+        for name, entry in tensors.items():
+            stem = name.rsplit(".", 1)[0]
+            if name.endswith((".scales", ".biases")) and f"{stem}.weight" in tensors:
+                continue
+            values = math.prod(entry.shape)
+            count += values * 32 // bits if bits and entry.dtype == "U32" else values
+        return _counted(count)
+
+
+DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+def _counted(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
 
 
 def checkpoint(model_id: str) -> Optional[Checkpoint]:

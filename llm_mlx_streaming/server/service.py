@@ -20,7 +20,7 @@ from ..options import registry
 from ..options.run_config import configure
 from ..options.settings import Options, load_settings
 from ..prompt.render import thinking_switch
-from .catalog import checkpoint
+from .catalog import checkpoint, untagged
 from .errors import ApiError
 from .fields import unused
 from .gate import Gate
@@ -76,8 +76,10 @@ class Service:
 
     def model_for(self, name: Optional[str]) -> str:
         """The model id a request's model name stands for (through --model-alias, or with
-        --any-model the default model for any name); 404 when none is served."""
+        --any-model the default model for any name); 404 when none is served. `name:latest`
+        is `name`, as in Ollama, whose clients add the tag."""
         default = self.default_model or registry.MODEL_PREFIX
+        name = untagged(name)
         name = self.aliases.get(name, name) or default
         try:
             return registry.model_id_for(name)

@@ -22,6 +22,7 @@ from ..reply.core import AsyncReply, count_tokens
 from ..reply.events import Finished
 from .errors import ApiError, error_for
 from .gate import Gate, QueueFull
+from .request_log import record
 from .shape import Shape
 from .transcript import Transcript
 
@@ -212,6 +213,8 @@ async def answer(service: GateOwner, request: Request, shape: Shape, model_id: s
     once the reply is complete and laid out, before its last frames are sent (the
     Responses API stores the response then)."""
     unswitched(service, request, model_id, fields, spelled)
+    record(request, model=model_id)
+    done = _recorded(request, done)
     turn = await Turn.take(service.turns, request=request)
     service.unload_after(model_id, None)  # the server's keep_alive; a request's own keep_alive follows
     try:
@@ -237,8 +240,11 @@ async def answer(service: GateOwner, request: Request, shape: Shape, model_id: s
             if first.done():
                 first.result()  # raises what it raised
             watcher.cancel()
+            record(request, capped=turn.reply.capped)  # known once the first token came (the header says so)
             return GatedStream(turn, _stream(service, turn, events, first, shape, done), media_type=shape.media_type)
-        return await _whole(service, turn, events, await first, shape, done)
+        body = await _whole(service, turn, events, await first, shape, done)
+        record(request, capped=turn.reply.capped)
+        return body
     except Exception as e:
         turn.finish()
         raise error_for(e) from None
@@ -297,6 +303,16 @@ async def _stream(service: GateOwner, turn: Turn, events, first: asyncio.Future,
     except Exception as e:  # the status line is sent: the error goes in the stream
         for frame in shape.failure(error_for(e)):
             yield frame
+
+
+def _recorded(request: Request, done: Optional[Callable[[Transcript], None]]) -> Callable[[Transcript], None]:
+    """`done`, after the finished reply's outcome is put on the request's record (its log line)."""
+    def finished(transcript: Transcript) -> None:
+        record(request, outcome=transcript.outcome)
+        if done is not None:
+            done(transcript)
+
+    return finished
 
 
 def _stopping() -> ApiError:

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, Request
 from ...options.registry import model_ids
 from ...prompt.messages import raw_message
 from ...reply.events import ToolCall
-from ..catalog import Checkpoint, checkpoint
+from ..catalog import LATEST, Checkpoint, checkpoint
 from ..conversation import ChatMessage, ImagePart, llm_chain, text_message
 from ..errors import ApiError, api_routes
 from ..openai.tools import function_specs
@@ -27,6 +27,9 @@ from ..turns import answer
 from .schemas import ChatRequest, GenerateRequest, OllamaError, ShowRequest
 from .shapes import GenerateShape, OllamaChatShape, error_body, stamp
 
+# The Ollama release whose routes and fields this server follows (tools, thinking, logprobs), answered
+# by /api/version: clients refuse a server older than they need (VS Code's Copilot: 0.6.4)
+OLLAMA_VERSION = "0.13.0"
 # Ollama's routes that do not map onto this engine: refused in Ollama's error shape.
 REFUSED = ("pull", "push", "create", "copy", "delete", "embed", "embeddings")
 
@@ -62,12 +65,13 @@ def details(found: Checkpoint | None) -> dict:
     if found is None:
         return {"format": "safetensors"}
     return {"format": "safetensors", "family": found.family, "families": [found.family],
-            "parameter_size": "", "quantization_level": found.quantization}
+            "parameter_size": found.parameter_size, "quantization_level": found.quantization}
 
 
 def listed(model_id: str) -> dict:
+    """A model as /api/tags and /api/ps list it: named with Ollama's default tag, as Ollama does."""
     found = checkpoint(model_id)
-    entry = {"name": model_id, "model": model_id, "details": details(found)}
+    entry = {"name": model_id + LATEST, "model": model_id + LATEST, "details": details(found)}
     if found is not None:
         entry.update(modified_at=stamp(found.modified_at), size=found.size, digest=found.digest)
     return entry
@@ -128,7 +132,8 @@ def shown(service, body: ShowRequest) -> dict:
     info = {"general.architecture": found.family if found else ""}
     if found is not None and found.context_length:
         info[f"{found.family}.context_length"] = found.context_length
-    return {"modelfile": "", "parameters": "", "template": template, "details": details(found),
+    return {"modelfile": f"FROM {service.model_for(body.model)}{LATEST}\n", "parameters": "", "template": template,
+            "details": details(found),
             "model_info": info, "capabilities": capabilities,
             **({"modified_at": stamp(found.modified_at)} if found else {})}
 
@@ -173,9 +178,10 @@ def router(service) -> APIRouter:
     async def ps() -> dict:
         return await loaded(service)
 
-    @api.get("/api/version")
+    @api.get("/api/version", description=f"The Ollama version whose API this server follows ({OLLAMA_VERSION}), "
+             "for clients' minimum-version checks; mlx_stream_version: this plugin's")
     async def ollama_version() -> dict:
-        return {"version": version("llm-mlx-streaming")}
+        return {"version": OLLAMA_VERSION, "mlx_stream_version": version("llm-mlx-streaming")}
 
     for name in REFUSED:
         api.add_api_route(f"/api/{name}", _refusal(name), methods=["POST", "DELETE"] if name == "delete" else ["POST"],

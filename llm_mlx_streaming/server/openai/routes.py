@@ -12,11 +12,12 @@ from fastapi import APIRouter, Depends, Request
 
 from ...options.registry import model_ids
 from ...prompt.messages import raw_message
-from ..errors import api_routes
+from ..errors import ApiError, api_routes
 from ..conversation import llm_chain
 from ..keep_alive import after_reply
 from ..turns import answer
-from .schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse, ModelList
+from .schemas import (ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse, ModelCard,
+                      ModelList)
 from .shapes import ChatCompletionShape, CompletionShape
 from .tools import function_specs
 
@@ -39,8 +40,17 @@ def router(service) -> APIRouter:
     @api.get("/v1/models", response_model=ModelList)
     async def models() -> dict:
         created, loaded = int(time.time()), service.loaded_ids()
-        return {"object": "list", "data": [{"id": i, "object": "model", "created": created, "owned_by": "mlx-stream",
-                                            "loaded": i in loaded} for i in model_ids()]}
+        return {"object": "list", "data": [card(i, created, loaded) for i in model_ids()]}
+
+    @api.get("/v1/models/{model:path}", response_model=ModelCard, description="One model (the openai client's "
+             "models.retrieve): an id of /v1/models, or any name a request's model field may give")
+    async def model(model: str) -> dict:
+        return card(service.model_for(model), int(time.time()), service.loaded_ids())
+
+    @api.post("/v1/embeddings", include_in_schema=False)
+    async def embeddings() -> None:
+        raise ApiError(404, "/v1/embeddings is not supported by this server: its models generate text "
+                       "(/v1/chat/completions, /v1/completions, /v1/responses)", code="unsupported_endpoint")
 
     @api.post("/v1/chat/completions", responses={200: {"model": ChatCompletion, "description":
               "The reply, or with stream: true an SSE stream of chat.completion.chunk objects"}})
@@ -56,3 +66,7 @@ def router(service) -> APIRouter:
         return await generate(request, body, CompletionShape, [raw_message(body.text())], suffix=body.suffix)
 
     return api
+
+
+def card(model_id: str, created: int, loaded: set[str]) -> dict:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "mlx-stream", "loaded": model_id in loaded}

@@ -19,6 +19,7 @@ from ... import discovery
 from ...errors import MlxStreamError, SettingsError
 from ...options import registry
 from ...options.settings import load_settings
+from ..banner import Banner
 
 
 def is_loopback(host: str) -> bool:
@@ -42,7 +43,8 @@ class Server:
                  origins: Optional[list[str]] = None, keeper: Optional[int] = None, strict: bool = False,
                  aliases: Optional[dict[str, str]] = None, any_model: bool = False,
                  pinned: Optional[tuple[str, ...]] = None, max_models: Optional[int] = None,
-                 sigterm_handled: Optional[Callable[[], bool]] = None) -> None:
+                 sigterm_handled: Optional[Callable[[], bool]] = None, say: Optional[Callable[..., None]] = None,
+                 live: bool = False) -> None:
         """`pinned`: models loaded at start and never unloaded (None: `model`, when given; a
         pipeline's rank 0 gives none, its one model is swapped for the next one asked for);
         `max_models`: most models loaded at once (None: the setting). `keeper`: the pid of a pipeline's supervisor on this machine, which keeps the
@@ -50,7 +52,9 @@ class Server:
         restart; this server takes over the file of its stand-in (process/standin.py) and
         leaves the file behind. `sigterm_handled()`: asked first when a SIGTERM comes; True
         keeps the server going (a pipeline's rank 0 failing its generation: it leaves by
-        itself, distributed/engine.py `ended_elsewhere`)."""
+        itself, distributed/engine.py `ended_elsewhere`). `say(text, end)`: where the server
+        tells each load and, once ready, where things are (server/banner.py; `live`: a
+        terminal, where a load's line shows its progress); None: nowhere."""
         from ..app import create_app
         from ..service import Service
 
@@ -92,6 +96,7 @@ class Server:
                                 lifespan="on", timeout_graceful_shutdown=5)
         self.uvicorn = _Uvicorn(config, self.service, sigterm_handled)
         self._thread: Optional[threading.Thread] = None
+        self.banner = Banner(self.service, self.url, api_key, say, live, lambda: self.uvicorn.started) if say else None
 
     @property
     def url(self) -> str:
@@ -100,9 +105,13 @@ class Server:
     def serve(self) -> None:
         """Run until stopped (Ctrl-C in the foreground); the discovery file lives as long."""
         discovery.write(self.info)
+        if self.banner is not None:
+            self.banner.start()
         try:
             self.uvicorn.run(sockets=[self.sock])
         finally:
+            if self.banner is not None:
+                self.banner.stop()
             self.forget()
             self.sock.close()
 

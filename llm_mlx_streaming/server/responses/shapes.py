@@ -37,7 +37,7 @@ class ResponseShape:
         self.custom, self.namespaces, self.forced_custom = custom, namespaces or {}, forced_custom
         self.finished: Optional[dict] = None
         self.id = new_id("resp")
-        self.created = time.time()
+        self.created = int(time.time())  # whole seconds, as OpenAI sends them
         self.sequence = 0
         self.items: list[dict] = []  # the output items streamed so far
         self._open: Optional[str] = None  # "reasoning" | "text" | "custom" | a call's id
@@ -52,7 +52,7 @@ class ResponseShape:
         if outcome is not None:
             if outcome.finish_reason == "length":
                 body["status"], body["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
-            body["completed_at"] = time.time()
+            body["completed_at"] = int(time.time())
             body["mlx_stream"] = extension(outcome)
         return body
 
@@ -66,6 +66,8 @@ class ResponseShape:
         elif transcript.text or not transcript.outcome.tool_calls:  # as streamed: a reply of calls has no message
             output.append(self._message_item(new_id("msg"), transcript.text))
         output.extend(self._call_item(call) for call in transcript.outcome.complete_calls())
+        if output and _cut(transcript.outcome) and not _cut_call(transcript.outcome):
+            output[-1]["status"] = "incomplete"  # the item the token limit ended, as the response says
         return self._finished(transcript, output)
 
     def _finished(self, transcript: Transcript, output: list) -> dict:
@@ -169,13 +171,15 @@ class ResponseShape:
         return frames
 
     def closing(self, transcript: Transcript) -> list[str]:
-        cut = {call.id for call in transcript.outcome.tool_calls if not call.complete}
-        frames = self._close("incomplete" if self.items and self.items[-1].get("call_id") in cut else "completed")
+        """The last item's done events (`incomplete` when the token limit ended it), then the
+        response, less a tool call the limit cut off (its arguments are no whole JSON)."""
+        cut = _cut_call(transcript.outcome)
+        frames = self._close("incomplete" if _cut(transcript.outcome) else "completed")
         if not self.items:  # an empty reply is an empty message
             frames += self._begin("text")
             self._open = "text"
-            frames += self._close()
-        body = self._finished(transcript, [item for item in self.items if item["status"] != "incomplete"])
+            frames += self._close("incomplete" if _cut(transcript.outcome) else "completed")
+        body = self._finished(transcript, [item for item in self.items if item.get("call_id") not in cut])
         return frames + [self._event("response.completed", {"response": body})]
 
     def failure(self, error) -> list[str]:
@@ -209,6 +213,16 @@ class ResponseShape:
         if call.name in self.namespaces:
             item["namespace"] = self.namespaces[call.name]
         return item
+
+
+def _cut(outcome: Outcome) -> bool:
+    """Whether the token limit ended the reply (the response is `incomplete`)."""
+    return outcome.finish_reason == "length"
+
+
+def _cut_call(outcome: Outcome) -> set[str]:
+    """The ids of the tool calls the token limit cut off."""
+    return {call.id for call in outcome.tool_calls if not call.complete}
 
 
 def usage(outcome: Outcome) -> dict:
