@@ -86,9 +86,9 @@ class Batch:
     def __init__(self, engine, capacity: int, prefill_step: int | None) -> None:
         from mlx_lm.generate import BatchGenerator
 
-        self.engine, self.capacity = engine, capacity
+        self.engine, self.model, self.capacity = engine, engine.running, capacity  # model: the one that runs
         self.prefill_step = min(prefill_step or PREFILL_STEP, TILE)
-        self.generator = BatchGenerator(engine.loaded.model, completion_batch_size=capacity,
+        self.generator = BatchGenerator(self.model.loaded.model, completion_batch_size=capacity,
                                         prefill_batch_size=capacity, prefill_step_size=self.prefill_step)
         self.members: dict[int, Member] = {}
         ACTIVITY.batch = self  # its KV caches, for the dashboard's memory figures
@@ -97,11 +97,11 @@ class Batch:
         """Start `request`: its cached prefix, then queued for prefill with the next pass."""
         from mlx_lm.generate import StopSequences
 
-        engine = self.engine
-        b = begin(engine, request, out, engine.carried, engine.max_tokens)
-        engine.session.reset()  # the batch owns that cache now; a later request must not trim it
-        tokenizer = engine.loaded.tokenizer
-        store = engine.session.snapshots
+        model = self.model
+        b = begin(model, request, out, model.carried, self.engine.max_tokens)
+        model.session.reset()  # the batch owns that cache now; a later request must not trim it
+        tokenizer = model.loaded.tokenizer
+        store = model.session.snapshots
         marks = dict(positions(b.reused, len(b.prompt), request.boundaries, store.spec.every)) if store else {}
         cuts = [b.reused, *marks, len(b.prompt)]  # mlx-lm ends a prefill chunk at each segment's end
         (uid,) = self.generator.insert_segments(
@@ -111,10 +111,10 @@ class Batch:
             stop_sequences=[StopSequences([[t] for t in tokenizer.eos_token_ids])],
         )
         self.members[uid] = Member(request, out, b.prompt, b.reused, len(b.new_tokens), b.kv, b.kv_note, b.disk,
-                                   b.from_disk, StopMatcher(request.stop), tokenizer.detokenizer, engine.counters(),
+                                   b.from_disk, StopMatcher(request.stop), tokenizer.detokenizer, model.counters(),
                                    reuse=b.reuse, marks=marks)
         self.members[uid].flight = ACTIVITY.begin(len(b.prompt), b.reused, len(b.new_tokens), self.prefill_step,
-                                                  len(engine.loaded.layers))
+                                                  len(model.loaded.layers))
 
     def kv_bytes(self) -> int:
         """Bytes of the batch's KV caches: mlx-lm's BatchGenerator keeps them in its prompt
@@ -151,7 +151,7 @@ class Batch:
         if not p.end_of_segment or p.end_of_prompt or position not in member.marks:
             return
         cache, tokens = self.generator.extract_cache([p.uid])[p.uid]
-        kept = self.engine.session.snapshots.take(member.kv, list(tokens), cache, member.marks[position], copied=True)
+        kept = self.model.session.snapshots.take(member.kv, list(tokens), cache, member.marks[position], copied=True)
         member.snapshots.append((position, kept))
 
     def _emit(self, r) -> None:
@@ -191,20 +191,20 @@ class Batch:
         finish is the one the next turn can extend), its figures go to its caller."""
         from ..speculation.start import figures_for
 
-        engine, member = self.engine, self.members[uid]
-        engine.session.adopt(cache, tokens, member.kv)
+        model, member = self.model, self.members[uid]
+        model.session.adopt(cache, tokens, member.kv)
         seconds = time.perf_counter() - member.start
-        stats = fig.response_figures(engine, member.before, member.last, len(member.prompt), member.reused,
+        stats = fig.response_figures(model, member.before, member.last, len(member.prompt), member.reused,
                                      member.prefilled, seconds, member.syncs)
         stats.update(figures_for(member.request).as_dict())
         ttft = None if member.first is None else member.first - member.start
         stats.update(fig.kv_figures(cache, member.kv, member.kv_note, self.prefill_step, ttft))
-        stats.update(fig.reuse_figures(member.reuse, engine.session.snapshots, len(member.snapshots)))
+        stats.update(fig.reuse_figures(member.reuse, model.session.snapshots, len(member.snapshots)))
         stats["batch"] = member.largest
         if member.stops.hit is not None:
             stats["stop_sequence"] = member.stops.hit
-        save_to_disk(member.disk, engine.session, member.from_disk, stats, engine.carried.warned, member.snapshots)
-        engine.finished(stats)
+        save_to_disk(member.disk, model.session, member.from_disk, stats, model.carried.warned, member.snapshots)
+        self.engine.finished(stats)
         member.out.put("done", stats)
         self._leave(uid, kept=True)
 
@@ -217,7 +217,7 @@ class Batch:
 
     def fail(self, error: BaseException) -> None:
         """The pass raised: every member gets the error, the session is dropped."""
-        self.engine.session.reset()
+        self.model.session.reset()
         for member in self.members.values():
             ACTIVITY.end(member.flight)
             member.out.put("error", error)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,23 +21,13 @@ from ..stops import StopMatcher
 from . import figures as fig, worker
 from ..activity import ACTIVITY
 from .generation import Channel, Started
-from .provider import EngineError, ModelProvider
+from .provider import Carried, EngineError, ModelProvider
 from .request import Request
 from .session import Reuse
 from .disk_cache import DiskCache, namespace
 from .kv import KVError, layout_for, make_cache
 from .planner import PREFILL_STEP
 from .trace import TraceRecorder
-
-
-@dataclass
-class Carried:
-    """What one generation leaves for the next."""
-
-    drafters: dict = field(default_factory=dict)  # speculation: the drafter kept between generations
-    disk: Any = None  # the conversation cache on disk in use
-    disk_key: Any = None  # (spec, checkpoint, KV layout) it was opened for
-    warned: set = field(default_factory=set)  # warnings already printed once
 
 
 def respond(provider: ModelProvider, request: Request, out: Channel, carried: Carried,
@@ -59,7 +49,7 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
     flight = ACTIVITY.begin(len(prompt), reused, len(new_tokens), prefill_step, len(loaded.layers))
 
     def prefilled(done: int, last: bool = False) -> None:
-        provider.between_chunks(out, last)
+        provider.stepping.between_chunks(out, last)
         ACTIVITY.prefilled(flight, done)
 
     before, syncs_before = provider.counters(), syncs.count()
@@ -100,7 +90,7 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
                 prefill_step_size=prefill_step, **kv.generate_kwargs(),
                 prompt_progress_callback=lambda done, total: prefilled(fed - reused + done, done == total),
             )
-        responses = provider.steps(responses)
+        responses = provider.stepping.steps(responses)
         for response in responses:
             if ttft is None:
                 ttft = time.perf_counter() - start
