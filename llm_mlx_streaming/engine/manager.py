@@ -94,18 +94,22 @@ class EngineManager:
     def load(self, path, **settings) -> ModelProvider:
         """Run `path`'s model with these pool and reader settings (LoadSpec's fields),
         loading it if it is not loaded; a failure is a LoadError."""
-        return self.admit(LoadSpec(Path(path), **settings))
+        return self.turn_to(LoadSpec(Path(path), **settings))
 
-    def admit(self, spec: LoadSpec) -> ModelProvider:
+    def turn_to(self, spec: LoadSpec) -> ModelProvider:
         """Run `spec`'s model: the loaded one, another one loaded (kept as it was), or
         loaded beside them within the limits (engine/residents.py)."""
         with self._lock:
-            return self.residents.admit(spec, time.monotonic(), lambda: ModelProvider(self.stepping))
+            return self.residents.turn_to(spec, time.monotonic(), lambda: ModelProvider(self.stepping))
 
     def configure(self, **changes) -> None:
-        """Change the running model's pools or reader (ModelProvider.configure's keywords)."""
+        """Change the running model's pools or reader (ModelProvider.configure's keywords);
+        its spec says so, so that a later request with another spec changes them back."""
         with self._lock:
-            self.require_running().configure(**changes)
+            model = self.require_running()
+            model.configure(**changes)
+            model.spec = replace(model.spec, expert_slots=model.expert_slots, policy=model.policy,
+                                 threads=model.threads, page_cache=model.page_cache, overlap=model.overlap)
             self.residents.publish()
 
     def bad_slots(self) -> int:
@@ -173,7 +177,7 @@ class EngineManager:
         def job(out: Channel) -> None:
             with self._lock:
                 out.check_cancelled()
-                model = self.admit(load)
+                model = self.turn_to(load)
                 out.put("started", Started(model.tokenizer, model.checkpoint, [], 0))
             out.put("done", None)
 
@@ -196,7 +200,7 @@ class EngineManager:
             self.queued -= 1
         with self._lock:
             out.check_cancelled()
-            model = self.admit(load) if load is not None else self.require_running()
+            model = self.turn_to(load) if load is not None else self.require_running()
             if model.stepping.batches and alone_reason(request, model.loaded.model) is None:
                 return self._batch(load, request, out)
             stats = respond(model, request, out, model.carried, self.max_tokens)

@@ -90,7 +90,7 @@ class Residents:
         self.failure: Optional[str] = None  # why the latest load failed
         self.shown = Residency()
 
-    def admit(self, spec: LoadSpec, now: float, make: Callable[[], ModelProvider]) -> ModelProvider:
+    def turn_to(self, spec: LoadSpec, now: float, make: Callable[[], ModelProvider]) -> ModelProvider:
         """Run `spec`'s model: the loaded one, another one loaded (kept as it was), or one
         `make()` loads beside them within the budget (LoadError, one line, when it cannot fit)."""
         path = Path(spec.path).expanduser().resolve()
@@ -100,8 +100,9 @@ class Residents:
             if found is None:
                 found = self._load(path, spec, make)
             else:
-                found.spec = spec
-                self._share()  # its share as asked now (pools rebuilt only where a share changed)
+                if spec != found.spec:
+                    found.spec = spec
+                    self._share()  # its share as asked now (pools rebuilt only where a share changed)
                 self._reload(found, spec, found.expert_slots)
         except BaseException:
             self.publish()

@@ -5,9 +5,10 @@ The limits (max_models, the pinned models, the memory budget) are given to the e
 at the server's start (`start`) and given back at its stop; the engine holds the models
 (engine/residents.py) and this reads them back as immutable records (`models`). A
 request holds its model while it runs (`hold`), and the model's keep_alive counts from
-the end of its reply, whole or streamed, finished, cut or cancelled (`Held.end`); a
-request that comes for the model cancels a pending unload, even one whose time ran out
-and that waits in the engine's queue. Loads, unloads and pool rebuilds go to the
+the end of its reply, whole or streamed, finished, cut or cancelled (`Held.end`); with
+several requests for a model in flight, as in Ollama, the latest request's keep_alive
+applies from the end of the last reply. A request that comes for the model cancels a
+pending unload, even one whose time ran out and that waits in the engine's queue. Loads, unloads and pool rebuilds go to the
 engine's queue, in turn with the generations already queued.
 """
 
@@ -42,19 +43,18 @@ class Hosted:
 
 class Held:
     """A request's hold on its model, ended once however the request ends; `unloading`
-    is the unload its keep_alive 0 started, for a whole reply to wait for."""
+    is the unload a keep_alive 0 started, for a whole reply to wait for."""
 
     def __init__(self, hosting: "Hosting", path: Optional[Path]) -> None:
         self.hosting, self.path = hosting, path
         self.unloading: Optional[asyncio.Task] = None
         self._ended = False
 
-    def end(self, keep_seconds: Optional[float]) -> None:
-        """The reply ended: the model stays loaded `keep_seconds` from now (None: the
-        server's keep_alive, a pinned model's until told; negative: until its room is needed)."""
+    def end(self) -> None:
+        """The reply ended (whole or streamed, finished, cut or cancelled)."""
         if not self._ended:
             self._ended = True
-            self.unloading = self.hosting._released(self.path, keep_seconds)
+            self.unloading = self.hosting._released(self.path)
 
 
 class Hosting:
@@ -71,6 +71,7 @@ class Hosting:
         self.rebuild_error: Optional[str] = None
         self._held: Counter = Counter()  # path -> requests for it in flight
         self._asked: Counter = Counter()  # path -> requests for it so far
+        self._keep: dict[Path, Optional[float]] = {}  # path -> the latest request's keep_alive seconds
         self._timers: dict[Path, asyncio.TimerHandle] = {}
         self._due: dict[Path, float] = {}  # path -> time.time() of its idle unload
         self._tasks: set = set()
@@ -104,21 +105,24 @@ class Hosting:
             return None
 
     # -- requests ----------------------------------------------------------------------
-    def hold(self, model_id: str) -> Held:
-        """A request for `model_id` came: a pending unload of it is off, and none starts
-        before the request's `Held.end`."""
+    def hold(self, model_id: str, keep_seconds: Optional[float]) -> Held:
+        """A request for `model_id` came: a pending unload of it is off, none starts before
+        the request's `Held.end`, and then the model stays `keep_seconds` (None: the server's
+        keep_alive, a pinned model's until told; 0: unloaded; negative: until its room is needed)."""
         path = self.path_of(model_id)
         self.model_id = model_id
         self._stop_timer(path)
         self._held[path] += 1
         self._asked[path] += 1
+        self._keep[path] = keep_seconds
         return Held(self, path)
 
-    def _released(self, path: Optional[Path], keep_seconds: Optional[float]) -> Optional[asyncio.Task]:
+    def _released(self, path: Optional[Path]) -> Optional[asyncio.Task]:
         self._held[path] -= 1
-        if self._held[path] > 0 or path is None:  # the last request in flight times it
+        if self._held[path] > 0 or path is None:  # the end of the last reply in flight times it
             return None
         del self._held[path]
+        keep_seconds = self._keep.pop(path, None)
         if keep_seconds is None:
             keep_seconds = -1 if path in self.limits.pinned else values.duration_seconds(load_settings().keep_alive)
         if keep_seconds < 0:
@@ -151,11 +155,11 @@ class Hosting:
     # -- loads and unloads -------------------------------------------------------------
     async def load(self, model_id: str, keep_seconds: Optional[float]) -> None:
         """Load `model_id` (Ollama's request without messages); its keep_alive counts from then."""
-        held = self.hold(model_id)
+        held = self.hold(model_id, keep_seconds)
         try:
             await self._load(model_id)
         finally:
-            held.end(keep_seconds)
+            held.end()
 
     async def unload(self, model_id: str) -> None:
         """Unload `model_id` in its turn (keep_alive 0 without messages); the others' pools grow back."""

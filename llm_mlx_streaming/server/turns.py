@@ -198,13 +198,13 @@ async def answer(service: Host, request: Request, asked: Asked):
     before its last frames are sent (the Responses API stores the response then)."""
     model_id, messages = await _prepared(service, request, asked)
     shape = asked.shape(model_id)
-    held = service.hosting.hold(model_id)
+    held = service.hosting.hold(model_id, asked.keep_seconds())
     try:
         turn = await Turn.take(service.turns, request=request)
     except BaseException:
-        held.end(asked.keep_seconds())
+        held.end()
         raise
-    turn.ended = lambda: held.end(asked.keep_seconds())
+    turn.ended = held.end
     try:
         if service.turns.stopping:
             raise _stopping()
