@@ -223,10 +223,6 @@ class ModelProvider:
             raise EngineError(self.error or "no model is loaded")
 
     # -- its residency in an engine (engine/residents.py) -------------------------------
-    def claim(self, pinned: bool) -> Optional[sharing.Claim]:
-        """Its share of a budget as last asked for, None when it is not budgeted."""
-        return sharing.claim_of(self.spec, pinned) if self.spec is not None else None
-
     def held_bytes(self) -> Optional[int]:
         """Bytes it holds by its footprint and the slots it has now (None: not budgeted)."""
         footprint = self.spec.footprint if self.spec is not None else None
