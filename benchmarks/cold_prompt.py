@@ -4,7 +4,8 @@
     python benchmarks/cold_prompt.py --plans
 
 Per architecture class (attention qwen3_moe, hybrid linear qwen3_5_moe, sliding window
-gpt_oss: tiny random 4-bit checkpoints, 32 experts, top-2, 4 MoE layers, a 32k context),
+gpt_oss: tiny random 4-bit checkpoints, hidden 128, 32 experts, top-2, 2 MoE layers, a 32k
+context: small enough that a 30k-token prompt prefills in minutes on this CPU),
 cold prompts of each length are prefilled at 2 slots per layer and at 25% resident:
 
 - before: the prompt in mlx-lm's 2048-token chunks, each a model call (what `auto` was);
@@ -44,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CACHE = Path(__file__).resolve().parent / ".cache"
 ARCHS = {"qwen3_moe": "attention", "qwen3_5_moe": "hybrid linear", "gpt_oss": "sliding window"}
-SHAPE = dict(quant="4bit", hidden_size=256, num_layers=4, num_experts=32, top_k=2, moe_intermediate_size=1024,
+SHAPE = dict(quant="4bit", hidden_size=128, num_layers=2, num_experts=32, top_k=2, moe_intermediate_size=512,
              max_position_embeddings=32768, head_dim=64)
 BUDGET = "16GB"
 # Real models' shapes, from their config.json (transformers' Qwen3NextConfig, DeepseekV3Config and

@@ -22,6 +22,7 @@ from fixtures.factory import build_checkpoint  # noqa: E402
 from llm_mlx_streaming.engine.footprint import checkpoint_layout, model_footprint  # noqa: E402
 from llm_mlx_streaming.engine.kv import FULL_PRECISION  # noqa: E402
 from llm_mlx_streaming.engine.manager import EngineManager  # noqa: E402
+from llm_mlx_streaming.engine.residents import Limits  # noqa: E402
 from llm_mlx_streaming.engine.request import LoadSpec, Request  # noqa: E402
 from llm_mlx_streaming.sizes import format_size  # noqa: E402
 
@@ -37,18 +38,17 @@ def run(paths: list[Path], resident: bool, rounds: int) -> dict:
         specs.append(LoadSpec(path=p, expert_slots=None, footprint=footprint))
     budget = sum(s.footprint.fixed_bytes for s in specs) + RESERVE + sum(
         s.footprint.num_experts * sum(s.footprint.expert_bytes) for s in specs)
-    specs = [LoadSpec(path=s.path, footprint=s.footprint, budget=budget) for s in specs]
     engine = EngineManager()
-    engine.residents.max_models = len(paths) if resident else 1
+    engine.limit(Limits(max_models=len(paths) if resident else 1, budget=budget))
     prompt = list(range(3, 35))
     seconds, loads, answers = [], [], []
     for i in range(rounds * len(paths)):
-        before = engine.residents.loads
+        before = engine.residency().loads
         start = time.perf_counter()
         answers.append([r.token for r in engine.run(specs[i % len(paths)], Request(prompt=prompt, max_tokens=8))])
         seconds.append(time.perf_counter() - start)
-        loads.append(engine.residents.loads - before)
-    held = {r.path.name: r.held_bytes() for r in engine.residents.models.values()}
+        loads.append(engine.residency().loads - before)
+    held = {r.path.name: r.memory_bytes for r in engine.residency().models}
     engine.unload()
     steady = slice(len(paths), None)
     return {"seconds": seconds, "loads": loads, "answers": answers, "held": held,

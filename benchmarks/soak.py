@@ -15,7 +15,15 @@ prefill; `--faults disk` shrinks the conversation cache's quota at 40% of the ru
 makes its folder unwritable at 60% and puts both back at 80%. Afterwards every request
 must still be answered, and nothing may stay behind.
 
+`--models 2` serves a second model beside the demo (a copy of its checkpoint, so the
+same prompts fit it; max_models 2) and sends each request to either; `--keep-alive 2s`
+gives that keep_alive to a share of the requests (`--keep-alive-share`, 0.5), as Ollama's
+clients send it. Each row then counts the models loaded since the start, and the report
+checks that no model was loaded again beyond what the keep_alives asked for: a model
+goes only after a reply with a keep_alive ended and no request for it came within it.
+
     python benchmarks/soak.py [--requests 5000] [--clients 4-16] [--faults disconnects,disk] [--seed 0] [--tree DIR]
+                              [--models 2] [--keep-alive 2s] [--keep-alive-share 0.5]
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from soak_requests import APIS, BUSY, CANCELLED, OK, Case, send, words  # noqa: E402
 
 from llm_mlx_streaming.sizes import parse_size  # noqa: E402
+from llm_mlx_streaming.values import duration_seconds  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WINDOW = 100  # requests between samples
@@ -51,13 +60,21 @@ QUOTA = "256KB"  # the conversation cache's size while `--faults disk` shrinks i
 FAULTS = {"disconnects", "disk"}
 IDLE_THREADS_SECONDS = 12  # anyio ends a worker thread idle for 10 s
 LONG, MEDIUM = 0.005, 0.1  # shares of prompts near the context and of 30-100 words (the rest: 3-15)
+SECOND = "mlx-stream/second"  # the second model of `--models 2`
+MARGIN = 0.3  # seconds a client's view of a gap between requests may exceed the server's
 
 
 class ServerProcess:
     """`llm mlxs serve --port 0 -m mlx-stream` in a fresh llm user dir, stopped on exit."""
 
-    def __init__(self, user_dir: Path, tree: Path, timeout: float = 300.0, args=("-m", "mlx-stream")) -> None:
+    def __init__(self, user_dir: Path, tree: Path, timeout: float = 300.0, args=("-m", "mlx-stream"),
+                 models: int = 1) -> None:
         self.user_dir = user_dir
+        if models == 2:  # the demo's checkpoint copied: a second model the same prompts fit
+            second = user_dir / "second-model"
+            shutil.copytree(tree / "llm_mlx_streaming" / "checkpoints" / "demo", second)
+            (user_dir / "mlx-streaming.json").write_text(json.dumps(
+                {"max_models": 2, "models": {"second": {"path": str(second)}}}))
         env = {**os.environ, "LLM_USER_PATH": str(user_dir), "PYTHONPATH": str(tree)}
         llm = Path(sys.executable).with_name("llm")
         self.proc = subprocess.Popen([str(llm), "mlxs", "serve", "--port", "0", *args], env=env,
@@ -135,11 +152,14 @@ def sample(server: ServerProcess, done: int, errors: int, started: float, note: 
             "replies": caches.get("reply_memory", {}).get("entries"),
             "disk_mb": None if disk.get("bytes") is None else disk["bytes"] / 2**20,
             "conversations": disk.get("entries"), "errors": errors, "note": note,
+            "loaded": len(stats.get("models") or ()), "loads": stats.get("model_loads"),
             "pools": stats.get("server", {}).get("threads", {})}
 
 
-def plan(rng: random.Random, n: int, faults: set, long_words: int) -> list[Case]:
-    """`n` cases: the greedy check first and every CHECK_EVERY, the mix in between."""
+def plan(rng: random.Random, n: int, faults: set, long_words: int, models: int = 1,
+         keep_alive: str | None = None, keep_share: float = 0.0) -> list[Case]:
+    """`n` cases: the greedy check first and every CHECK_EVERY, the mix in between (each to
+    either model, a share with `keep_alive`)."""
     cases = []
     for i in range(n):
         if i % CHECK_EVERY == 0:
@@ -164,6 +184,10 @@ def plan(rng: random.Random, n: int, faults: set, long_words: int) -> list[Case]
         elif "disconnects" in faults and cut > 0.94:
             prompt = words(rng, long_words)  # hung up while its long prefill runs
             kind.update(cut="prefill", cut_after=rng.uniform(0.05, 0.5))
+        if models == 2 and rng.random() < 0.5:
+            kind.update(model=SECOND)
+        if keep_alive is not None and rng.random() < keep_share:
+            kind.update(keep_alive=keep_alive)
         cases.append(Case(api, prompt, rng.randint(3, 8), stream=stream, **kind))
     return cases
 
@@ -192,8 +216,14 @@ class Disk:
         self.folder = user_dir / "mlx-streaming" / "kv-cache"
 
     def quota(self) -> str:
-        self.settings.write_text(json.dumps({"conversation_cache_size": QUOTA}))
+        self._set(conversation_cache_size=QUOTA)
         return f"conversation_cache_size {QUOTA}"
+
+    def _set(self, **values) -> None:
+        """The settings file with `values` (None: unset), its other settings kept (`--models 2`'s)."""
+        settings = json.loads(self.settings.read_text()) if self.settings.exists() else {}
+        settings = {k: v for k, v in {**settings, **values}.items() if v is not None}
+        self.settings.write_text(json.dumps(settings))
 
     def unwritable(self) -> str:
         shutil.rmtree(self.folder, ignore_errors=True)
@@ -202,19 +232,21 @@ class Disk:
 
     def restore(self) -> str:
         self.folder.unlink(missing_ok=True)
-        self.settings.unlink(missing_ok=True)
+        self._set(conversation_cache_size=None)
         return "quota and folder back"
 
     def quota_applies(self) -> bool:
-        return self.settings.exists() and self.folder.is_dir()
+        applies = self.settings.exists() and "conversation_cache_size" in json.loads(self.settings.read_text())
+        return applies and self.folder.is_dir()
 
     def used(self) -> int:
         return sum(p.stat().st_size for p in self.folder.rglob("*") if p.is_file()) if self.folder.is_dir() else 0
 
 
 def run_window(server: ServerProcess, cases: list[Case], clients: int, timeout: float, deadline: float,
-               outcomes: Counter, checks: list[str], tools: bool) -> None:
-    """`cases` from `clients` threads at once; each thread takes the next until none is left."""
+               outcomes: Counter, checks: list[str], tools: bool, spans: list) -> None:
+    """`cases` from `clients` threads at once; each thread takes the next until none is left;
+    `spans` gets each request's (model, start, end, keep_alive) as the client saw it."""
     pending = iter(cases)
     lock = threading.Lock()
 
@@ -224,7 +256,10 @@ def run_window(server: ServerProcess, cases: list[Case], clients: int, timeout: 
                 case = next(pending, None)
             if case is None or time.monotonic() > deadline:
                 return
+            start = time.monotonic()
             outcome, text = send(server.host, server.port, case, timeout)
+            with lock:
+                spans.append((case.model, start, time.monotonic(), case.keep_alive))
             if case.tools and not tools and outcome.startswith("400"):
                 outcome = "400 tools refused (no tool support in the template)"
             with lock:
@@ -247,7 +282,8 @@ COLUMNS = (  # heading, key, format
     ("requests", "requests", "{:d}"), ("s", "seconds", "{:.0f}"), ("RSS MB", "rss_mb", "{:.1f}"),
     ("MLX active MB", "mlx_active_mb", "{:.1f}"), ("MLX cache MB", "mlx_cache_mb", "{:.1f}"),
     ("replies", "replies", "{:d}"), ("disk MB", "disk_mb", "{:.1f}"), ("conversations", "conversations", "{:d}"),
-    ("fds", "fds", "{:d}"), ("threads", "threads", "{:d}"), ("errors", "errors", "{:d}"),
+    ("fds", "fds", "{:d}"), ("threads", "threads", "{:d}"), ("loaded", "loaded", "{:d}"), ("loads", "loads", "{:d}"),
+    ("errors", "errors", "{:d}"),
 )
 
 
@@ -275,6 +311,9 @@ def main() -> None:
     ap.add_argument("--max-minutes", type=float, default=60.0, help="the whole run stops sending after this")
     ap.add_argument("--tree", type=Path, default=ROOT,
                     help="serve the package in this tree (e.g. an earlier commit's, to compare)")
+    ap.add_argument("--models", type=int, choices=(1, 2), default=1, help="2: a second model beside the demo")
+    ap.add_argument("--keep-alive", help="a keep_alive (e.g. 2s) that a share of the requests send")
+    ap.add_argument("--keep-alive-share", type=float, default=0.5)
     args = ap.parse_args()
     low, _, high = args.clients.partition("-")
     low, high = int(low), int(high or low)
@@ -283,15 +322,16 @@ def main() -> None:
         raise SystemExit(f"unknown faults: {', '.join(sorted(faults - FAULTS))} (known: {', '.join(sorted(FAULTS))})")
 
     user_dir = Path(tempfile.mkdtemp(prefix="soak-"))
-    server = ServerProcess(user_dir, args.tree.resolve())
-    outcomes, checks, rows, quota_kept = Counter(), [], [], True
+    server = ServerProcess(user_dir, args.tree.resolve(), models=args.models)
+    outcomes, checks, rows, quota_kept, spans = Counter(), [], [], True, []
     try:
         tools = "tools" in server.get("/api/show", {"model": "mlx-stream"}).get("capabilities", [])
         context = context_of(server)
         long_words = long_prompt_words(server, context)
         print(f"server pid {server.pid} on {server.host}:{server.port}; context {context} tokens, long prompts "
               f"{long_words} words; faults: {', '.join(sorted(faults)) or 'none'}", flush=True)
-        cases = plan(random.Random(args.seed), args.requests, faults, long_words)
+        cases = plan(random.Random(args.seed), args.requests, faults, long_words, args.models, args.keep_alive,
+                     args.keep_alive_share)
         disk = Disk(user_dir)
         steps = {}
         if "disk" in faults:  # at the window that holds each share of the run
@@ -308,7 +348,7 @@ def main() -> None:
             step = steps[first]() if first in steps else ""
             clients = clients_for(w, low, high)
             window = cases[first:first + WINDOW]
-            run_window(server, window, clients, args.timeout, deadline, outcomes, checks, tools)
+            run_window(server, window, clients, args.timeout, deadline, outcomes, checks, tools, spans)
             idle = server.idle()
             if disk.quota_applies():
                 quota_kept &= disk.used() <= parse_size(QUOTA)
@@ -322,7 +362,34 @@ def main() -> None:
         server.stop()
         shutil.rmtree(user_dir, ignore_errors=True)
     failed = report(rows, outcomes, checks, quota_kept if "disk" in faults else None)
+    if args.keep_alive is not None or args.models == 2:
+        failed |= loads_report(rows, spans, args.models)
     sys.exit(1 if failed else 0)
+
+
+def asked_unloads(spans: list) -> int:
+    """How many unloads the keep_alives asked for: for each model, each gap with no request
+    for it in flight that lasted at least the keep_alive of the latest request before it
+    (as Ollama counts it; less MARGIN: the server sees a request shorter than its client does)."""
+    count = 0
+    for model in {s[0] for s in spans}:
+        mine = sorted((s for s in spans if s[0] == model), key=lambda s: s[1])
+        last_end, last_keep = None, None
+        for _, start, end, keep in mine:
+            if last_end is not None and start > last_end and last_keep is not None:
+                count += start - last_end >= duration_seconds(last_keep) - MARGIN
+            last_end, last_keep = max(end, last_end or end), keep
+    return count
+
+
+def loads_report(rows: list[dict], spans: list, models: int) -> bool:
+    """Loads beyond each model's first against the unloads the keep_alives asked for; True
+    when there were more."""
+    again = (rows[-1]["loads"] or 0) - (rows[0]["loads"] or 0) - (models - 1)  # the second model's first load
+    asked = asked_unloads(spans)
+    print(f"models loaded again: {again}; unloads the keep_alives asked for (a gap of at least the keep_alive "
+          f"after a reply that sent one): at most {asked}: {'ok' if again <= asked else 'MORE THAN ASKED'}")
+    return again > asked
 
 
 def report(rows: list[dict], outcomes: Counter, checks: list[str], quota_kept) -> bool:

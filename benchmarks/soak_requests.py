@@ -79,10 +79,14 @@ class Case:
     schema: bool = False
     cut: Optional[str] = None  # one of CUTS: the client hangs up there
     cut_after: float = 0.0  # frames read (mid_stream) or seconds waited (prefill) before hanging up
+    model: str = "mlx-stream"
+    keep_alive: Optional[str] = None  # Ollama's field (every API takes it): how long the model stays after
 
     def body(self) -> dict:
         api = APIS[self.api]
-        body = {"model": "mlx-stream", "stream": self.stream, **api.prompt(self.prompt), **api.limit(self.max_tokens)}
+        body = {"model": self.model, "stream": self.stream, **api.prompt(self.prompt), **api.limit(self.max_tokens)}
+        if self.keep_alive is not None:
+            body["keep_alive"] = self.keep_alive
         if self.tools:
             body.update(api.tools(len(self.prompt) % 2 == 0))
         if self.schema:

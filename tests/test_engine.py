@@ -144,7 +144,7 @@ def test_changing_expert_slots_rebuilds_pools_and_keeps_dense_weights(qwen):
 def test_prompt_longer_than_the_context_is_refused(qwen):
     engine = EngineManager()
     engine.load(qwen)
-    limit = engine.context_length
+    limit = engine.running.context_length
     with pytest.raises(EngineError, match=f"context of {limit} tokens"):
         next(generate(engine, [1] * (limit + 5), max_tokens=4))
     engine.unload()
@@ -304,7 +304,7 @@ def test_buffer_cache_stays_bounded_over_a_long_session(qwen):
     engine.load(qwen, expert_slots=5)
     limit = mx.set_cache_limit(2**45)  # returns the limit the engine set
     mx.set_cache_limit(limit)
-    assert limit == engine.buffer_cache == 256 * 2**20  # the plan's reserve floor, when none is given
+    assert limit == engine.running.buffer_cache == 256 * 2**20  # the plan's reserve floor, when none is given
     engine.load(qwen, expert_slots=5, buffer_cache=2**20)  # a loaded model takes a new cap at once
     assert mx.set_cache_limit(2**20) == 2**20
     for seed in range(4):

@@ -416,4 +416,4 @@ def test_a_reader_replaced_after_a_shard_was_replaced_still_reads_the_loaded_fil
     os.replace(tmp, _shard(env))
     assert_ok(env.run("mlxs", "config", "threads", "3"))
     assert assert_ok(_prompt(env, "-o", "expert_slots", "3")).stdout == _expected(env.reference)
-    assert get_manager().threads == 3 and get_manager().bad_slots() == 0
+    assert get_manager().running.threads == 3 and get_manager().bad_slots() == 0

@@ -15,6 +15,7 @@ from llm_mlx_streaming.engine.kv import FULL_PRECISION
 from llm_mlx_streaming.engine.manager import EngineManager
 from llm_mlx_streaming.engine.provider import LoadError
 from llm_mlx_streaming.engine.request import LoadSpec, Request
+from llm_mlx_streaming.engine.residents import Limits
 from llm_mlx_streaming.engine.sharing import Claim, least_bytes, pool_bytes, split
 
 CONTEXT, RESERVE = 512, 1000
@@ -25,9 +26,13 @@ def paths(build):
     return [build("qwen3_moe", seed=seed) for seed in (11, 12, 13)]
 
 
-def spec(path, budget=None, slots=8) -> LoadSpec:
+def spec(path, slots=8) -> LoadSpec:
     footprint = model_footprint(checkpoint_layout(path), CONTEXT, FULL_PRECISION, RESERVE)
-    return LoadSpec(path=path, expert_slots=slots, budget=budget, footprint=footprint)
+    return LoadSpec(path=path, expert_slots=slots, footprint=footprint)
+
+
+def limits(max_models: int, budget=None, pinned=()) -> Limits:
+    return Limits(max_models, frozenset(p.resolve() for p in pinned), budget)
 
 
 def tokens(engine, load, n=8) -> list[int]:
@@ -52,8 +57,11 @@ def alone(paths):
 
 
 def slots_of(engine, path):
-    resident = engine.residents.models[path.resolve()]
-    return resident.slots
+    return next(m.expert_slots for m in engine.residency().models if m.path == path.resolve())
+
+
+def loaded(engine) -> set:
+    return {m.path for m in engine.residency().models}
 
 
 # -- the split ----------------------------------------------------------------------------
@@ -75,80 +83,78 @@ def test_the_split_is_max_min_fair_above_every_floor_and_none_below_them():
 
 def test_alternating_requests_load_each_model_once_and_answer_as_alone(paths, alone):
     engine = EngineManager()
-    engine.residents.max_models = 2
+    engine.limit(limits(2))
     a, b = spec(paths[0]), spec(paths[1])
     got = [tokens(engine, load) for load in (a, b, a, b, a)]
-    assert engine.residents.loads == 2
+    assert engine.residency().loads == 2
     assert got == [alone[0], alone[1], alone[0], alone[1], alone[0]]
-    assert {p.name for p in engine.residents.models} == {paths[0].name, paths[1].name}
+    assert {p.name for p in loaded(engine)} == {paths[0].name, paths[1].name}
     engine.unload()
-    assert not engine.residents.models and engine.state == "empty"
+    assert not loaded(engine) and engine.state == "empty"
 
 
 def test_a_third_model_shrinks_the_others_then_they_grow_back_with_the_same_tokens(paths, alone):
     engine = EngineManager()
-    engine.residents.max_models = 3
     budget = fixed(paths[0]) + fixed(paths[1]) + spec(paths[2]).footprint.fixed_bytes + RESERVE + 4 * 64
-    loads = [spec(p, budget) for p in paths]
+    engine.limit(limits(3, budget))
+    loads = [spec(p) for p in paths]
     tokens(engine, loads[0]), tokens(engine, loads[1])
     assert slots_of(engine, paths[0]) == slots_of(engine, paths[1]) == 8  # both fit as asked
     assert tokens(engine, loads[2]) == alone[2]
-    assert engine.residents.loads == 3  # nothing unloaded: the pools made room
+    assert engine.residency().loads == 3  # nothing unloaded: the pools made room
     shrunk = [slots_of(engine, p) for p in paths]
     assert all(isinstance(s, list) and min(s) >= 2 and max(s) < 8 for s in shrunk)
     assert [tokens(engine, load) for load in loads] == alone  # smaller pools, same tokens
-    list(engine.queue_release(paths[2]))
+    list(engine.queue_unload(paths[2]))
     assert slots_of(engine, paths[0]) == slots_of(engine, paths[1]) == 8  # grown back
     assert [tokens(engine, load) for load in loads[:2]] == alone[:2]
-    assert engine.residents.loads == 3
+    assert engine.residency().loads == 3
     engine.unload()
 
 
 def test_when_floors_do_not_fit_the_least_recently_used_unpinned_model_goes(paths, alone):
     engine = EngineManager()
-    engine.residents.max_models = 3
     floors = [least_bytes([Claim(spec(p).footprint, (2, 2))]) - RESERVE for p in paths]
     budget = floors[0] + floors[1] + RESERVE + 64  # two models at their floors, never three
-    loads = [spec(p, budget) for p in paths]
-    engine.residents.pinned.add(paths[0].resolve())
+    engine.limit(limits(3, budget, pinned=paths[:1]))
+    loads = [spec(p) for p in paths]
     tokens(engine, loads[0]), tokens(engine, loads[1]), tokens(engine, loads[0])
     assert tokens(engine, loads[2]) == alone[2]
-    assert set(engine.residents.models) == {paths[0].resolve(), paths[2].resolve()}  # b was used last-but-one
+    assert loaded(engine) == {paths[0].resolve(), paths[2].resolve()}  # b was used last-but-one
     assert tokens(engine, loads[1]) == alone[1]  # the pinned a stays, c goes
-    assert set(engine.residents.models) == {paths[0].resolve(), paths[1].resolve()}
+    assert loaded(engine) == {paths[0].resolve(), paths[1].resolve()}
     engine.unload()
 
 
 def test_a_load_that_cannot_fit_beside_pinned_models_is_one_line_naming_what_is_loaded(paths):
     engine = EngineManager()
-    engine.residents.max_models = 3
     budget = least_bytes([Claim(spec(paths[0]).footprint, (2, 2))]) + 64
-    engine.residents.pinned.add(paths[0].resolve())
-    tokens(engine, spec(paths[0], budget))
+    engine.limit(limits(3, budget, pinned=paths[:1]))
+    tokens(engine, spec(paths[0]))
     with pytest.raises(LoadError) as refused:
-        tokens(engine, spec(paths[1], budget))
+        tokens(engine, spec(paths[1]))
     message = str(refused.value)
     assert "\n" not in message and paths[1].name in message and paths[0].name in message
     assert "needs at least" in message and "pinned" in message
-    assert set(engine.residents.models) == {paths[0].resolve()}  # the pinned one untouched
+    assert loaded(engine) == {paths[0].resolve()}  # the pinned one untouched
     engine.unload()
 
 
 def test_max_models_unloads_the_least_recently_used(paths, alone):
     engine = EngineManager()  # max_models 1: a request for another model unloads the first
     assert [tokens(engine, spec(p)) for p in paths[:2]] == alone[:2]
-    assert list(engine.residents.models) == [paths[1].resolve()]
+    assert loaded(engine) == {paths[1].resolve()}
     engine.unload()
 
 
 def test_asking_for_other_slots_rebuilds_only_that_model(paths, alone):
     engine = EngineManager()
-    engine.residents.max_models = 2
+    engine.limit(limits(2))
     a, b = spec(paths[0]), spec(paths[1])
     tokens(engine, a), tokens(engine, b)
     assert tokens(engine, replace(a, expert_slots=3)) == alone[0]
     assert slots_of(engine, paths[0]) == 3 and slots_of(engine, paths[1]) == 8
-    assert engine.residents.loads == 2
+    assert engine.residency().loads == 2
     engine.unload()
 
 
@@ -164,11 +170,37 @@ def test_pinned_pools_shrink_only_once_the_unpinned_ones_are_at_their_floor():
 
 def test_a_third_model_shrinks_the_unpinned_pools_and_leaves_the_pinned_one_whole(paths, alone):
     engine = EngineManager()
-    engine.residents.max_models = 3
-    engine.residents.pinned.add(paths[0].resolve())
     budget = fixed(paths[0]) + fixed(paths[1]) + spec(paths[2]).footprint.fixed_bytes + RESERVE + 4 * 64
-    loads = [spec(p, budget) for p in paths]
+    engine.limit(limits(3, budget, pinned=paths[:1]))
+    loads = [spec(p) for p in paths]
     assert [tokens(engine, load) for load in loads] == alone
     assert slots_of(engine, paths[0]) == 8
     assert all(isinstance(s, list) and max(s) < 8 for s in (slots_of(engine, p) for p in paths[1:]))
+    engine.unload()
+
+
+def test_a_switch_turns_to_the_same_model_object_and_moves_nothing(paths, alone):
+    engine = EngineManager()
+    engine.limit(limits(2))
+    a, b = spec(paths[0]), spec(paths[1])
+    tokens(engine, a)
+    first, session = engine.running, engine.session
+    first.noted = "anything a model holds stays with it"
+    assert tokens(engine, b) == alone[1] and engine.running is not first
+    assert tokens(engine, a) == alone[0]
+    assert engine.running is first and engine.session is session and first.noted
+    assert [m.running for m in engine.residency().models] == [True, False]
+    engine.unload()
+
+
+def test_limits_set_again_unpin_a_model_so_that_another_takes_its_place(paths, alone):
+    engine = EngineManager()
+    engine.limit(limits(1, pinned=paths[:1]))
+    tokens(engine, spec(paths[0]))
+    with pytest.raises(LoadError) as refused:
+        tokens(engine, spec(paths[1]))
+    assert "max_models 1 are loaded and pinned" in str(refused.value)
+    engine.limit(Limits())  # what a server that stopped leaves to the process
+    assert tokens(engine, spec(paths[1])) == alone[1]
+    assert loaded(engine) == {paths[1].resolve()}
     engine.unload()

@@ -312,7 +312,7 @@ def test_engine_greedy_with_draft_mtp_equals_plain_decoding(build, arch, quant):
         engine.load(path, expert_slots=slots)
         try:
             first, stats = _run(engine, prompt, k=3, draft="mtp")  # a fresh session
-            (drafter,) = engine.drafters.values()
+            (drafter,) = engine.running.carried.drafters.values()
             # the head saw every position: the prompt as it was prefilled, then the passes
             assert drafter.start == 0 and drafter.cache.offset == len(drafter.seen) - 1
             plain, _ = _run(engine, prompt, k=0)

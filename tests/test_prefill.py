@@ -155,12 +155,13 @@ def test_a_prefill_stops_between_expert_groups_once_cancelled(build):
         if len(groups) == 3:
             generation.cancel()
 
-    original = engine.between_groups
-    engine.between_groups = lambda out: (counted(), original(out))
+    stepping = engine.running.stepping
+    original = stepping.between_groups
+    stepping.between_groups = lambda out: (counted(), original(out))
     with pytest.raises(Exception):
         list(generation)
     assert len(groups) == 3  # the one call stopped at its third group, not at its end
-    engine.between_groups = original
+    stepping.between_groups = original
     out = list(engine.run(None, Request(prompt=prompt, max_tokens=2)))  # the pools are whole again
     assert len(out) == 2 and all(pool.bad_slots() == 0 for pool in engine.loaded.pools)
     engine.unload()

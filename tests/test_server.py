@@ -247,7 +247,7 @@ def test_config_change_while_requests_queue_rebuilds_before_they_run(served, blo
     assert first_out["value"][2]["mlx_stream"]["stats"]["expert_slots"] == 4
     assert queued_out["value"][2]["mlx_stream"]["stats"]["expert_slots"] == 2
     wait_for(lambda: not call(served, "GET", "/api/stats")[2]["rebuilding"])
-    assert get_manager().slots_per_layer() == 2 and get_manager().bad_slots() == 0
+    assert get_manager().running.slots_per_layer() == 2 and get_manager().bad_slots() == 0
     call(served, "POST", "/api/engine/config", {"expert_slots": None})
 
 

@@ -209,13 +209,12 @@ def test_models_show_ps_version_and_unloading(served):
     assert streamed[-1].done_reason == "length"
     wait_for(lambda: c.ps().models == [])  # unloaded once the stream gave back its turn
 
-    service = served.server.service
     c.generate(model="mlx-stream", keep_alive="1h")
     [listed] = c.ps().models
-    assert "mlx-stream" in service.unload_due and listed.model == "mlx-stream:latest"
+    assert listed.model == "mlx-stream:latest"
     assert 3500 < listed.expires_at.timestamp() - time.time() <= 3600
     c.chat(model="mlx-stream", messages=HELLO, options={"num_predict": 2})  # the server's keep_alive: until told
-    assert service.unload_due == {}
+    assert [m["expires_at"][:4] for m in call(served, "GET", "/api/ps")[2]["models"]] == ["9999"]
     c.chat(model="mlx-stream", messages=HELLO, options={"num_predict": 2}, keep_alive=0.05)
     wait_for(lambda: c.ps().models == [])  # unloaded when its keep_alive ran out
     with pytest.raises(ollama.ResponseError) as e:

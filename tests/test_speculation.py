@@ -355,11 +355,11 @@ def test_draft_model_drafts_and_keeps_its_cache_between_turns(build):
     # The target's own checkpoint as its draft model agrees with it everywhere.
     tokens, stats = _generate(engine, prompt, k=K, draft="self", draft_path=path)
     assert tokens == plain and stats["draft"] == "self" and stats["acceptance_rate"] == 1.0
-    drafter = next(iter(engine.drafters.values()))
+    drafter = next(iter(engine.running.carried.drafters.values()))
     cached = len(drafter.seen)
     follow = prompt + plain + [7, 8, 9]
     _generate(engine, follow, k=K, draft="self", draft_path=path)
-    assert next(iter(engine.drafters.values())) is drafter and drafter.seen[:cached] == (prompt + plain)[:cached]
+    assert next(iter(engine.running.carried.drafters.values())) is drafter and drafter.seen[:cached] == (prompt + plain)[:cached]
     engine.unload()
 
 

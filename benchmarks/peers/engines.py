@@ -45,7 +45,7 @@ class Ours:
         self.engine = EngineManager()
         # the engine's default policy
         self.engine.load(path, expert_slots=self.slots, overlap=overlap, page_cache=page_cache)
-        self.policy = self.engine.policy
+        self.policy = self.engine.running.policy
         store = self.engine.loaded.store
         self.packed = getattr(store, "packed", None) is not None  # one read per expert
         # Every read call's start time and byte ranges, tagged with its run and phase, for --replay

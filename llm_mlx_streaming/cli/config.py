@@ -8,8 +8,10 @@ import textwrap
 
 import click
 
+from typing import Optional
+
 from ..options import registry
-from ..errors import SettingsError
+from ..errors import MlxStreamError, SettingsError
 from ..options.knobs import BUNDLED_NAME, grouped
 from ..options.settings import CONFIG_KEYS, Settings, budget_bytes, check_setting_name, explicit_keys, load_settings, set_value, settings_path, unset_value
 
@@ -38,9 +40,11 @@ def _shown(key: str, value) -> str:
 @click.argument("key", required=False)
 @click.argument("value", required=False)
 @click.option("--unset", "unset_key", metavar="KEY", help="Reset KEY to its default")
+@click.option("-m", "--model", help="Apply KEY VALUE (or --unset KEY) to this model on the running server alone "
+              "(the settings file keeps every model's value)")
 @click.option("--long", "long_", is_flag=True, help="Each setting's whole description")
 @click.option("json_", "--json", is_flag=True, help="Output as JSON")
-def config(key, value, unset_key, long_, json_):
+def config(key, value, unset_key, model, long_, json_):
     """Show or change settings.
 
     \b
@@ -49,7 +53,15 @@ def config(key, value, unset_key, long_, json_):
     llm mlxs config KEY             one setting's value (its description on stderr)
     llm mlxs config KEY VALUE       validate and save
     llm mlxs config --unset KEY     back to the default
+    llm mlxs config KEY VALUE -m M  on the running server, for model M alone
+
+    A running server takes a change of an engine option at once: every loaded model
+    (each within its share of the memory budget), or with --model that model alone
+    (`/api/ps` shows each model's slots and options).
     """
+    if model:
+        _model_change(unset_key or key, None if unset_key else value, model)
+        return
     if unset_key:
         if key or value:
             raise click.UsageError("--unset takes only the KEY")
@@ -123,6 +135,24 @@ def _cut(text: str, width: int) -> str:
 
 
 # -- a running server takes the change too ---------------------------------
+def _model_change(key: Optional[str], value, model: str) -> None:
+    """Apply `key` to `model` on the running server alone; nothing is saved."""
+    from ..server.fields import engine_option_names
+
+    if not key or (value is None and key not in engine_option_names()):
+        raise click.UsageError("--model takes KEY VALUE, or --unset KEY")
+    check_setting_name(key)
+    if key not in engine_option_names():
+        raise click.UsageError(f"{key} is the server's, not a model's: set it without --model")
+    server = running_server(None, load_settings())
+    if server is None:
+        raise MlxStreamError("--model applies a change to a running server's model, and no server runs "
+                             "for this llm user dir (`llm mlxs serve`)")
+    model_id = registry.model_id_for(model)
+    shown = server.configure({key: value}, model=model_id)
+    click.echo(f"{key} = {_fmt(shown.get(key))} applied to {model_id} on the server at {server.url}", err=True)
+
+
 def _push_to_server(key: str, value) -> None:
     """Apply a setting to a running `llm mlxs serve` at once (one of its runtime
     options); every other setting it reads from the file at its next request."""

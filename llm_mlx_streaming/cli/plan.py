@@ -108,7 +108,7 @@ def _plan_shared(names, options, settings, json_) -> None:
     if unbudgeted:
         raise MlxStreamError(f"Cannot plan {', '.join(unbudgeted)} within a shared budget (no memory plan)")
     claims = [claim_of(r.load) for r in runs]
-    budget = runs[0].load.budget
+    budget = runs[0].shared_budget
     shares = split(budget, claims)
     if shares is None:
         raise MlxStreamError(f"{', '.join(names)} do not fit in {format_size(budget)} at once: at top_k slots "

@@ -12,7 +12,7 @@ import http.client
 import json
 import socket
 from typing import Iterator, Optional
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 
 from .. import discovery
@@ -117,8 +117,10 @@ class ServerClient:
         if status != 200:
             raise MlxStreamError(f"The server at {self.url} could not load {model_id}: {_message(data, status)}")
 
-    def configure(self, changes: dict) -> dict:
-        status, data = self._json("POST", "/api/engine/config", changes)
+    def configure(self, changes: dict, model: Optional[str] = None) -> dict:
+        """Change the server's runtime parameters, for every model or for `model` alone."""
+        where = "/api/engine/config" + (f"?model={quote(model, safe='')}" if model else "")
+        status, data = self._json("POST", where, changes)
         if status != 200:
             raise MlxStreamError(f"The server at {self.url} refused it: {_message(data, status)}")
         return data

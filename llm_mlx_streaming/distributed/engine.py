@@ -1,9 +1,9 @@
 """One engine across ranks, driven from rank 0.
 
 Rank 0 is the engine the plugin and the server use (`PipelineEngine`: the same queue,
-lock, `Generation` and cancellation); before it loads, and as its generation starts,
-it broadcasts what it does, and the other ranks (`follow`) do the same on their own
-layers. Every message is a collective of mlx.distributed. A rank that fails leaves the
+lock, `Generation` and cancellation); its models are given rank 0's stepping (`Leading`):
+before one loads, and as its generation starts, it broadcasts what it does, and the
+other ranks (`follow`, whose model steps by `Following`) do the same on their own layers. Every message is a collective of mlx.distributed. A rank that fails leaves the
 group (its process ends), which fails the collective rank 0 waits in at once, so the
 request ends with one line naming the rank; a stall is bounded too (distributed/watch.py).
 A broken pipeline sets `failed`, so that a serving rank 0 can leave (distributed/launch.py)
@@ -17,13 +17,14 @@ import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
 from ..engine.generation import Cancelled
 from ..engine.kv import KVSpec
 from ..engine.manager import EngineManager
-from ..engine.provider import EngineError, LoadError, ModelProvider
+from ..engine.provider import EngineError, LoadError, ModelProvider, Stepping
 from ..engine.request import LoadSpec, Request
-from ..engine.respond import Carried, respond
+from ..engine.respond import respond
 from ..errors import one_line
 from .figures import accumulate, rank_figures, totals
 from .group import Group, RankLost, lost_peer
@@ -33,16 +34,19 @@ from .watch import Heartbeat, watch
 
 
 class _Rank:
-    """What every rank keeps beside its provider: the split, its wait clock, its counters."""
+    """What every rank keeps beside its model: the split, its wait clock, its counters;
+    `provider` is the model it loaded last."""
 
-    def __init__(self, group: Group, provider: ModelProvider) -> None:
-        self.group, self.provider, self.heart = group, provider, Heartbeat()
+    def __init__(self, group: Group) -> None:
+        self.group, self.heart = group, Heartbeat()
+        self.provider: Optional[ModelProvider] = None
         self.clock, self.split, self.before = WaitClock(), None, None
         self.timed = None  # the model the wait clock is attached to
 
-    def load(self, message: dict) -> None:
-        """Load this rank's layers of the checkpoint `message` names, after every rank showed
-        the same checkpoint; a rank that differs or fails is named in one line."""
+    def load(self, message: dict, provider: ModelProvider) -> None:
+        """Load this rank's layers of the checkpoint `message` names into `provider`, after
+        every rank showed the same checkpoint; a rank that differs or fails is named in one line."""
+        self.provider = provider
         with self.heart.waiting("load"):
             self._load(message)
 
@@ -90,6 +94,57 @@ def _first_problem(group: Group, seen: list) -> str | None:
     return None
 
 
+class InLockstep(Stepping):
+    """Every rank steps each generation together, and stops it together at rank 0's word
+    between prefill calls, never inside one (each rank's expert groups are its own)."""
+
+    batches = False
+
+    def between_groups(self, out) -> None:
+        """Nothing: rank 0's word between calls stops every rank at the same point."""
+
+
+class Leading(InLockstep):
+    """Rank 0's stepping, given to each model its engine loads: a load is every rank's
+    (the split, then each rank's own layers and pools), and a generation tells the other
+    ranks the request as its first forward is about to run, then steps in lockstep."""
+
+    def __init__(self, engine: "PipelineEngine") -> None:
+        self.engine = engine
+        self.lead: Lead | None = None  # the generation under way
+        self.request: dict | None = None  # what the other ranks are told it is
+
+    def load(self, provider: ModelProvider, spec: LoadSpec) -> None:
+        engine = self.engine
+        engine._usable()
+        try:
+            split = balanced_split(layer_weights(spec.path), engine.budgets or [1.0] * engine.group.size)
+        except Exception as e:  # CheckpointError, OSError, ValueError: the files or the ranks
+            raise LoadError(f"cannot split {spec.path} over {engine.group.size} ranks: {one_line(e)}") from None
+        slots = spec.expert_slots
+        if isinstance(slots, (list, tuple)):  # a one-machine plan
+            slots = list(slots) if engine.budgets is None else {"ranks": engine._plans(spec.path)}
+        pools = {"expert_slots": slots, "policy": spec.policy, "threads": spec.threads,
+                 "page_cache": spec.page_cache, "packed": spec.packed}
+        message = {"op": "load", "path": str(Path(spec.path).expanduser().resolve()),
+                   "split": split, "pools": pools}
+        engine._say(message)
+        engine._guard(lambda: engine.rank.load(message, provider))
+
+    def steps(self, responses):
+        """Tells the other ranks the request as its first forward is about to run."""
+        engine = self.engine
+        engine._say(self.request)
+        engine.rank.begin()
+        self.lead = Lead(engine.group, responses, engine.rank.heart)
+        return self.lead.steps
+
+    def between_chunks(self, out, last: bool) -> None:
+        """Rank 0's word after each prefill chunk but the last (whose token has its own)."""
+        if not last:
+            self.lead.between_chunks(out)
+
+
 class PipelineEngine(EngineManager):
     """Rank 0's engine: an EngineManager whose loads and generations every rank runs."""
 
@@ -100,34 +155,17 @@ class PipelineEngine(EngineManager):
         (distributed/plan.py, with `plan_options` as plan_memory's) in their place.
         `restarts` and `last_error`: how often the supervisor restarted the pipeline, and
         why last, shown in `metrics()`."""
-        super().__init__()
+        self.leading = Leading(self)
+        super().__init__(self.leading)
         self.group, self.budgets, self.plan_options = group, budgets, plan_options
         self.restarts, self.last_error = restarts, last_error
-        self.rank = _Rank(group, self)
+        self.rank = _Rank(group)
         self.broken: str | None = None
         self.failed = threading.Event()  # set once the pipeline broke (not when shut down)
         self.rank_totals: list[dict] = []  # each rank's counters over the generations served
-        self._lead: Lead | None = None
-        self._request: dict | None = None
         self._cache_off = False  # the request asked for the conversation cache
         self._out = None  # the channel of the generation under way
         watch(self.rank.heart, self._stalled)
-
-    def load_spec(self, spec: LoadSpec) -> None:
-        self._usable()
-        try:
-            split = balanced_split(layer_weights(spec.path), self.budgets or [1.0] * self.group.size)
-        except Exception as e:  # CheckpointError, OSError, ValueError: the files or the ranks
-            raise LoadError(f"cannot split {spec.path} over {self.group.size} ranks: {one_line(e)}") from None
-        slots = spec.expert_slots
-        if isinstance(slots, (list, tuple)):  # a one-machine plan
-            slots = list(slots) if self.budgets is None else {"ranks": self._plans(spec.path)}
-        pools = {"expert_slots": slots, "policy": spec.policy, "threads": spec.threads,
-                 "page_cache": spec.page_cache, "packed": spec.packed}
-        message = {"op": "load", "path": str(Path(spec.path).expanduser().resolve()),
-                   "split": split, "pools": pools}
-        self._say(message)
-        self._guard(lambda: self.rank.load(message))
 
     def _plans(self, path) -> list[list[int]]:
         from .plan import plan_ranks
@@ -142,7 +180,7 @@ class PipelineEngine(EngineManager):
         if request.k != 0:
             raise EngineError("speculation does not run across ranks yet: leave k at 0")
         max_tokens = self.max_tokens if request.max_tokens is None else request.max_tokens
-        self._request = {"op": "generate", "prompt": [int(t) for t in request.prompt],
+        self.leading.request = {"op": "generate", "prompt": [int(t) for t in request.prompt],
                          "max_tokens": max_tokens, "max_context": request.max_context,
                          "kv": [request.kv.bits, request.kv.group_size, request.kv.start],
                          "prefill_step": request.chunk(len(request.prompt))}
@@ -154,9 +192,10 @@ class PipelineEngine(EngineManager):
             with self.rank.heart.waiting("step"):
                 self._guard(lambda: super(PipelineEngine, self)._serve(load, request, _Figured(out, self)))
         except BaseException as e:
-            if self._lead is not None and self._lead.stepping and self.broken is None:
+            lead = self.leading.lead
+            if lead is not None and lead.stepping and self.broken is None:
                 self._break(f"{self.group.where(0)} failed within a step ({one_line(e)})")
-                self._lead = None
+                self.leading.lead = None
             self._end(aborting=True)
             raise
         finally:
@@ -192,26 +231,9 @@ class PipelineEngine(EngineManager):
         if out is not None:
             out.put("error", EngineError(f"{self.broken}; restart the ranks"))
 
-    batches = False  # every rank steps each generation in lockstep
-
-    def steps(self, responses):
-        """Tells the other ranks the request as its first forward is about to run."""
-        self._say(self._request)
-        self.rank.begin()
-        self._lead = Lead(self.group, responses, self.rank.heart)
-        return self._lead.steps
-
-    def between_chunks(self, out, last: bool) -> None:
-        """Rank 0's word after each prefill chunk but the last (whose token has its own)."""
-        if not last:
-            self._lead.between_chunks(out)
-
-    def between_groups(self, out) -> None:
-        """Nothing: a pipeline's ranks stop together, at rank 0's word between chunks."""
-
     def _end(self, aborting: bool) -> None:
         """Say the last word of the generation under way (none on a broken pipeline)."""
-        lead, self._lead = self._lead, None
+        lead, self.leading.lead = self.leading.lead, None
         if lead is not None and self.broken is None:
             self._guard(lambda: lead.end(aborting))
 
@@ -285,17 +307,27 @@ class _Quiet:
         pass
 
 
+class Following(InLockstep):
+    """A following rank's stepping: its generation steps as rank 0's word says."""
+
+    def __init__(self, lockstep: Follow) -> None:
+        self.lockstep = lockstep
+
+    def steps(self, responses):
+        return self.lockstep.steps(responses)
+
+    def between_chunks(self, out, last: bool) -> None:
+        self.lockstep.between_chunks(out, last)
+
+
 def follow(group: Group) -> None:
     """A following rank: load and generate as rank 0 says, until it says stop or is gone.
 
     A failure of this rank ends its process with one line on stderr, so no other rank
     waits on it.
     """
-    provider = ModelProvider()
-    rank, carried = _Rank(group, provider), Carried()
-    lockstep = Follow(group, rank.heart)
-    provider.steps, provider.between_chunks = lockstep.steps, lockstep.between_chunks
-    provider.between_groups = lambda out: None  # the ranks stop together, at rank 0's word
+    rank = _Rank(group)
+    provider = ModelProvider(Following(Follow(group, rank.heart)))
     watch(rank.heart, lambda what: _leave(group, f"no word from rank 0 for {what}"))
     while True:
         try:
@@ -307,7 +339,7 @@ def follow(group: Group) -> None:
                 return
             if message["op"] == "load":
                 try:
-                    rank.load(message)
+                    rank.load(message, provider)
                 except LoadError:
                     pass  # rank 0 reports it
                 continue
@@ -318,7 +350,7 @@ def follow(group: Group) -> None:
                               kv=KVSpec(bits, group_size, start), prefill_step=message["prefill_step"])
             with rank.heart.waiting("step"):
                 try:
-                    respond(provider, request, _Quiet(), carried, message["max_tokens"])
+                    respond(provider, request, _Quiet(), provider.carried, message["max_tokens"])
                 except (Aborted, Cancelled):
                     continue
                 rank.figures()

@@ -86,9 +86,9 @@ class Batch:
     def __init__(self, engine, capacity: int) -> None:
         from mlx_lm.generate import BatchGenerator
 
-        self.engine, self.capacity = engine, capacity
+        self.engine, self.model, self.capacity = engine, engine.running, capacity  # model: the one that runs
         # members join with one prompt token left: the generator's own prefill is that token
-        self.generator = BatchGenerator(engine.loaded.model, completion_batch_size=capacity,
+        self.generator = BatchGenerator(self.model.loaded.model, completion_batch_size=capacity,
                                         prefill_batch_size=capacity)
         self.members: dict[int, Member] = {}
         self.pass_seconds = 0.0  # the last pass's
@@ -101,16 +101,16 @@ class Batch:
         batch for its last prompt token."""
         from mlx_lm.generate import StopSequences
 
-        engine = self.engine
-        b = begin(engine, request, out, engine.carried, engine.max_tokens)
-        engine.session.reset()  # the batch owns that cache now; a later request must not trim it
-        tokenizer = engine.loaded.tokenizer
+        model = self.model
+        b = begin(model, request, out, model.carried, self.engine.max_tokens)
+        model.session.reset()  # the batch owns that cache now; a later request must not trim it
+        tokenizer = model.loaded.tokenizer
         member = Member(request, out, b.prompt, b.reused, len(b.new_tokens), b.kv, b.kv_note, b.disk, b.from_disk,
-                        StopMatcher(request.stop), tokenizer.detokenizer, engine.counters(), reuse=b.reuse)
+                        StopMatcher(request.stop), tokenizer.detokenizer, model.counters(), reuse=b.reuse)
         step = request.chunk(len(b.prompt), held=self.kv_bytes())
-        member.flight = ACTIVITY.begin(len(b.prompt), b.reused, len(b.new_tokens), step, len(engine.loaded.layers))
-        member.reads = fig.ReadsDuring(engine)
-        member.feeder = PromptFeeder(engine.loaded, b.cache, engine.session.snapshots, request, b.prompt, b.reused,
+        member.flight = ACTIVITY.begin(len(b.prompt), b.reused, len(b.new_tokens), step, len(model.loaded.layers))
+        member.reads = fig.ReadsDuring(model)
+        member.feeder = PromptFeeder(model.loaded, b.cache, model.session.snapshots, request, b.prompt, b.reused,
                                      b.kv, step, lambda done: ACTIVITY.prefilled(member.flight, done - b.reused),
                                      self._between(out))
         try:
@@ -215,21 +215,21 @@ class Batch:
         finish is the one the next turn can extend), its figures go to its caller."""
         from ..speculation.start import figures_for
 
-        engine, member = self.engine, self.members[uid]
-        engine.session.adopt(cache, tokens, member.kv)
+        model, member = self.model, self.members[uid]
+        model.session.adopt(cache, tokens, member.kv)
         seconds = time.perf_counter() - member.start
-        stats = fig.response_figures(engine, member.before, member.last, len(member.prompt), member.reused,
+        stats = fig.response_figures(model, member.before, member.last, len(member.prompt), member.reused,
                                      member.prefilled, seconds, member.syncs)
         stats.update(figures_for(member.request).as_dict())
         ttft = None if member.first is None else member.first - member.start
         stats.update(fig.kv_figures(cache, member.kv, member.kv_note, member.feeder.step, ttft))
-        stats.update(fig.prefill_figures(member.reads, member.feeder.fed, engine.loaded))
-        stats.update(fig.reuse_figures(member.reuse, engine.session.snapshots, len(member.snapshots)))
+        stats.update(fig.prefill_figures(member.reads, member.feeder.fed, model.loaded))
+        stats.update(fig.reuse_figures(member.reuse, model.session.snapshots, len(member.snapshots)))
         stats["batch"] = member.largest
         if member.stops.hit is not None:
             stats["stop_sequence"] = member.stops.hit
-        save_to_disk(member.disk, engine.session, member.from_disk, stats, engine.carried.warned, member.snapshots)
-        engine.finished(stats)
+        save_to_disk(member.disk, model.session, member.from_disk, stats, model.carried.warned, member.snapshots)
+        self.engine.finished(stats)
         member.out.put("done", stats)
         self._leave(uid, kept=True)
 
@@ -242,7 +242,7 @@ class Batch:
 
     def fail(self, error: BaseException) -> None:
         """The pass raised: every member gets the error, the session is dropped."""
-        self.engine.session.reset()
+        self.model.session.reset()
         for member in self.members.values():
             ACTIVITY.end(member.flight)
             member.out.put("error", error)

@@ -169,18 +169,19 @@ def kv_figures(cache, kv, kv_note, prefill_step: int, ttft: float | None) -> dic
 
 
 def engine_figures(manager) -> dict:
-    """The engine's state now: what is loaded, memory, and counters since the load."""
+    """The engine's state now: what runs, memory, and the running model's counters since its load."""
     import mlx.core as mx
 
+    model = manager.running
     return {
         "state": manager.state,
         "error": manager.error,
-        "checkpoint": str(manager.checkpoint) if manager.checkpoint else None,
-        "expert_slots": manager.slots_per_layer(),
-        "policy": manager.policy,
-        "threads": manager.threads,
-        "page_cache": manager.page_cache,
-        "overlap": manager.overlap,
+        "checkpoint": str(model.checkpoint) if model is not None else None,
+        "expert_slots": model.slots_per_layer() if model is not None else None,
+        "policy": model.policy if model is not None else None,
+        "threads": model.threads if model is not None else None,
+        "page_cache": model.page_cache if model is not None else None,
+        "overlap": model.overlap if model is not None else None,
         "store": store_in_use(manager.loaded),
         "max_tokens": manager.max_tokens,
         "peak_rss_bytes": peak_rss_bytes(),
@@ -198,29 +199,31 @@ def engine_figures(manager) -> dict:
         **manager.counters().as_dict(),
         "totals": ACTIVITY.totals_shown(),  # every finished generation's tokens and seconds
         "in_flight": ACTIVITY.in_flight(),
-        "caches": cache_figures(manager),
+        "caches": cache_figures(model),
     }
 
 
-def cache_figures(manager) -> dict:
-    """What the engine keeps between requests, each with its bound (docs/server.md,
+def cache_figures(model) -> dict:
+    """What the running model keeps between requests, each with its bound (docs/server.md,
     "What a long-running server keeps")."""
     import mlx.core as mx
 
-    session, carried = manager.session, manager.carried
-    disk, snaps = carried.disk, session.snapshots if session else None
+    session = model.session if model is not None else None
+    carried = model.carried if model is not None else None
+    disk, snaps = carried.disk if carried else None, session.snapshots if session else None
     return {
         "kv_session": {"tokens": len(session.tokens) if session else 0,
-                       "bytes": cache_bytes(session.cache) if session else 0, "max_tokens": manager.context_length},
+                       "bytes": cache_bytes(session.cache) if session else 0,
+                       "max_tokens": model.context_length if model is not None else None},
         "snapshots": {"entries": snaps.count if snaps else 0, "bytes": snaps.nbytes if snaps else 0,
                       "max_entries": snaps.spec.max_count if snaps else None,
                       "max_bytes": snaps.spec.max_bytes if snaps else None},
-        "buffer_cache": {"bytes": int(mx.get_cache_memory()), "max_bytes": manager.buffer_cache},
+        "buffer_cache": {"bytes": int(mx.get_cache_memory()), "max_bytes": model.buffer_cache if model else None},
         "conversation_cache": {"bytes": disk.bytes if disk else None,
                                "max_bytes": disk.spec.max_bytes if disk else None,
                                "entries": disk.entries if disk else None,
                                "max_entries": disk.spec.max_entries if disk else None},
-        "drafters": {"entries": len(carried.drafters), "max_entries": 1},  # the last built (speculation/start.py)
+        "drafters": {"entries": len(carried.drafters) if carried else 0, "max_entries": 1},  # the last built (speculation/start.py)
     }
 
 

@@ -1,22 +1,27 @@
-"""The model provider: which checkpoint is loaded, and how its experts are pooled and read.
+"""One loaded model for its whole life: its weights, pools, reader, KV session, what its
+generations carry, and its residency.
 
 Loading, rebuilding the pools with new sizes or a new policy, and swapping the expert
 reader are the provider's; it keeps the dense weights and the KV session across
 changes that do not need a reload. Every change runs under its lock, so no generation
-(and so no expert read) is in flight meanwhile.
+(and so no expert read) is in flight meanwhile. The engine (engine/manager.py) holds one
+provider per loaded model and runs one of them by reference; how a provider loads and
+steps its generations is the `Stepping` it is given (a pipeline's: distributed/engine.py).
 """
 
 from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Optional
 
 from .. import values
 from ..errors import CheckpointError, one_line
 from ..experts.policies import DEFAULT_POLICY, POLICIES
 from ..experts.pool import PoolCounters
-from . import figures, memory
+from . import figures, memory, sharing
 from .request import LoadSpec
 
 
@@ -28,10 +33,51 @@ class LoadError(EngineError):
     """The requested checkpoint could not be loaded."""
 
 
-class ModelProvider:
-    """The loaded model, its pools, its reader and its KV session."""
+@dataclass
+class Carried:
+    """What one generation of a model leaves for its next."""
 
-    def __init__(self) -> None:
+    drafters: dict = field(default_factory=dict)  # speculation: the drafter kept between generations
+    disk: Any = None  # the conversation cache on disk in use
+    disk_key: Any = None  # (spec, checkpoint, KV layout) it was opened for
+    warned: set = field(default_factory=set)  # warnings already printed once
+
+
+class Stepping:
+    """How a model loads and steps its generations on one machine; a pipeline gives its
+    models another (distributed/engine.py: every rank loads, steps in lockstep)."""
+
+    batches = True  # a stepping that runs each generation alone (a pipeline's) says False
+
+    def load(self, provider: "ModelProvider", spec: LoadSpec) -> None:
+        provider.load(spec.path, expert_slots=spec.expert_slots, policy=spec.policy, threads=spec.threads,
+                      page_cache=spec.page_cache, packed=spec.packed, overlap=spec.overlap,
+                      buffer_cache=spec.buffer_cache)
+
+    def steps(self, responses):
+        """The responses of one generation as respond() reads them."""
+        return responses
+
+    def between_chunks(self, out, last: bool) -> None:
+        """After each prefill call (`last`: the one that ends with the first token): a
+        generation whose caller has gone, or an exit, stops here."""
+        out.check_cancelled()
+
+    def between_groups(self, out) -> None:
+        """After each tile and expert group of a prefill's call (engine/prefill.py), which
+        on a long prompt can run for minutes: a generation whose caller has gone stops."""
+        out.check_cancelled()
+
+
+class ModelProvider:
+    """One loaded model: its pools, its reader, its KV session, what its generations
+    carry (`carried`), and, held by an engine, its residency (`spec`, `used`)."""
+
+    def __init__(self, stepping: Optional[Stepping] = None) -> None:
+        self.stepping = stepping or Stepping()
+        self.carried = Carried()
+        self.spec: Optional[LoadSpec] = None  # held by an engine: as last asked for
+        self.used = 0.0  # held by an engine: time.monotonic() of its last request
         self.state = "empty"  # empty | loading | loaded | error
         self.error: str | None = None
         self.loaded = None  # StreamingModel
@@ -44,6 +90,7 @@ class ModelProvider:
         self.overlap = "auto"  # reads overlapping compute, read-ahead (experts/prefetch.py)
         self.buffer_cache: int | None = None  # bytes of freed buffers MLX may keep (engine/memory.py)
         self._retired = PoolCounters()  # counters of pools replaced by a rebuild
+        self._parts: tuple = ((), (0, 0, 0))  # (its pools' ids, memory_parts()) as last worked out
         self._lock = threading.RLock()
         self.prepare = None  # load_streaming's `prepare` (a pipeline rank's layer range)
 
@@ -86,7 +133,7 @@ class ModelProvider:
                     self.configure(expert_slots=expert_slots, policy=policy, overlap=overlap,
                                    threads=io["threads"], page_cache=io["page_cache"])
                     return
-            self.drop_running()
+            self.unload()
             self.state, self.error = "loading", None
             from .loading import load_streaming
 
@@ -108,11 +155,9 @@ class ModelProvider:
             self.state = "loaded"
 
     def load_spec(self, spec: LoadSpec) -> None:
-        """`load` for a request's LoadSpec; a failure is a LoadError."""
+        """Load (or rebuild) as `spec` asks, the way its stepping loads; a failure is a LoadError."""
         try:
-            self.load(spec.path, expert_slots=spec.expert_slots, policy=spec.policy,
-                      threads=spec.threads, page_cache=spec.page_cache, packed=spec.packed,
-                      overlap=spec.overlap, buffer_cache=spec.buffer_cache)
+            self.stepping.load(self, spec)
         except EngineError as e:
             raise LoadError(str(e)) from None
 
@@ -165,11 +210,8 @@ class ModelProvider:
         self.threads, self.page_cache = threads, page_cache
 
     def unload(self) -> None:
-        """Unload everything this provider holds."""
-        self.drop_running()
-
-    def drop_running(self) -> None:
-        """Unload the model it runs (an engine keeps its other loaded models)."""
+        """Unload its model: the pools settle, the reader closes, and what its generations
+        carried (a drafter's weights, the conversation cache it had open) goes with it."""
         with self._lock:
             if self.loaded is not None:
                 for pool in self.loaded.all_pools:
@@ -178,30 +220,20 @@ class ModelProvider:
                 self.loaded.store.close()
             self.loaded = self.session = None
             self._retired = PoolCounters()
+            self.carried = Carried(warned=self.carried.warned)
             self.state, self.error = "empty", None
 
     def require_loaded(self) -> None:
         if self.state != "loaded":
             raise EngineError(self.error or "no model is loaded")
 
-    batches = True  # a provider that steps its generations itself (a pipeline rank) runs them alone
-
-    def steps(self, responses):
-        """The responses of one generation as respond() reads them; a pipeline rank
-        wraps them to step in lockstep with the other ranks."""
-        return responses
-
-    def between_chunks(self, out, last: bool) -> None:
-        """After each prefill chunk (`last`: the one that ends with the first token): a
-        generation whose caller has gone, or an exit, stops here; a pipeline rank hears
-        rank 0's word instead, so every rank stops at the same chunk."""
-        out.check_cancelled()
-
-    def between_groups(self, out) -> None:
-        """After each tile and expert group of a prefill's model call (engine/prefill.py),
-        which on a long prompt can run for minutes: a generation whose caller has gone
-        stops here. A pipeline rank does not: its ranks stop together between chunks."""
-        out.check_cancelled()
+    # -- its residency in an engine (engine/residents.py) -------------------------------
+    def held_bytes(self) -> Optional[int]:
+        """Bytes it holds by its footprint and the slots it has now (None: not budgeted)."""
+        footprint = self.spec.footprint if self.spec is not None else None
+        if footprint is None:
+            return None
+        return footprint.fixed_bytes + sharing.pool_bytes(footprint, sharing.wanted_slots(footprint, self.expert_slots))
 
     # -- what the pools hold and did -------------------------------------------------
     def slots_per_layer(self) -> int | list[int] | None:
@@ -212,6 +244,22 @@ class ModelProvider:
         """Counters summed over every layer (and an MTP head's pool), including pools
         replaced by rebuilds."""
         return figures.pool_counters(self.loaded, self._retired)
+
+    def memory_parts(self) -> tuple[int, int, int]:
+        """(bytes beside its pools, bytes of its pools, slots over every pool), worked out
+        again only after a load or a pool rebuild (call it on the engine thread)."""
+        if self.loaded is None:
+            return 0, 0, 0
+        pools = [p for p in self.loaded.all_pools if p is not None]
+        key = tuple(id(p) for p in pools)
+        if self._parts[0] != key:
+            from mlx.utils import tree_flatten
+
+            params = sum(v.nbytes for _, v in tree_flatten(self.loaded.model.parameters()))
+            in_model = sum(a.nbytes for p in self.loaded.pools if p is not None for a in p.arrays.values())
+            pooled = sum(a.nbytes for p in pools for a in p.arrays.values())
+            self._parts = (key, (params - in_model, pooled, sum(p.slots for p in pools)))
+        return self._parts[1]
 
     def bad_slots(self) -> int:
         """Bad slots over every pool (0 when every resident expert matches the disk)."""

@@ -33,8 +33,7 @@ class LoadSpec:
     overlap: Optional[str] = None  # "auto" | "on" | "off" (experts/prefetch.py)
     packed: Optional[bool] = None
     buffer_cache: Optional[int] = None  # bytes of freed buffers MLX keeps for reuse (engine/memory.py)
-    budget: Optional[int] = None  # bytes every loaded model shares (engine/sharing.py); None: unbudgeted
-    footprint: Optional["Footprint"] = None  # what the model holds beside its pools; None: unbudgeted
+    footprint: Optional["Footprint"] = None  # what the model holds beside its pools (engine/sharing.py); None: unbudgeted
 
 
 @dataclass(frozen=True)

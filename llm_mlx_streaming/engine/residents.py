@@ -1,223 +1,238 @@
-"""The models the engine holds, each a provider of its own; the running one is the engine.
+"""The models one engine holds under one memory budget, and the one that runs.
 
-The engine (engine/manager.py) is the provider of the model that runs; every other
-loaded model waits as a ModelProvider of its own with its pools, its KV session and what
-its generations carried (drafter, conversation cache). Turning to another one moves the
-provider state across (`move`): nothing about a model is loaded again.
+Each loaded model is one ModelProvider for its whole life (engine/provider.py); the
+engine runs one of them by reference, so turning to another moves nothing. A model that
+is not loaded joins the others when the split fits (engine/sharing.py), after the least
+recently used unpinned models are unloaded until it does; each leave gives the others'
+pools back their room. The limits (how many models, which are pinned, the budget) are
+the process's, set through the engine (a server sets them at its start); other threads
+read what is loaded as immutable records (`Residency`), published at each change.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
+from ..errors import one_line
 from ..sizes import format_size
-from .provider import ModelProvider
-from .request import LoadSpec
-from .respond import Carried
 from . import sharing
-from .sharing import Claim, least_bytes, pool_bytes, wanted_slots
-
-# a provider's state that belongs to its model (the lock, the buffer cap and a rank's hook are the process's)
-MOVED = ("state", "error", "loaded", "session", "expert_slots", "policy", "threads", "page_cache", "packed",
-         "overlap", "_retired")
+from .provider import LoadError, ModelProvider
+from .request import LoadSpec
 
 
-def move(source: ModelProvider, target: ModelProvider) -> None:
-    """Hand `source`'s model to `target`, leaving `source` empty."""
-    for name in MOVED:
-        setattr(target, name, getattr(source, name))
-    empty = ModelProvider()
-    for name in MOVED:
-        setattr(source, name, getattr(empty, name))
+@dataclass(frozen=True)
+class Limits:
+    """The process's residency: how many models stay loaded at once, which are pinned
+    (never unloaded to make room; they shrink last), and the bytes they share."""
+
+    max_models: int = 1
+    pinned: frozenset = frozenset()  # checkpoint paths, resolved
+    budget: Optional[int] = None  # None: each model gets the slots it asks for
 
 
-@dataclass
-class Resident:
-    """One loaded model: its provider (the engine itself while it runs) and its residency."""
+@dataclass(frozen=True)
+class ModelRecord:
+    """One loaded model as other threads see it."""
 
     path: Path
-    provider: ModelProvider
-    carried: Carried
-    spec: LoadSpec  # as last asked for: the slots it wants, its footprint
-    used: float  # time.monotonic() of its last request
-    pinned: bool = False  # named at the server's start: never unloaded to make room or for idleness
-    slots: object = None  # the expert_slots it holds now (`spec.expert_slots` unless the budget shrank it)
-    expires: Optional[float] = None  # time.time() it is unloaded at for idleness (None: never)
-
-    def claim(self) -> Optional[Claim]:
-        """Its share of a budget, None when it is not budgeted."""
-        return sharing.claim_of(self.spec, self.pinned)
-
-    def held_bytes(self) -> Optional[int]:
-        """Bytes it holds by its footprint and the slots it has now (None: not budgeted)."""
-        claim = self.claim()
-        if claim is None:
-            return None
-        now = wanted_slots(claim.footprint, self.slots)
-        return claim.footprint.fixed_bytes + pool_bytes(claim.footprint, now)
-
-    def describe(self) -> str:
-        held = self.held_bytes()
-        return f"{self.path.name}" + (f" {format_size(held)}" if held is not None else "") + \
-            (" pinned" if self.pinned else "")
+    expert_slots: object  # the slots it holds now (its share when the budget shrank it)
+    memory_bytes: Optional[int]  # its share of the budget (None: not budgeted)
+    pinned: bool
+    running: bool
+    dense_bytes: int  # what it holds beside its pools
+    experts_bytes: int  # its pools
+    slots: int  # over every pool
+    kv_bytes: int  # its KV session, as its last generation left it
+    counters: dict = field(default_factory=dict)  # its pools' counters since its load, when read
 
 
-def refusal(path: Path, spec: LoadSpec, budget: int, kept: list[Resident], max_models: int) -> str:
+@dataclass(frozen=True)
+class Residency:
+    """What an engine holds: its loaded models, its limits, the loads since its start,
+    and how its latest load went (empty | loading | loaded | error, with the error)."""
+
+    models: tuple[ModelRecord, ...] = ()
+    limits: Limits = Limits()
+    loads: int = 0
+    state: str = "empty"
+    error: Optional[str] = None
+
+
+def refusal(path: Path, spec: LoadSpec, held: list[ModelProvider], limits: Limits) -> str:
     """The one line a load that cannot fit is refused with: what it needs, what stays loaded."""
-    claim = Resident(path, ModelProvider(), Carried(), spec, 0.0).claim()
-    held = ", ".join(r.describe() for r in kept) or "nothing"
-    if claim is None or len(kept) >= max_models:
-        return f"cannot load {path.name}: max_models {max_models} are loaded and pinned ({held})"
-    need = least_bytes([claim])
-    return (f"cannot load {path.name}: it needs at least {format_size(need)} and the memory budget "
-            f"{format_size(budget)} holds pinned {held}; unload one (keep_alive 0) or raise memory_budget")
+    claim = sharing.claim_of(spec)
+    kept = ", ".join(_describe(m, limits) for m in held) or "nothing"
+    if claim is None or len(held) >= limits.max_models:
+        return f"cannot load {path.name}: max_models {limits.max_models} are loaded and pinned ({kept})"
+    return (f"cannot load {path.name}: it needs at least {format_size(sharing.least_bytes([claim]))} and the "
+            f"memory budget {format_size(limits.budget or 0)} holds pinned {kept}; unload one (keep_alive 0) "
+            "or raise memory_budget")
+
+
+def _describe(model: ModelProvider, limits: Limits) -> str:
+    held = model.held_bytes()
+    return f"{model.checkpoint.name}" + (f" {format_size(held)}" if held is not None else "") + \
+        (" pinned" if model.checkpoint in limits.pinned else "")
 
 
 class Residents:
-    """The set of loaded models of one engine, under one memory budget: on the engine
-    thread, under the engine's lock. A model that is not loaded joins the others when the
-    split fits (engine/sharing.py), after the least recently used unpinned models are
-    unloaded until it does; each leave gives the others' pools back their room."""
+    """The loaded models of one engine and the one that runs: on the engine thread,
+    under the engine's lock (`shown` is what other threads read)."""
 
     def __init__(self) -> None:
-        self.models: dict[Path, Resident] = {}
-        self.max_models = 1  # `llm mlxs serve` raises it (max_models)
-        self.pinned: set[Path] = set()
+        self.models: dict[Path, ModelProvider] = {}
+        self.running: Optional[ModelProvider] = None
+        self.limits = Limits()
         self.loads = 0  # models loaded (a benchmark counts them)
-        self.budget: Optional[int] = None  # the latest request's
+        self.loading: Optional[Path] = None
+        self.failure: Optional[str] = None  # why the latest load failed
+        self.shown = Residency()
 
-    def admit(self, engine, spec: LoadSpec, now: float) -> Resident:
-        """Make `spec`'s model the one `engine` runs, loading it beside the others if
-        it is not loaded (LoadError, one line, when it cannot fit)."""
-        from .provider import LoadError
-
+    def turn_to(self, spec: LoadSpec, now: float, make: Callable[[], ModelProvider]) -> ModelProvider:
+        """Run `spec`'s model: the loaded one, another one loaded (kept as it was), or one
+        `make()` loads beside them within the budget (LoadError, one line, when it cannot fit)."""
         path = Path(spec.path).expanduser().resolve()
-        self.budget = spec.budget if spec.budget is not None else self.budget
         found = self.models.get(path)
-        if found is None:
-            slots = self._make_room(engine, path, spec)
-            self._park(engine)
-            engine.load_spec(_with_slots(spec, slots))  # a LoadError leaves the others as they were
-            found = self.models[path] = Resident(path, engine, engine.carried, spec, now,
-                                                 pinned=path in self.pinned, slots=slots)
-            self.loads += 1
-        else:
-            if found.provider is not engine:
-                self._park(engine)
-                move(found.provider, engine)
-                found.provider, engine.carried = engine, found.carried
-            try:
+        self.running, self.failure = None, None
+        try:
+            if found is None:
+                found = self._load(path, spec, make)
+            else:
                 if spec != found.spec:
                     found.spec = spec
-                    self._share(engine)
-                engine.load_spec(_with_slots(spec, found.slots))
-            except LoadError:
-                self.models.pop(path, None)
-                raise
-            self.models.setdefault(path, found)
-        found.used = now
+                    self._share()  # its share as asked now (pools rebuilt only where a share changed)
+                self._reload(found, spec, found.expert_slots)
+        except BaseException:
+            self.publish()
+            raise
+        found.used, self.running = now, found
+        self.publish()
         return found
 
-    def release(self, engine, path: Path) -> bool:
-        """Unload the model at `path` (False when it is not loaded); the others grow back."""
+    def _load(self, path: Path, spec: LoadSpec, make: Callable[[], ModelProvider]) -> ModelProvider:
+        slots = self._make_room(path, spec)
+        model = make()
+        model.spec, self.loading = spec, path
+        self.publish()
+        try:
+            self._reload(model, spec, slots)
+        finally:
+            self.loading = None
+        self.models[path] = model
+        self.loads += 1
+        return model
+
+    def _reload(self, model: ModelProvider, spec: LoadSpec, slots) -> None:
+        """`model` loaded (or its pools rebuilt) as `spec` asks, with `slots`; one that fails leaves."""
+        try:
+            model.load_spec(_with_slots(spec, slots))
+        except BaseException as e:
+            self.failure = model.error or one_line(e)
+            if model in self.models.values():
+                self._drop(model)
+            model.unload()
+            raise
+
+    def unload(self, path: Optional[Path] = None) -> bool:
+        """Unload the model at `path` (None: every model); the others grow back. False
+        when it is not loaded."""
+        if path is None:
+            for model in list(self.models.values()):
+                self._drop(model)
+            self.publish()
+            return True
         found = self.models.get(Path(path).expanduser().resolve())
-        if found is None:
-            return False
-        self._drop(engine, found)
-        self._share(engine)
-        return True
+        if found is not None:
+            self._drop(found)
+            self._share()
+        self.publish()
+        return found is not None
 
-    def unload_all(self, engine) -> None:
-        for resident in list(self.models.values()):
-            if resident.provider is not engine:
-                resident.provider.unload()
-        self.models.clear()
+    def limit(self, limits: Limits) -> None:
+        """Set the process's limits; the loaded models get their shares under them."""
+        self.limits = limits
+        self._share()
+        self.publish()
 
-    def running(self, engine) -> Optional[Resident]:
-        return next((r for r in self.models.values() if r.provider is engine), None)
+    def pinned(self, model: ModelProvider) -> bool:
+        return model.checkpoint in self.limits.pinned
 
-    def _park(self, engine) -> None:
-        """The model `engine` runs waits as a provider of its own."""
-        current = self.running(engine)
-        if current is None:
-            return
-        current.provider = ModelProvider()
-        move(engine, current.provider)
-        current.carried, engine.carried = engine.carried, Carried(warned=engine.carried.warned)
+    def publish(self) -> None:
+        """The records other threads read, as things stand now."""
+        from .kv import cache_bytes
 
-    def _drop(self, engine, resident: Resident) -> None:
-        del self.models[resident.path]
-        if resident.provider is engine:
-            engine.drop_running()
-        else:
-            resident.provider.unload()
+        models = []
+        for path, model in self.models.items():
+            dense, experts, slots = model.memory_parts()
+            models.append(ModelRecord(path, model.expert_slots, model.held_bytes(), self.pinned(model),
+                                      model is self.running, dense, experts, slots,
+                                      cache_bytes(model.session.cache) if model.session is not None else 0))
+        state = "loading" if self.loading else "loaded" if self.running else "error" if self.failure else "empty"
+        self.shown = Residency(tuple(models), self.limits, self.loads, state, self.failure)
 
-    def _make_room(self, engine, path: Path, spec: LoadSpec):
+    def _drop(self, model: ModelProvider) -> None:
+        self.models = {path: m for path, m in self.models.items() if m is not model}
+        if model is self.running:
+            self.running = None
+        model.unload()
+
+    def _make_room(self, path: Path, spec: LoadSpec):
         """Unload least recently used unpinned models until `spec`'s fits beside the
         rest, shrink the others' pools to their share, and return its own."""
-        from .provider import LoadError
-
-        new = Resident(path, ModelProvider(), Carried(), spec, 0.0, pinned=path in self.pinned,
-                       slots=spec.expert_slots)
         while True:
             others = list(self.models.values())
-            shares = self._shares([*others, new]) if len(others) < self.max_models else None
+            asks = [(m.spec, self.pinned(m)) for m in others] + [(spec, path in self.limits.pinned)]
+            shares = self._shares(asks) if len(others) < self.limits.max_models else None
             if shares is not None:
-                self._apply(engine, list(zip(others, shares)))
+                self._apply(list(zip(others, shares)))
                 return shares[-1]
-            victims = sorted((r for r in others if not r.pinned), key=lambda r: r.used)
+            victims = sorted((m for m in others if not self.pinned(m)), key=lambda m: m.used)
             if not victims:
-                raise LoadError(refusal(path, spec, self.budget or 0, others, self.max_models))
-            self._drop(engine, victims[0])
+                raise LoadError(refusal(path, spec, others, self.limits))
+            self._drop(victims[0])
 
-    def _shares(self, residents: list[Resident]) -> Optional[list]:
-        """The expert_slots of each model under the budget (a model alone, or one not
-        budgeted: what it asked for); None when their floors do not fit together."""
-        budgeted = [r.claim() is not None for r in residents]
-        if sum(budgeted) < 2 or self.budget is None:
-            return [r.spec.expert_slots for r in residents]
-        split = iter(sharing.split(self.budget, [r.claim() for r, b in zip(residents, budgeted) if b]) or ())
+    def _shares(self, asks: list[tuple[LoadSpec, bool]]) -> Optional[list]:
+        """The expert_slots of each (spec, pinned) under the budget (a model alone, or
+        one not budgeted: what it asked for); None when their floors do not fit together."""
+        claims = [sharing.claim_of(spec, pinned) for spec, pinned in asks]
+        if sum(c is not None for c in claims) < 2 or self.limits.budget is None:
+            return [spec.expert_slots for spec, _ in asks]
+        split = iter(sharing.split(self.limits.budget, [c for c in claims if c is not None]) or ())
         shares = []
-        for resident, counted in zip(residents, budgeted):
-            slots = next(split, None) if counted else resident.spec.expert_slots
-            if counted and slots is None:
+        for (spec, _), claim in zip(asks, claims):
+            slots = next(split, None) if claim is not None else spec.expert_slots
+            if claim is not None and slots is None:
                 return None
-            shares.append(resident.spec.expert_slots if not counted or slots == resident.claim().wanted
-                          else list(slots))
+            shares.append(spec.expert_slots if claim is None or slots == claim.wanted else list(slots))
         return shares
 
-    def _share(self, engine) -> None:
+    def _share(self) -> None:
         """Give every model its share of the budget as it stands (after a load, a
-        leave, a model asking for other slots)."""
-        residents = list(self.models.values())
-        shares = self._shares(residents)
+        leave, a model asking for other slots, new limits)."""
+        models = list(self.models.values())
+        shares = self._shares([(m.spec, self.pinned(m)) for m in models])
         if shares is not None:  # the floors fitted when the last one loaded
-            self._apply(engine, list(zip(residents, shares)))
+            self._apply(list(zip(models, shares)))
 
     @staticmethod
-    def _apply(engine, pairs: list) -> None:
+    def _apply(pairs: list) -> None:
         """Rebuild the pools whose slot count changes, the shrinking ones first, so the
         pools never hold more than the budget between two; dense weights and KV stay.
-        The running model's go through the engine's own load (its spec with the new
-        slots): a pipeline's engine turns a one-machine slot list into each rank's plan
-        and has every rank rebuild its own layers' pools, where `configure` would give
-        rank 0's provider the whole model's list."""
+        Each goes through its stepping's load (its spec with the new slots): a
+        pipeline's turns a one-machine slot list into each rank's plan and has every
+        rank rebuild its own layers' pools."""
         def growth(pair) -> int:
-            resident, slots = pair
-            if resident.spec.footprint is None:
+            model, slots = pair
+            footprint = model.spec.footprint
+            if footprint is None:
                 return 0
-            return sum(wanted_slots(resident.spec.footprint, slots)) - sum(
-                wanted_slots(resident.spec.footprint, resident.slots))
+            return sum(sharing.wanted_slots(footprint, slots)) - sum(sharing.wanted_slots(footprint, model.expert_slots))
 
-        for resident, slots in sorted(pairs, key=growth):
-            if slots != resident.slots:
-                if resident.provider is engine:
-                    engine.load_spec(_with_slots(resident.spec, slots))
-                else:
-                    resident.provider.configure(expert_slots=slots)
-                resident.slots = slots
+        for model, slots in sorted(pairs, key=growth):
+            if slots != model.expert_slots:
+                model.load_spec(_with_slots(model.spec, slots))
 
 
 def _with_slots(spec: LoadSpec, slots) -> LoadSpec:

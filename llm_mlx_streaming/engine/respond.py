@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,23 +21,13 @@ from ..stops import StopMatcher
 from . import figures as fig, worker
 from ..activity import ACTIVITY
 from .generation import Channel, Started
-from .provider import EngineError, ModelProvider
+from .provider import Carried, EngineError, ModelProvider
 from .request import Request
 from .session import Reuse
 from .disk_cache import DiskCache, namespace
 from .kv import KVError, layout_for, make_cache
 from .prefill import Fed, feed
 from .trace import TraceRecorder
-
-
-@dataclass
-class Carried:
-    """What one generation leaves for the next."""
-
-    drafters: dict = field(default_factory=dict)  # speculation: the drafter kept between generations
-    disk: Any = None  # the conversation cache on disk in use
-    disk_key: Any = None  # (spec, checkpoint, KV layout) it was opened for
-    warned: set = field(default_factory=set)  # warnings already printed once
 
 
 def respond(provider: ModelProvider, request: Request, out: Channel, carried: Carried,
@@ -59,7 +49,7 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
     flight = ACTIVITY.begin(len(prompt), reused, len(new_tokens), step, len(loaded.layers))
 
     def prefilled(done: int, last: bool = False) -> None:
-        provider.between_chunks(out, last)
+        provider.stepping.between_chunks(out, last)
         ACTIVITY.prefilled(flight, done)
 
     before, syncs_before = provider.counters(), syncs.count()
@@ -75,7 +65,7 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
     if loaded.takes_images:  # the whole prompt's embeddings, images in place; fed from `reused` on
         embeddings = loaded.model.embed(prompt, request.vision)[reused:]
     feeder = PromptFeeder(loaded, cache, session.snapshots, request, prompt, reused, kv, step,
-                          lambda done: prefilled(done - reused), lambda: provider.between_groups(out), embeddings)
+                          lambda done: prefilled(done - reused), lambda: provider.stepping.between_groups(out), embeddings)
     try:
         try:
             figures = spec.figures_for(request)
@@ -103,7 +93,7 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
                 )
 
             responses = plain()
-        responses = provider.steps(responses)
+        responses = provider.stepping.steps(responses)
         for response in responses:
             if ttft is None:
                 ttft = time.perf_counter() - start

@@ -41,6 +41,7 @@ class RunConfig:
     load: LoadSpec
     slots_source: Optional[str]  # option | plan | model | setting | bundled
     budget: Optional[int]  # bytes, when the pools come from a memory plan
+    shared_budget: Optional[int]  # bytes the loaded models share under these options (None: not told)
     kv: KVSpec
     prefill_step: Any  # tokens per model call of a prefill; auto: the plan's engine/planner.ExpertChunk; None: 2048
     max_tokens: int
@@ -100,10 +101,11 @@ def configure(name: Optional[str], options, settings: Settings) -> RunConfig:
             path=path, expert_slots=slots, policy=options.policy or settings.policy or DEFAULT_POLICY,
             threads=settings.threads, page_cache=settings.page_cache, packed=settings.packed != "off",
             overlap=settings.overlap, buffer_cache=buffer_cache(options, settings, budget),
-            budget=shared, footprint=footprint,
+            footprint=footprint,
         ),
         slots_source=source,
         budget=budget,
+        shared_budget=shared,
         kv=kv,
         prefill_step=prefill_step(options, settings, path, budget, kv, layout, context),
         max_tokens=settings.max_tokens if options.max_tokens is None else options.max_tokens,

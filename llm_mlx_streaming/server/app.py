@@ -9,7 +9,7 @@ the property-based tests are generated from that schema (see docs/server.md).
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Optional
 
 from fastapi import APIRouter, Body, Depends, FastAPI, Request
 from fastapi.responses import PlainTextResponse
@@ -35,9 +35,7 @@ from .service import Service
 def create_app(service: Service) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
-        # load at start, so the first requests find them warm (a pipeline pins none: its default)
-        for name in service.pinned or ([service.default_model] if service.default_model else []):
-            service.schedule_load(service.model_for(name))
+        service.hosting.start()  # its limits to the engine, its models loaded (a pipeline pins none: its default)
         yield
 
     app = FastAPI(title="llm-mlx-streaming", summary="The OpenAI, Anthropic and Ollama APIs of `llm mlxs serve`",
@@ -78,7 +76,7 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "id": public_id(service.secret) if service.secret else None}
+        return {"status": "ok", "id": public_id(service.policy.secret) if service.policy.secret else None}
 
     app.state.routers = [_runtime_routes(service), openai.router(service), responses.router(service),
                          anthropic.router(service), ollama.router(service)]  # errors.shape_for reads their routes' shapes
@@ -91,21 +89,25 @@ def create_app(service: Service) -> FastAPI:
 def _runtime_routes(service: Service) -> APIRouter:
     """The server's own API: its figures and the parameters it runs with."""
     errors = {status: {"model": ErrorResponse} for status in (401, 422)}
-    api = APIRouter(dependencies=[Depends(service.check_api_key)], responses=errors, route_class=api_routes("runtime"))
+    api = APIRouter(dependencies=[Depends(service.policy.check_api_key)], responses=errors,
+                    route_class=api_routes("runtime"))
 
     @api.get("/api/stats")
     async def stats() -> dict:
         return service.stats()
 
-    @api.get("/api/engine/config")
-    async def get_config() -> dict:
-        return service.config()
+    @api.get("/api/engine/config", description="The runtime parameters (of the model named by ?model=, "
+             "its own over every model's)")
+    async def get_config(model: Optional[str] = None) -> dict:
+        return service.config(service.policy.model_for(model) if model else None)
 
-    @api.post("/api/engine/config", description="Change runtime parameters (null unsets one). "
-              f"{', '.join(POOL_KEYS)} rebuild the pools before the waiting requests run.")
-    async def post_config(changes: dict[str, Any] = Body(...)) -> dict:
+    @api.post("/api/engine/config", description="Change runtime parameters (null unsets one) for every "
+              "model, or with ?model= for that model alone. "
+              f"{', '.join(POOL_KEYS)} rebuild the pools of the loaded models they apply to (each within its "
+              "share of the memory budget) before the waiting requests run.")
+    async def post_config(changes: dict[str, Any] = Body(...), model: Optional[str] = None) -> dict:
         try:
-            return await service.change_config(changes)
+            return await service.change_config(changes, model)
         except ConfigError as e:
             raise ApiError(422, str(e), code="invalid_config") from None
 

@@ -83,22 +83,23 @@ class Banner:
         while not self.started():  # its start has queued its loads by then (app.py's lifespan)
             if self._stop.wait(EVERY_SECONDS):
                 return
-        first = [self.service.model_for(name) for name in self.service.pinned] or \
-            ([self.service.model_for(None)] if self.service.default_model else [])
+        policy, hosting = self.service.policy, self.service.hosting
+        first = [policy.model_for(name) for name in hosting.pinned] or \
+            ([policy.model_for(None)] if policy.default_model else [])
         load = _Load(", ".join(first), self._started_at) if first else None
         if load is not None:
             self.say(f"loading {load.model}...", end="" if self.live else "\n")
         held = set()
         while True:
-            busy = engine.state == "loading" or self.service.rebuilds > 0  # a load queued or running
+            busy = engine.state == "loading" or hosting.rebuilds > 0  # a load queued or running
             if busy and load is None:  # a request's model, loaded on demand
-                load = _Load(self.service.model_id or "a model")
+                load = _Load(hosting.model_id or "a model")
                 self.say(f"loading {load.model}...", end="" if self.live else "\n")
             elif busy and self.live:
                 self.say(f"\rloading {load.model}... {load.progress()}", end="")
             elif not busy:
                 self._over(load, held)
-                held, load = set(engine.residents.models), None
+                held, load = _loaded(engine), None
             if self._stop.wait(EVERY_SECONDS):
                 return
 
@@ -108,8 +109,9 @@ class Banner:
 
         if load is not None and self.live:
             self.say("")  # the progress line ends
-        if load is not None and self.service.rebuild_error:
-            self.say(f"could not load {load.model}: {self.service.rebuild_error}")
+        hosting = self.service.hosting
+        if load is not None and hosting.rebuild_error:
+            self.say(f"could not load {load.model}: {hosting.rebuild_error}")
         took = f" in {load.seconds():.1f}s" if load is not None else ""
         if not self.shown:
             lines = [f"ready on {self.url}" + (f" (loaded{took})" if took else "") + ":",
@@ -118,10 +120,15 @@ class Banner:
                 self.say(line)
             self.shown = True
             return
-        new = set(get_manager().residents.models) - held
+        new = _loaded(get_manager()) - held
         for m in self.service.models_figures() if new else ():
-            if any(self.service.path_of(i) in new for i in m["ids"]):
+            if any(hosting.path_of(i) in new for i in m["ids"]):
                 self.say(f"loaded {model_line(m)}{took}")
+
+
+def _loaded(engine) -> set:
+    """The paths of the models the engine holds now (its records, for any thread)."""
+    return {r.path for r in engine.residency().models}
 
 
 class _Load:

@@ -56,7 +56,7 @@ def text_message(role: str, text: str) -> ChatMessage:
 async def llm_chain(service, model_id: str, chat: list[ChatMessage]) -> list:
     """`chat` as llm's messages for `model_id`: its images read, and the token ids of the
     server's own replies in it found in the reply memory."""
-    await read_images(service, model_id, chat)
+    await read_images(service.policy, model_id, chat)
     return llm_messages(chat, service.replies.known)
 
 

@@ -1,10 +1,11 @@
 """At most `capacity` jobs at a time; the others wait their turn in order, and only so many.
 
 The engine decodes up to `max_batch` requests together (engine/batch.py), so the server
-admits that many jobs (generations or a pool rebuild; the engine thread runs a rebuild
-after the running batch) and queues the rest first come, first served. A full queue is the caller's cue to answer 503 with Retry-After instead of
-letting requests pile up without bound. A pool rebuild goes to the head of the queue,
-so the requests already waiting run on the new pools.
+admits that many generations and queues the rest first come, first served. A full queue
+is the caller's cue to answer 503 with Retry-After instead of letting requests pile up
+without bound. Loads, unloads and pool rebuilds do not wait here: they go straight to the
+engine's queue (server/hosting.py), ahead of the requests still waiting at the gate, so
+those run on the new pools.
 """
 
 from __future__ import annotations
@@ -31,15 +32,15 @@ class Gate:
     def busy(self) -> bool:
         return self.running > 0
 
-    async def acquire(self, *, first: bool = False) -> None:
+    async def acquire(self) -> None:
         """Wait for the turn; QueueFull at once when `max_waiting` already wait."""
         if self.running < self.capacity and not self.waiting:
             self.running += 1
             return
-        if not first and self.waiting >= self.max_waiting:
+        if self.waiting >= self.max_waiting:
             raise QueueFull
         future = asyncio.get_running_loop().create_future()
-        (self._waiters.appendleft if first else self._waiters.append)(future)
+        self._waiters.append(future)
         try:
             await future
         except asyncio.CancelledError:

@@ -22,12 +22,13 @@ _CHUNK = 1 << 16
 _SHOWN_URL = 120  # characters of a URL an error repeats
 
 
-async def read_images(service, model_id: str, messages) -> None:
-    """Read every image of `messages` (conversation.ChatMessage) not read yet, for `model_id`."""
+async def read_images(policy, model_id: str, messages) -> None:
+    """Read every image of `messages` (conversation.ChatMessage) not read yet, for `model_id`
+    (`policy`: the server's policy.RequestPolicy, which knows the models that take images)."""
     parts = [part for message in messages for part in message.images() if part.read is None]
     if not parts:
         return
-    if not service.takes_images(model_id):
+    if not policy.takes_images(model_id):
         raise ApiError(400, f"{model_id} takes no images: it is a text-only model", param="messages")
     settings = load_settings()
     for part in parts:

@@ -40,12 +40,3 @@ class KeepAlive(RequestModel):
     def unloads(self) -> bool:
         return self.keep_seconds() == 0
 
-
-async def after_reply(service, model_id: str, body: KeepAlive, stream: bool) -> None:
-    """Time `model_id`'s unload by `body`'s keep_alive: 0 unloads it after the reply (a
-    stream holds its turn until it ends, so the unload is queued first behind it)."""
-    seconds = body.keep_seconds()
-    if seconds == 0:
-        service.schedule_unload(model_id) if stream else await service.unload(model_id)
-    else:
-        service.unload_after(model_id, seconds)

@@ -203,7 +203,7 @@ class Metrics:
         PlatformCollector(registry=self.registry)  # python_info
 
     def router(self, service) -> APIRouter:
-        api = APIRouter(dependencies=[Depends(service.check_api_key)])
+        api = APIRouter(dependencies=[Depends(service.policy.check_api_key)])
 
         @api.get("/metrics", include_in_schema=True, response_class=Response,
                  description="The server's and the engine's figures in Prometheus' text format (docs/server.md)")

@@ -1,25 +1,30 @@
 """One generation request through the gate, answered in any API's shape.
 
 Every API (OpenAI's chat completions and completions, the Responses API, Anthropic's
-Messages, Ollama's chat and generate) runs the same path: wait for the turn, start the
-reply core with the runtime parameters of that moment, then give the whole reply or
-stream it. The API's shape (a `shape.Shape`: openai/, responses/, anthropic/ and
-ollama/shapes.py) only lays out what the core said.
+Messages, Ollama's chat and generate) builds one request record (`Asked`: its body,
+conversation, options, tools, schema, shape, keep_alive) and hands it to one pipeline
+(`answer`): accept its fields, find its model, make its messages, wait for the turn,
+start the reply core with the runtime parameters of that moment, give the whole reply or
+stream it, and time the model's keep_alive from the reply's end. The API's shape (a
+`shape.Shape`: openai/, responses/, anthropic/ and ollama/shapes.py) only lays out what
+the core said.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, Mapping, Optional, Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from ..options.settings import Options
-from ..values import EFFORTS
+from ..prompt.messages import raw_message
 from ..reply.build import Ask
 from ..reply.core import AsyncReply, count_tokens
 from ..reply.events import Finished
+from .conversation import llm_chain
 from .errors import ApiError, error_for
 from .gate import Gate, QueueFull
 from .request_log import record
@@ -50,50 +55,67 @@ class Turns:
             turn.cancel()
 
 
-class GateOwner(Protocol):
-    """What turns.py asks of the server whose gate it runs (service.Service), and all of
-    it: the turns (`Turns`), the model's checkpoint name, whether its template has a
-    thinking switch, the fields a request gave that were not acted on (`ignore`), the
-    keep_alive timer (`unload_after`), a request's options at the moment its turn comes
-    (`request_options`), the model a reply started on (`started`), the replies given
-    (`remember`)."""
+class Host(Protocol):
+    """What the pipeline asks of the server whose gate it runs (service.Service), and all
+    of it: its request policy (policy.RequestPolicy: fields, model names), the models it
+    hosts (hosting.Hosting: a request holds its model, whose keep_alive counts from the
+    reply's end), the turns, the runtime parameters of the moment a turn comes, and the
+    replies it gave (reply_memory.ReplyMemory)."""
 
+    policy: Any
+    hosting: Any
     turns: Turns
+    runtime: Any
+    replies: Any
 
-    def name_of(self, model_id: str) -> Optional[str]: ...
 
-    def thinks(self, model_id: str) -> bool: ...
+@dataclass
+class Asked:
+    """One generation request in the server's terms, whatever API it came by: the record
+    each route builds for `answer` (and `count`)."""
 
-    def ignore(self, request: Request, names: list[str]) -> None: ...
+    body: Any  # the request body: its unused fields named, its `model`, `stream` and keep_alive read
+    shape: Callable[[str], Shape]  # the reply's layout, for the model id that answers
+    chat: list = field(default_factory=list)  # conversation.ChatMessage, in order
+    raw: Optional[str] = None  # or a prompt encoded without the chat template
+    fields: dict = field(default_factory=dict)  # the plugin options it sets
+    tools: Sequence[dict] = ()  # function specs
+    schema: Optional[dict] = None  # the JSON schema the reply follows
+    grammar: Optional[tuple[str, str]] = None  # or the grammar it follows
+    suffix: Optional[str] = None  # the text the reply fills up to
+    ignored: Sequence[str] = ()  # what else it gave that nothing acts on (a hosted tool, a billing line)
+    spelled: Mapping[str, str] = field(default_factory=dict)  # its own names for the plugin's thinking fields
+    done: Optional[Callable[[Transcript, Shape], None]] = None  # once the reply is complete, before its last frames
 
-    def unload_after(self, model_id: str, seconds: Optional[float]) -> None: ...
+    @property
+    def stream(self) -> bool:
+        return bool(getattr(self.body, "stream", False))
 
-    def request_options(self, fields: dict) -> dict: ...
-
-    def started(self, model_id: str) -> None: ...
-
-    def remember(self, transcript: Transcript) -> None: ...
+    def keep_seconds(self) -> Optional[float]:
+        """How long its model stays loaded after the reply (keep_alive.KeepAlive)."""
+        return self.body.keep_seconds() if hasattr(self.body, "keep_seconds") else None
 
 
 class Turn:
     """A request's hold on the gate, taken by `take` and given back by `finish`, once,
     however the request ends; the gate is acquired and released nowhere else. A turn that
     runs a reply (`run`) cancels it on finishing if it is still going, and its `Turns`
-    knows it until then, to end it when the server stops (`cancel`). `async with`
-    finishes it at the block's end (a load, an unload)."""
+    knows it until then, to end it when the server stops (`cancel`); `ended` is called as
+    it finishes (the pipeline times the model's keep_alive there)."""
 
     def __init__(self, turns: Turns) -> None:
         self.turns = turns
         self.reply: Optional[AsyncReply] = None
+        self.ended: Optional[Callable[[], None]] = None  # called once it finishes (the model's keep_alive)
         self._done = False
         self._gone = False
 
     @classmethod
-    async def take(cls, turns: Turns, first: bool = False, request: Optional[Request] = None) -> Turn:
-        """Wait for the gate (`first`: ahead of those waiting); a full queue is a 503 with
+    async def take(cls, turns: Turns, request: Optional[Request] = None) -> Turn:
+        """Wait for the gate; a full queue is a 503 with
         Retry-After. A client that goes away while it waits (`request` given) leaves the
         queue at once, rather than holding a place until its turn comes."""
-        waiting = asyncio.ensure_future(turns.gate.acquire(first=first))
+        waiting = asyncio.ensure_future(turns.gate.acquire())
         gone = asyncio.ensure_future(_disconnected(request)) if request is not None else None
         try:
             await asyncio.wait({waiting} | ({gone} if gone else set()), return_when=asyncio.FIRST_COMPLETED)
@@ -144,12 +166,8 @@ class Turn:
             self.turns.running.discard(self)
         self.turns.served += served
         self.turns.gate.release()
-
-    async def __aenter__(self) -> Turn:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self.finish()
+        if self.ended is not None:
+            self.ended()
 
 
 class GatedStream(StreamingResponse):
@@ -173,61 +191,34 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def unswitched(service: GateOwner, request: Request, model_id: str, fields: dict,
-               spelled: Mapping[str, str] = {}) -> None:
-    """Whether the request's thinking fields apply, decided here for every API (`spelled`:
-    the request's own names for the plugin's, named back so). A thinking switch for a model
-    whose template has none is accepted and named, as clients send it to every model, and
-    so is a reasoning effort no template reads (the Responses API takes any). A budget
-    stays: a model that always reasons (its generation prompt opens the block) is held to
-    it, and one that never does has nothing for it to close (reply/build.py)."""
-    named = [spelled.get(name, name) for name in ("thinking", "reasoning_effort")]
-    if fields.get("reasoning_effort") not in (None, *EFFORTS):
-        del fields["reasoning_effort"]
-        service.ignore(request, named[1:])
-    if not service.thinks(model_id):
-        if fields.pop("thinking", None):
-            service.ignore(request, named[:1])
-        if fields.pop("reasoning_effort", None) not in (None, "none", "minimal"):
-            service.ignore(request, named[1:])
-
-
-async def count(service: GateOwner, request: Request, model_id: str, messages: list, fields: dict,
-                tools: Sequence[dict], spelled: Mapping[str, str] = {}) -> int:
-    """The prompt's tokens as `answer` would render it, without a turn (nothing generates)."""
-    unswitched(service, request, model_id, fields, spelled)
-    try:
-        options = Options.model_validate(service.request_options(fields))
-        return await count_tokens(Ask(service.name_of(model_id), messages, options, tools))
-    except Exception as e:
-        raise error_for(e) from None
-
-
-async def answer(service: GateOwner, request: Request, shape: Shape, model_id: str, messages: list, fields: dict,
-                 schema: Optional[dict], stream: bool, tools: Sequence[dict] = (),
-                 grammar: Optional[tuple[str, str]] = None, suffix: Optional[str] = None,
-                 spelled: Mapping[str, str] = {}, done: Optional[Callable[[Transcript], None]] = None):
-    """Answer `messages` (llm's) on `model_id` with the request's `fields` (its
-    `plugin_options()`), `tools` (function specs), the `schema` or `grammar` the reply
-    must follow and the `suffix` it fills up to, in `shape`; `done(transcript)` is called
-    once the reply is complete and laid out, before its last frames are sent (the
-    Responses API stores the response then)."""
-    unswitched(service, request, model_id, fields, spelled)
+async def answer(service: Host, request: Request, asked: Asked):
+    """The one pipeline: accept the request's fields, find its model, make its messages,
+    hold the model and wait for the turn, run the reply core, give the reply whole or
+    streamed, and from its end (finished, cut or cancelled) time the model's keep_alive.
+    `asked.done(transcript, shape)` is called once the reply is complete and laid out,
+    before its last frames are sent (the Responses API stores the response then)."""
+    model_id, messages = await _prepared(service, request, asked)
     record(request, model=model_id)
-    done = _recorded(request, done)
-    turn = await Turn.take(service.turns, request=request)
-    service.unload_after(model_id, None)  # the server's keep_alive; a request's own keep_alive follows
+    done = _recorded(request, asked.done)
+    shape = asked.shape(model_id)
+    held = service.hosting.hold(model_id, asked.keep_seconds())
+    try:
+        turn = await Turn.take(service.turns, request=request)
+    except BaseException:
+        held.end()
+        raise
+    turn.ended = held.end
     try:
         if service.turns.stopping:
             raise _stopping()
-        options = service.request_options(fields)  # now: a config change made while it waited applies
+        # now: a config change made while it waited applies
+        options = service.runtime.for_request(asked.fields, service.hosting.path_of(model_id))
         options.setdefault("max_batch", service.turns.gate.capacity)  # the requests it admits at once may batch
-        ask = Ask(service.name_of(model_id), messages, Options.model_validate(options), tools, schema, grammar,
-                  suffix)
+        ask = Ask(service.policy.name_of(model_id), messages, Options.model_validate(options), asked.tools,
+                  asked.schema, asked.grammar, asked.suffix)
     except Exception as e:
         turn.finish()
         raise error_for(e) from None
-    service.started(model_id)
     turn.run(AsyncReply(ask))
     # A client that goes away cancels the reply; once a stream has started, the
     # streaming response watches for that itself.
@@ -235,7 +226,7 @@ async def answer(service: GateOwner, request: Request, shape: Shape, model_id: s
     events = turn.reply.events()
     try:
         first = asyncio.ensure_future(anext(events, None))
-        if stream:  # a load or prompt error is still an HTTP error, unless the prefill runs long
+        if asked.stream:  # a load or prompt error is still an HTTP error, unless the prefill runs long
             await asyncio.wait({first}, timeout=KEEPALIVE_SECONDS if shape.keepalive() else None)
             if first.done():
                 first.result()  # raises what it raised
@@ -244,7 +235,6 @@ async def answer(service: GateOwner, request: Request, shape: Shape, model_id: s
             return GatedStream(turn, _stream(service, turn, events, first, shape, done), media_type=shape.media_type)
         body = await _whole(service, turn, events, await first, shape, done)
         record(request, capped=turn.reply.capped)
-        return body
     except Exception as e:
         turn.finish()
         raise error_for(e) from None
@@ -254,9 +244,34 @@ async def answer(service: GateOwner, request: Request, shape: Shape, model_id: s
         raise
     finally:
         watcher.cancel()
+    if held.unloading is not None:  # keep_alive 0: unloaded before the reply is given
+        await held.unloading
+    return body
 
 
-async def _whole(service: GateOwner, turn: Turn, events, first, shape: Shape, done) -> dict:
+async def count(service: Host, request: Request, asked: Asked) -> int:
+    """The prompt's tokens as `answer` would render it, without a turn (nothing generates)."""
+    model_id, messages = await _prepared(service, request, asked)
+    try:
+        options = Options.model_validate(service.runtime.for_request(asked.fields, service.hosting.path_of(model_id)))
+        return await count_tokens(Ask(service.policy.name_of(model_id), messages, options, asked.tools))
+    except Exception as e:
+        raise error_for(e) from None
+
+
+async def _prepared(service: Host, request: Request, asked: Asked) -> tuple[str, list]:
+    """(The model id, llm's messages) of `asked`, its unused fields named."""
+    policy = service.policy
+    policy.accept(request, asked.body)
+    policy.ignore(request, list(asked.ignored))
+    model_id = policy.model_for(asked.body.model)
+    messages = [raw_message(asked.raw)] if asked.raw is not None else \
+        await llm_chain(service, model_id, asked.chat)
+    policy.unswitched(request, model_id, asked.fields, asked.spelled)
+    return model_id, messages
+
+
+async def _whole(service: Host, turn: Turn, events, first, shape: Shape, done) -> dict:
     transcript = Transcript()
     ended = False
     try:
@@ -267,14 +282,14 @@ async def _whole(service: GateOwner, turn: Turn, events, first, shape: Shape, do
         turn.finish(served=not turn.reply.cancelled)
     if not ended:  # cancelled: the client has gone, or the server is stopping
         raise _stopping()
-    service.remember(transcript)
+    service.replies.remember(transcript)
     body = shape.whole(transcript)
     if done is not None:
-        done(transcript)
+        done(transcript, shape)
     return body
 
 
-async def _stream(service: GateOwner, turn: Turn, events, first: asyncio.Future, shape: Shape, done):
+async def _stream(service: Host, turn: Turn, events, first: asyncio.Future, shape: Shape, done):
     """The stream's frames; until the first event comes, a keep-alive every
     KEEPALIVE_SECONDS, so that no client gives up during a long prefill."""
     transcript = Transcript()
@@ -293,11 +308,11 @@ async def _stream(service: GateOwner, turn: Turn, events, first: asyncio.Future,
                 yield frame
         else:  # cancelled: the client has gone, or the server is stopping
             raise _stopping()
-        service.remember(transcript)
+        service.replies.remember(transcript)
         turn.finish(served=True)
         frames = shape.closing(transcript)
         if done is not None:
-            done(transcript)
+            done(transcript, shape)
         for frame in frames:
             yield frame
     except Exception as e:  # the status line is sent: the error goes in the stream
@@ -305,12 +320,12 @@ async def _stream(service: GateOwner, turn: Turn, events, first: asyncio.Future,
             yield frame
 
 
-def _recorded(request: Request, done: Optional[Callable[[Transcript], None]]) -> Callable[[Transcript], None]:
+def _recorded(request: Request, done: Optional[Callable[[Transcript, Shape], None]]) -> Callable[[Transcript, Shape], None]:
     """`done`, after the finished reply's outcome is put on the request's record (its log line)."""
-    def finished(transcript: Transcript) -> None:
+    def finished(transcript: Transcript, shape: Shape) -> None:
         record(request, outcome=transcript.outcome)
         if done is not None:
-            done(transcript)
+            done(transcript, shape)
 
     return finished
 

@@ -1,8 +1,8 @@
 """The Anthropic Messages API: `POST /v1/messages` and `POST /v1/messages/count_tokens`.
 
-A request becomes the server's conversation (conversation.py) and the engine options,
-as an OpenAI request does, and runs the same gated path (turns.py); only the layout of
-the answer is Anthropic's (shapes.py), errors included.
+A request becomes its record (turns.Asked: its conversation, options, tools, schema,
+shape), as an OpenAI request does, for the same answer pipeline (turns.answer); only the
+layout of the answer is Anthropic's (shapes.py), errors included.
 """
 
 from __future__ import annotations
@@ -11,10 +11,9 @@ from fastapi import APIRouter, Depends, Request
 
 from ...prompt.tools import function_spec
 from ...reply.events import ToolCall
-from ..conversation import ChatMessage, ImagePart, llm_chain, text_message
+from ..conversation import ChatMessage, ImagePart, text_message
 from ..errors import ApiError, api_routes
-from ..keep_alive import after_reply
-from ..turns import answer, count
+from ..turns import Asked, answer, count
 from .schemas import AnthropicError, CountTokensRequest, MessagesRequest
 from .shapes import MessageShape, error_body
 
@@ -52,11 +51,11 @@ def chat_messages(body) -> list[ChatMessage]:
     return out
 
 
-def accept(service, request: Request, body) -> None:
-    """The hints a request gave that change nothing are named, the billing line among them."""
-    service.accept(request, body)
-    if body.billing_line():
-        service.ignore(request, [BILLING_HINT])
+def asked(body) -> Asked:
+    """The request's record; the billing line is named among the hints that change nothing."""
+    return Asked(body, MessageShape, chat=chat_messages(body), fields=body.plugin_options(),
+                 tools=function_specs(body), schema=body.schema_dict(),
+                 ignored=[BILLING_HINT] if body.billing_line() else [])
 
 
 BILLING_HINT = "system.x-anthropic-billing-header"
@@ -76,25 +75,15 @@ def function_specs(body) -> list[dict]:
 
 def router(service) -> APIRouter:
     errors = {status: {"model": AnthropicError} for status in (400, 401, 403, 404, 413, 503)}
-    api = APIRouter(dependencies=[Depends(service.check_api_key)], tags=["Anthropic"], responses=errors,
+    api = APIRouter(dependencies=[Depends(service.policy.check_api_key)], tags=["Anthropic"], responses=errors,
                     route_class=api_routes("anthropic", error_body))
 
     @api.post("/v1/messages", description="Anthropic's Messages API; with stream: true its event stream")
     async def messages(body: MessagesRequest, request: Request):
-        accept(service, request, body)
-        model_id = service.model_for(body.model)
-        chain = await llm_chain(service, model_id, chat_messages(body))
-        reply = await answer(service, request, MessageShape(model_id), model_id, chain, body.plugin_options(),
-                             body.schema_dict(), body.stream, function_specs(body))
-        await after_reply(service, model_id, body, body.stream)
-        return reply
+        return await answer(service, request, asked(body))
 
     @api.post("/v1/messages/count_tokens", description="The prompt's tokens, rendered as /v1/messages would")
     async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
-        accept(service, request, body)
-        model_id = service.model_for(body.model)
-        chain = await llm_chain(service, model_id, chat_messages(body))
-        return {"input_tokens": await count(service, request, model_id, chain, body.plugin_options(),
-                                            function_specs(body))}
+        return {"input_tokens": await count(service, request, asked(body))}
 
     return api

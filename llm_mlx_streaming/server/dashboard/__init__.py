@@ -48,7 +48,7 @@ def attach(app: FastAPI, service) -> None:
 
 def router(service, feed: Feed) -> APIRouter:
     pages = APIRouter()
-    keyed = APIRouter(dependencies=[Depends(service.check_api_key)])
+    keyed = APIRouter(dependencies=[Depends(service.policy.check_api_key)])
 
     @pages.get("/dashboard", include_in_schema=False)
     async def dashboard() -> FileResponse:

@@ -32,48 +32,24 @@ def _engine():
 
 
 class Feed:
-    """The frames of one server: the memory figures (cached per load), the curves' samples."""
+    """The frames of one server: the curves' samples."""
 
     def __init__(self) -> None:
         self.listeners = 0
         self.samples: deque[dict] = deque(maxlen=SERIES_SECONDS * FRAMES_PER_SECOND + 8)
         self.points: deque[dict] = deque(maxlen=SERIES_SECONDS * FRAMES_PER_SECOND + 8)
-        self._sizes: dict[int, tuple] = {}  # id(loaded) -> (its pools' ids, (dense, pool, slots))
 
     # -- memory -----------------------------------------------------------------------
-    def _model_sizes(self, loaded) -> tuple[int, int, int]:
-        """(dense bytes, pool bytes, slots) of a loaded model, recomputed after its load or
-        a pool rebuild only."""
-        pools = [p for p in loaded.all_pools if p is not None]
-        key = tuple(id(p) for p in pools)
-        cached = self._sizes.get(id(loaded))
-        if cached is None or cached[0] != key:
-            from mlx.utils import tree_flatten
-
-            try:
-                params = sum(v.nbytes for _, v in tree_flatten(loaded.model.parameters()))
-            except RuntimeError:  # the model changed while it was walked (a rebuild): next frame
-                return cached[1] if cached else (0, 0, 0)
-            in_model = sum(a.nbytes for p in loaded.pools if p is not None for a in p.arrays.values())
-            pool = sum(a.nbytes for p in pools for a in p.arrays.values())
-            cached = self._sizes[id(loaded)] = (key, (params - in_model, pool, sum(p.slots for p in pools)))
-        return cached[1]
-
-    def memory(self, service) -> dict:
+    @staticmethod
+    def memory(service) -> dict:
         """The memory in use, summed over the loaded models and one entry per model
-        (`models`: the dashboard's rows, /metrics' `model` label)."""
+        (`models`: the dashboard's rows, /metrics' `model` label), from the engine's
+        records (engine/residents.py) and a running batch's KV caches."""
         from ...options.settings import budget_bytes, physical_memory
 
-        models = []
-        for model_id, resident in service.resident().items():
-            provider = resident.provider
-            if provider.loaded is None:  # being moved on the engine thread: next frame
-                continue
-            dense, pool, slots = self._model_sizes(provider.loaded)
-            models.append({"model": model_id, "dense_bytes": dense, "experts_bytes": pool, "slots": slots,
-                           "kv_bytes": _kv_bytes(provider.session, provider is _engine())})
-        live = {id(r.provider.loaded) for r in service.resident().values()}
-        self._sizes = {k: v for k, v in self._sizes.items() if k in live}
+        models = [{"model": m["model"], "dense_bytes": m["dense_bytes"], "experts_bytes": m["experts_bytes"],
+                   "slots": m["slots"], "kv_bytes": _batch_kv_bytes() if m["running"] and ACTIVITY.batch
+                   else m["kv_bytes"]} for m in service.models_figures()]
         try:
             budget = budget_bytes(str(service.config().get("memory_budget") or "auto"))
         except Exception:
@@ -171,13 +147,11 @@ class Client:
         self.last_response = 0  # the last finished response sent (its number)
 
 
-def _kv_bytes(session, running: bool) -> int:
-    """A model's KV cache: its session's, and a running batch's (which took it over)."""
-    from ...engine.kv import cache_bytes
-
+def _batch_kv_bytes() -> int:
+    """The running batch's KV caches (it took over its model's session's)."""
     try:
-        batch = ACTIVITY.batch if running else None
-        return (cache_bytes(session.cache) if session is not None else 0) + (batch.kv_bytes() if batch else 0)
+        batch = ACTIVITY.batch
+        return batch.kv_bytes() if batch is not None else 0
     except Exception:  # a cache being swapped on the engine thread: next frame
         return 0
 

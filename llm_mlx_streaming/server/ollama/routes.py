@@ -2,16 +2,14 @@
 /api/show, /api/ps, /api/version; what does not map onto this engine (pull, push,
 create, copy, delete, embed) is a 400 in Ollama's error shape.
 
-A request becomes the server's conversation (conversation.py) and the engine options,
-as an OpenAI request does, and runs the same gated path (turns.py); shapes.py lays out
-the answer, errors included.
+A request becomes its record (turns.Asked), as an OpenAI request does, for the same
+answer pipeline (turns.answer); one without messages loads the model, or with keep_alive
+0 unloads it (Ollama's way); shapes.py lays out the answer, errors included.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from importlib.metadata import version
-from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
@@ -19,11 +17,10 @@ from ...options.registry import model_ids
 from ...prompt.messages import raw_message
 from ...reply.events import ToolCall
 from ..catalog import LATEST, Checkpoint, checkpoint
-from ..conversation import ChatMessage, ImagePart, llm_chain, text_message
+from ..conversation import ChatMessage, ImagePart, text_message
 from ..errors import ApiError, api_routes
 from ..openai.tools import function_specs
-from ..keep_alive import after_reply
-from ..turns import answer
+from ..turns import Asked, answer
 from .schemas import ChatRequest, GenerateRequest, OllamaError, ShowRequest
 from .shapes import GenerateShape, OllamaChatShape, error_body, stamp
 
@@ -77,93 +74,80 @@ def listed(model_id: str) -> dict:
     return entry
 
 
-@dataclass
-class Prompted:
-    """What an Ollama generation request asks of the core: llm's messages (none: load the
-    model, or unload it with keep_alive 0), the tools' function specs, the reply's shape."""
-
-    shape: Any
-    messages: list
-    tools: list = field(default_factory=list)
-
-
-async def run(service, request: Request, body, prompted: Prompted):
-    """Answer `prompted`; with no messages, load the model or unload it (Ollama's way)."""
-    model_id, shape = service.model_for(body.model), prompted.shape
-    if not prompted.messages:
-        if body.unloads():
-            await service.unload(model_id)
-            return shape.status("unload")
-        await service.load(model_id)
-        reply = shape.status("load")
-    else:
-        reply = await answer(service, request, shape, model_id, prompted.messages, body.plugin_options(),
-                             body.schema_dict(), body.stream, prompted.tools)
-    await after_reply(service, model_id, body, body.stream)
-    return reply
+async def run(service, request: Request, asked: Asked):
+    """Answer `asked`; with no messages, load the model or unload it (Ollama's way)."""
+    if asked.chat or asked.raw is not None:
+        return await answer(service, request, asked)
+    body = asked.body
+    service.policy.accept(request, body)
+    model_id = service.policy.model_for(body.model)
+    if body.unloads():
+        await service.hosting.unload(model_id)
+        return asked.shape(model_id).status("unload")
+    await service.hosting.load(model_id, body.keep_seconds())
+    return asked.shape(model_id).status("load")
 
 
-async def chat_prompted(service, body: ChatRequest) -> Prompted:
-    messages = await llm_chain(service, service.model_for(body.model), chat_messages(body.messages))
-    return Prompted(OllamaChatShape(body.model), messages, function_specs(body.tools))
+def chat_asked(body: ChatRequest) -> Asked:
+    return Asked(body, lambda _: OllamaChatShape(body.model), chat=chat_messages(body.messages),
+                 fields=body.plugin_options(), tools=function_specs(body.tools), schema=body.schema_dict())
 
 
-async def generate_prompted(service, body: GenerateRequest) -> Prompted:
+def generate_asked(body: GenerateRequest) -> Asked:
     """The prompt as it is (`raw`), or in the chat template after the system prompt."""
+    shape = lambda _: GenerateShape(body.model)  # noqa: E731
+    fields, schema = body.plugin_options(), body.schema_dict()
     if not body.prompt:
-        messages = []
-    elif body.raw:
-        messages = [raw_message(body.prompt)]
-    else:
-        system = [text_message("system", body.system)] if body.system else []
-        chat = [*system, ChatMessage("user", with_images(body.prompt, body.images))]
-        messages = await llm_chain(service, service.model_for(body.model), chat)
-    return Prompted(GenerateShape(body.model), messages)
+        return Asked(body, shape, fields=fields, schema=schema)
+    if body.raw:
+        return Asked(body, shape, raw=body.prompt, fields=fields, schema=schema)
+    system = [text_message("system", body.system)] if body.system else []
+    return Asked(body, shape, chat=[*system, ChatMessage("user", with_images(body.prompt, body.images))],
+                 fields=fields, schema=schema)
 
 
 def shown(service, body: ShowRequest) -> dict:
     """What a model's checkpoint says about it, as Ollama's /api/show does."""
-    found = checkpoint(service.model_for(body.model))
+    model_id = service.policy.model_for(body.model)
+    found = checkpoint(model_id)
     template = found.template if found else ""
     capabilities = ["completion"] + [c for c, mark in (("tools", "tools"), ("thinking", "think"))
                                      if mark in template]  # what the chat template reads
-    if service.takes_images(service.model_for(body.model)):
+    if service.policy.takes_images(model_id):
         capabilities.append("vision")
     info = {"general.architecture": found.family if found else ""}
     if found is not None and found.context_length:
         info[f"{found.family}.context_length"] = found.context_length
-    return {"modelfile": f"FROM {service.model_for(body.model)}{LATEST}\n", "parameters": "", "template": template,
+    return {"modelfile": f"FROM {model_id}{LATEST}\n", "parameters": "", "template": template,
             "details": details(found),
             "model_info": info, "capabilities": capabilities,
             **({"modified_at": stamp(found.modified_at)} if found else {})}
 
 
 async def loaded(service) -> dict:
-    """The models loaded now, as Ollama's /api/ps lists them, with this engine's figures."""
+    """The models loaded now, as Ollama's /api/ps lists them, with this engine's figures
+    (service.models_figures: each model's share, slots, pin and the options set for it here)."""
     models = []
-    for model_id, resident in service.resident().items():
-        due = service.unload_due.get(model_id)
-        held = resident.held_bytes()
+    for figures in service.models_figures():
+        model_id, due = figures["model"], figures["expires_at"]
         models.append({**listed(model_id), "size_vram": 0, "context_length": await service.context(model_id),
                        "expires_at": stamp(due) if due is not None else "9999-12-31T23:59:59Z",  # until told
-                       "memory_bytes": held, "expert_slots": resident.slots, "pinned": resident.pinned})
+                       **{k: figures[k] for k in ("memory_bytes", "expert_slots", "pinned", "options")}})
     return {"models": models}
 
 
 def router(service) -> APIRouter:
     errors = {status: {"model": OllamaError} for status in (400, 401, 403, 404, 413, 503)}
-    api = APIRouter(dependencies=[Depends(service.check_api_key)], tags=["Ollama"], responses=errors,
+    api = APIRouter(dependencies=[Depends(service.policy.check_api_key)], tags=["Ollama"], responses=errors,
                     route_class=api_routes("ollama", error_body))
 
     @api.post("/api/chat", description="Ollama's chat; NDJSON chunks unless stream is false")
     async def chat(body: ChatRequest, request: Request):
-        service.accept(request, body)
-        return await run(service, request, body, await chat_prompted(service, body))
+        return await run(service, request, chat_asked(body))
 
     @api.post("/api/generate", description="Ollama's completion; NDJSON chunks unless stream is false")
     async def generate(body: GenerateRequest, request: Request):
-        service.accept(request, body)
-        return await run(service, request, body, await generate_prompted(service, body))
+        return await run(service, request, generate_asked(body))
 
     @api.get("/api/tags", description="The models served, as Ollama lists them")
     async def tags() -> dict:
@@ -171,7 +155,7 @@ def router(service) -> APIRouter:
 
     @api.post("/api/show", description="What a model's checkpoint says about it")
     async def show(body: ShowRequest, request: Request) -> dict:
-        service.accept(request, body)
+        service.policy.accept(request, body)
         return shown(service, body)
 
     @api.get("/api/ps", description="The models loaded now: memory, expert slots per layer, expiry")

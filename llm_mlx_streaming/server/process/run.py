@@ -73,9 +73,9 @@ class Server:
                                aliases=aliases, any_model=any_model,
                                pinned=tuple(dict.fromkeys([model] if model and pinned is None else pinned or ())),
                                max_models=max_models)
-        for name in self.service.pinned or ([model] if model else []):
+        for name in self.service.hosting.pinned or ([model] if model else []):
             try:
-                self.service.model_for(name)
+                self.service.policy.model_for(name)
             except ApiError:
                 raise MlxStreamError(f"Unknown model '{name}'; see `llm mlxs models`") from None
         for alias, target in (aliases or {}).items():
@@ -91,7 +91,7 @@ class Server:
         self.port = self.sock.getsockname()[1]
         self.keeper = keeper
         self.info = discovery.ServerInfo(keeper or os.getpid(), discovery.connect_host(host), self.port,
-                                         self.service.secret)
+                                         self.service.policy.secret)
         config = uvicorn.Config(create_app(self.service), log_level="warning", access_log=False,
                                 lifespan="on", timeout_graceful_shutdown=5)
         self.uvicorn = _Uvicorn(config, self.service, sigterm_handled)

@@ -3,8 +3,8 @@
 The input items become the server's conversation (conversation.py), as an OpenAI chat
 request's messages do (reasoning given back rides on the next assistant message,
 function calls on it too, their outputs are tool messages), the tools the same function
-specs, and the request runs the same gated path (turns.py); shapes.py lays out the
-answer. A stored response keeps its conversation and reply (with the ids it was
+specs, in the request's record (turns.Asked) for the same answer pipeline (turns.answer);
+shapes.py lays out the answer. A stored response keeps its conversation and reply (with the ids it was
 generated as), so `previous_response_id` continues it on the same tokens and the KV
 cache is reused.
 """
@@ -12,20 +12,18 @@ cache is reused.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from typing import Optional
 
 from fastapi import APIRouter, Depends, Request
 
 from ...prompt.tools import function_spec
 from ...reply.events import ToolCall
-from ..conversation import ChatMessage, ImagePart, call_arguments, llm_chain, text_message
+from ..conversation import ChatMessage, ImagePart, call_arguments, text_message
 from ..errors import ApiError, api_routes
 from ..openai.schemas import ErrorResponse
 from ..response_store import Kept
 from ..transcript import Transcript
-from ..keep_alive import after_reply
-from ..turns import answer, count
+from ..turns import Asked, answer, count
 from .schemas import (CustomTool, CustomToolCallItem, CustomToolCallOutputItem, FilePart, FunctionCallItem,
                       FunctionCallOutputItem, FunctionTool, InputImage, JsonObjectFormat, JsonSchemaFormat, MessageItem,
                       NamespaceTool, ReasoningItem, ResponseRequest, SPELLED, TextPart)
@@ -146,7 +144,7 @@ def owner(request: Request) -> Optional[str]:
 
 def _owner(service, request: Request) -> Optional[str]:
     """Whose responses the request sees: its key's (none where the server has no key)."""
-    return owner(request) if service.api_key else None
+    return owner(request) if service.policy.api_key else None
 
 
 def kept(service, response_id: str, request: Request, param: Optional[str] = None) -> Kept:
@@ -159,62 +157,30 @@ def kept(service, response_id: str, request: Request, param: Optional[str] = Non
     return found
 
 
-@dataclass
-class Asked:
-    """A Responses request in the core's terms."""
-
-    model_id: str
-    system: list[ChatMessage]  # the instructions, as a system message
-    chat: list[ChatMessage]  # the stored conversation it continues, then its input
-    fields: dict  # its plugin_options()
-    tools: Tools
-    forced_custom: Optional[str]  # the custom tool the whole reply is the input of
-    grammar: Optional[tuple[str, str]]  # that tool's grammar
-
-    @property
-    def specs(self) -> list[dict]:
-        """The function specs the template shows (none where the reply is a custom tool's input)."""
-        return [] if self.forced_custom is not None else self.tools.specs
-
-
-def read(service, body: ResponseRequest, request: Request) -> Asked:
-    """The request in the core's terms, its unused fields and dropped tools named."""
-    service.accept(request, body)
-    model_id = service.model_for(body.model)
+def asked(service, body: ResponseRequest, request: Request) -> Asked:
+    """The request's record: the stored conversation it continues, then its input; its
+    hosted tools dropped and named; stored once complete (unless `store` is false)."""
     earlier = kept(service, body.previous_response_id, request, "previous_response_id").messages \
         if body.previous_response_id else []
     tools = Tools(body)
-    service.ignore(request, tools.dropped)
     system = [text_message("system", body.instructions)] if body.instructions else []
-    return Asked(model_id, system, [*earlier, *chat_messages(body)], body.plugin_options(), tools,
-                 body.forced_custom(), _grammar(body, tools))
+    chat = [*earlier, *chat_messages(body)]
+    forced = body.forced_custom()
 
+    def shape(model_id: str) -> ResponseShape:
+        return ResponseShape(model_id, _echo(body), custom=frozenset(tools.custom), namespaces=tools.namespaces,
+                             forced_custom=forced)
 
-async def create_response(service, body: ResponseRequest, request: Request):
-    """The reply, whole or streamed; stored (unless `store` is false) once complete."""
-    asked = read(service, body, request)
-    messages = await llm_chain(service, asked.model_id, [*asked.system, *asked.chat])
-    shape = ResponseShape(asked.model_id, _echo(body), custom=frozenset(asked.tools.custom),
-                          namespaces=asked.tools.namespaces, forced_custom=asked.forced_custom)
-
-    def store(transcript: Transcript) -> None:
+    def store(transcript: Transcript, shape: ResponseShape) -> None:
         """The finished response kept, with the conversation it continued and its reply."""
         if body.store is not False:
             service.responses.keep(shape.finished["id"], Kept(_owner(service, request),
-                                                              [*asked.chat, _reply_message(transcript)],
-                                                              shape.finished))
+                                                              [*chat, _reply_message(transcript)], shape.finished))
 
-    reply = await answer(service, request, shape, asked.model_id, messages, asked.fields, _schema(body), body.stream,
-                         asked.specs, grammar=asked.grammar, spelled=SPELLED, done=store)
-    await after_reply(service, asked.model_id, body, body.stream)
-    return reply
-
-
-async def count_input(service, body: ResponseRequest, request: Request) -> dict:
-    asked = read(service, body, request)
-    messages = await llm_chain(service, asked.model_id, [*asked.system, *asked.chat])
-    return {"object": "response.input_tokens", "input_tokens": await count(
-        service, request, asked.model_id, messages, asked.fields, asked.specs, SPELLED)}
+    return Asked(body, shape, chat=[*system, *chat], fields=body.plugin_options(),
+                 tools=[] if forced is not None else tools.specs,  # a custom tool's input is the whole reply
+                 schema=_schema(body), grammar=_grammar(body, tools), ignored=tools.dropped, spelled=SPELLED,
+                 done=store)
 
 
 def delete_response(service, response_id: str, request: Request) -> dict:
@@ -225,16 +191,17 @@ def delete_response(service, response_id: str, request: Request) -> dict:
 
 def router(service) -> APIRouter:
     errors = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 422, 503)}
-    api = APIRouter(dependencies=[Depends(service.check_api_key)], tags=["OpenAI Responses"], responses=errors,
+    api = APIRouter(dependencies=[Depends(service.policy.check_api_key)], tags=["OpenAI Responses"], responses=errors,
                     route_class=api_routes("responses"))
 
     @api.post("/v1/responses", description="OpenAI's Responses API; with stream: true its event stream")
     async def create(body: ResponseRequest, request: Request):
-        return await create_response(service, body, request)
+        return await answer(service, request, asked(service, body, request))
 
     @api.post("/v1/responses/input_tokens", description="The input's tokens, rendered as /v1/responses would")
     async def input_tokens(body: ResponseRequest, request: Request) -> dict:
-        return await count_input(service, body, request)
+        return {"object": "response.input_tokens",
+                "input_tokens": await count(service, request, asked(service, body, request))}
 
     @api.get("/v1/responses/{response_id}", description="A stored response")
     async def retrieve(response_id: str, request: Request) -> dict:

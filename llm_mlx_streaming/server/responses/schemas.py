@@ -293,7 +293,7 @@ class ResponseRequest(ResponsesEngineOptions, KeepAlive):
             fields["tool_choice"] = choice.mode
         effort = self.reasoning.effort if self.reasoning is not None else None
         if effort is not None and self.forced_custom() is None:
-            fields["reasoning_effort"] = effort  # whether it applies: turns.unswitched
+            fields["reasoning_effort"] = effort  # whether it applies: policy.RequestPolicy.unswitched
         return fields
 
     def forced_custom(self) -> Optional[str]:
