@@ -57,7 +57,8 @@ def ask(env, api: str, model: str, prompt: str, **extra) -> str:
 
 
 # each loaded model is listed by its first id: 'a' is the default model, 'mlx-stream'
-LISTED = {"a": "mlx-stream:latest", "b": "mlx-stream/b:latest"}  # with Ollama's default tag
+IDS = {"a": "mlx-stream", "b": "mlx-stream/b"}
+LISTED = {short: model_id + ":latest" for short, model_id in IDS.items()}  # /api/ps: with Ollama's default tag
 
 
 def loaded(env) -> set[str]:
@@ -226,7 +227,7 @@ def streamed_lines(env, body: dict, first: threading.Event) -> list:
 
 def expiry(env, model: str):
     """When /api/stats says `model` ('a' or 'b') is unloaded for idleness (None: until told)."""
-    return next(m["expires_at"] for m in call(env, "GET", "/api/stats")[2]["models"] if m["model"] == LISTED[model])
+    return next(m["expires_at"] for m in call(env, "GET", "/api/stats")[2]["models"] if m["model"] == IDS[model])
 
 
 def test_a_streamed_reply_that_decodes_longer_than_its_keep_alive_keeps_its_model_from_its_end(both, paths):
