@@ -193,7 +193,7 @@ def prefill_rows(table, engine, path, args) -> None:
     runs = []
     for _ in range(2):
         empty_pool(engine, SHAPE["num_experts"] // 4)
-        engine.session.reset()
+        engine.prompts.reset()
         list(engine.run(None, Request(prompt=prompt, max_tokens=1)))
         runs.append(engine.last_stats)
     best = max(runs, key=lambda s: s["prefill_tps"])

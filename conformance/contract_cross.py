@@ -96,7 +96,7 @@ def engine(path, slots, request, tile=None, overlap="auto"):
     manager = get_manager()
     spec = LoadSpec(Path(path), expert_slots=slots, overlap=overlap)
     list(manager.queue_load(spec))
-    manager.session.reset()
+    manager.prompts.reset()
     tiled = tile_attention(manager.loaded.model, tile) if tile else None
     try:
         generation = manager.run(spec, request)
@@ -413,8 +413,8 @@ def vision_row(arch, root) -> str:
             load = LoadSpec(path, expert_slots=slots)
             tokenizer = engine.tokenizer_for(load).wait_started().started.tokenizer
             ids, _, vision = render_with_images(tokenizer, [message])
-            if engine.session is not None:
-                engine.session.reset()
+            if engine.prompts is not None:
+                engine.prompts.reset()
             generation = engine.run(load, Request(prompt=ids, max_tokens=12, vision=vision))
             list(generation)
             if generation.tokens != expected:

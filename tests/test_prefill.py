@@ -64,7 +64,7 @@ def test_each_expert_is_read_at_most_once_per_chunk_and_large_chunks_read_less(b
     tile_attention(engine.loaded.model, TILE)
     read = {}
     for step in (64, 512):
-        engine.session.reset()
+        engine.prompts.reset()
         before = [p.counters.misses for p in engine.loaded.pools]
         list(engine.run(None, Request(prompt=prompt, max_tokens=1, prefill_step=step)))
         misses = [p.counters.misses - b for p, b in zip(engine.loaded.pools, before)]

@@ -5,7 +5,8 @@ read-back of the router's choice and the expert reads; B sequences decoded in on
 share both. The batch runs on mlx-lm's own `BatchGenerator` and batch KV caches,
 through the streamed layers: a request joins after its prefill, leaves when it
 finishes, and keeps its own sampler, logits processors, stop sequences, KV reuse and
-cancellation. It runs on the engine thread under the provider's lock, like `respond`.
+cancellation; its cache, checked out of the model's prompt cache as it joins, goes back
+in as its conversation's when it finishes. It runs on the engine thread under the provider's lock, like `respond`.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class Member:
     kv_note: Any
     disk: Any
     from_disk: int
+    lease: Any  # engine/prompt_cache.Lease
     stops: StopMatcher
     detokenizer: Any
     before: Any  # pool counters when it joined
@@ -75,7 +77,6 @@ class Member:
     largest: int = 1  # the largest batch it ran in
     last: Any = None  # its last GenerationResponse
     flight: Any = None  # activity.py: the dashboard's request in flight
-    reuse: Any = None  # engine/session.Reuse
     marks: dict = field(default_factory=dict)  # snapshot position -> kind (engine/snapshots.py)
     snapshots: list = field(default_factory=list)  # [(position, cache)] taken at its marks
 
@@ -99,20 +100,19 @@ class Batch:
 
         engine = self.engine
         b = begin(engine, request, out, engine.carried, engine.max_tokens)
-        engine.session.reset()  # the batch owns that cache now; a later request must not trim it
         tokenizer = engine.loaded.tokenizer
-        store = engine.session.snapshots
-        marks = dict(positions(b.reused, len(b.prompt), request.boundaries, store.spec.every)) if store else {}
+        spec = engine.prompts.snapshots
+        marks = dict(positions(b.reused, len(b.prompt), request.boundaries, spec.every)) if spec else {}
         cuts = [b.reused, *marks, len(b.prompt)]  # mlx-lm ends a prefill chunk at each segment's end
         (uid,) = self.generator.insert_segments(
-            [[b.prompt[i:j] for i, j in zip(cuts, cuts[1:])]], max_tokens=[b.max_tokens], caches=[b.cache],
+            [[b.prompt[i:j] for i, j in zip(cuts, cuts[1:])]], max_tokens=[b.max_tokens], caches=[b.lease.cache],
             all_tokens=[b.prompt[:b.reused]],
             samplers=[request.make_sampler()], logits_processors=[list(request.logits_processors)],
             stop_sequences=[StopSequences([[t] for t in tokenizer.eos_token_ids])],
         )
         self.members[uid] = Member(request, out, b.prompt, b.reused, len(b.new_tokens), b.kv, b.kv_note, b.disk,
-                                   b.from_disk, StopMatcher(request.stop), tokenizer.detokenizer, engine.counters(),
-                                   reuse=b.reuse, marks=marks)
+                                   b.from_disk, b.lease, StopMatcher(request.stop), tokenizer.detokenizer,
+                                   engine.counters(), marks=marks)
         self.members[uid].flight = ACTIVITY.begin(len(b.prompt), b.reused, len(b.new_tokens), self.prefill_step,
                                                   len(engine.loaded.layers))
 
@@ -151,7 +151,7 @@ class Batch:
         if not p.end_of_segment or p.end_of_prompt or position not in member.marks:
             return
         cache, tokens = self.generator.extract_cache([p.uid])[p.uid]
-        kept = self.engine.session.snapshots.take(member.kv, list(tokens), cache, member.marks[position], copied=True)
+        kept = self.engine.prompts.take(member.kv, list(tokens), cache, member.marks[position], copied=True)
         member.snapshots.append((position, kept))
 
     def _emit(self, r) -> None:
@@ -187,23 +187,25 @@ class Batch:
             self._finish(r.uid, cache, tokens)
 
     def _finish(self, uid: int, cache, tokens) -> None:
-        """A member's reply is complete: its cache becomes the session's (the last to
-        finish is the one the next turn can extend), its figures go to its caller."""
+        """A member's reply is complete: its cache goes back into the prompt cache as its
+        conversation's, its figures to its caller."""
         from ..speculation.start import figures_for
 
         engine, member = self.engine, self.members[uid]
-        engine.session.adopt(cache, tokens, member.kv)
+        lease = member.lease
+        lease.cache, lease.tokens = cache, [int(t) for t in tokens]
         seconds = time.perf_counter() - member.start
         stats = fig.response_figures(engine, member.before, member.last, len(member.prompt), member.reused,
                                      member.prefilled, seconds, member.syncs)
         stats.update(figures_for(member.request).as_dict())
         ttft = None if member.first is None else member.first - member.start
         stats.update(fig.kv_figures(cache, member.kv, member.kv_note, self.prefill_step, ttft))
-        stats.update(fig.reuse_figures(member.reuse, engine.session.snapshots, len(member.snapshots)))
+        stats.update(fig.reuse_figures(lease.reuse, engine.prompts, len(member.snapshots)))
         stats["batch"] = member.largest
         if member.stops.hit is not None:
             stats["stop_sequence"] = member.stops.hit
-        save_to_disk(member.disk, engine.session, member.from_disk, stats, engine.carried.warned, member.snapshots)
+        save_to_disk(member.disk, lease, member.from_disk, stats, engine.carried.warned, member.snapshots)
+        engine.prompts.check_in(lease)
         engine.finished(stats)
         member.out.put("done", stats)
         self._leave(uid, kept=True)
@@ -216,8 +218,8 @@ class Batch:
         member.out.finished.set()
 
     def fail(self, error: BaseException) -> None:
-        """The pass raised: every member gets the error, the session is dropped."""
-        self.engine.session.reset()
+        """The pass raised: every member gets the error; their caches, which may hold a
+        half-fed step, are not checked back in."""
         for member in self.members.values():
             ACTIVITY.end(member.flight)
             member.out.put("error", error)

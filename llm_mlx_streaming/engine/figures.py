@@ -110,12 +110,13 @@ def response_figures(provider, before: PoolCounters, last, prompt: int, reused: 
     }
 
 
-def reuse_figures(reuse, snapshots, taken: int) -> dict:
+def reuse_figures(reuse, prompts, taken: int) -> dict:
     """Where a prompt's reused tokens came from (memory, snapshot, disk), why not more,
-    and the snapshots this generation took and the store holds (engine/snapshots.py)."""
+    and, where the model keeps snapshots, those this generation took and those its prompt
+    cache holds (engine/prompt_cache.py)."""
     figures = {"reused_from": reuse.source, "reuse_note": reuse.note}
-    if snapshots is not None:
-        figures.update(snapshots_taken=taken, snapshots=snapshots.count, snapshot_bytes=snapshots.nbytes)
+    if prompts.snapshots is not None:
+        figures.update(snapshots_taken=taken, snapshots=prompts.snapshot_count, snapshot_bytes=prompts.snapshot_bytes)
     return figures
 
 
@@ -174,14 +175,16 @@ def cache_figures(manager) -> dict:
     "What a long-running server keeps")."""
     import mlx.core as mx
 
-    session, carried = manager.session, manager.carried
-    disk, snaps = carried.disk, session.snapshots if session else None
+    prompts, carried = manager.prompts, manager.carried
+    disk, spec = carried.disk, prompts.snapshots if prompts else None
     return {
-        "kv_session": {"tokens": len(session.tokens) if session else 0,
-                       "bytes": cache_bytes(session.cache) if session else 0, "max_tokens": manager.context_length},
-        "snapshots": {"entries": snaps.count if snaps else 0, "bytes": snaps.nbytes if snaps else 0,
-                      "max_entries": snaps.spec.max_count if snaps else None,
-                      "max_bytes": snaps.spec.max_bytes if snaps else None},
+        "prompt_cache": {"conversations": prompts.conversation_count if prompts else 0,
+                         "tokens": prompts.conversation_tokens if prompts else 0,
+                         "bytes": prompts.conversation_bytes if prompts else 0,
+                         "max_bytes": prompts.max_bytes if prompts else None},
+        "snapshots": {"entries": prompts.snapshot_count if spec else 0, "bytes": prompts.snapshot_bytes if spec else 0,
+                      "max_entries": spec.max_count if spec else None,
+                      "max_bytes": spec.max_bytes if spec else None},
         "buffer_cache": {"bytes": int(mx.get_cache_memory()), "max_bytes": manager.buffer_cache},
         "conversation_cache": {"bytes": disk.bytes if disk else None,
                                "max_bytes": disk.spec.max_bytes if disk else None,

@@ -1,7 +1,7 @@
 """The model provider: which checkpoint is loaded, and how its experts are pooled and read.
 
 Loading, rebuilding the pools with new sizes or a new policy, and swapping the expert
-reader are the provider's; it keeps the dense weights and the KV session across
+reader are the provider's; it keeps the dense weights and the prompt cache across
 changes that do not need a reload. Every change runs under its lock, so no generation
 (and so no expert read) is in flight meanwhile.
 """
@@ -29,13 +29,13 @@ class LoadError(EngineError):
 
 
 class ModelProvider:
-    """The loaded model, its pools, its reader and its KV session."""
+    """The loaded model, its pools, its reader and its prompt cache."""
 
     def __init__(self) -> None:
         self.state = "empty"  # empty | loading | loaded | error
         self.error: str | None = None
         self.loaded = None  # StreamingModel
-        self.session = None
+        self.prompts = None  # engine/prompt_cache.PromptCache: every conversation and snapshot of the model
         self.expert_slots: int | list[int] | None = None
         self.policy = DEFAULT_POLICY
         self.threads: int | None = None  # expert reader threads
@@ -99,9 +99,9 @@ class ModelProvider:
             except BaseException as e:
                 self.state, self.error = "error", one_line(e)
                 raise
-            from .session import Session
+            from .prompt_cache import PromptCache
 
-            self.session = Session(self.loaded.model)
+            self.prompts = PromptCache(self.loaded.model, self.loaded.config)
             self.expert_slots, self.policy = expert_slots, policy
             self.threads, self.page_cache = io["threads"], io["page_cache"]
             self.packed, self.overlap = io["packed"], overlap
@@ -176,7 +176,7 @@ class ModelProvider:
                     if pool is not None:
                         pool.settle_prefetch()
                 self.loaded.store.close()
-            self.loaded = self.session = None
+            self.loaded = self.prompts = None
             self._retired = PoolCounters()
             self.state, self.error = "empty", None
 

@@ -1,7 +1,7 @@
 """The models the engine holds, each a provider of its own; the running one is the engine.
 
 The engine (engine/manager.py) is the provider of the model that runs; every other
-loaded model waits as a ModelProvider of its own with its pools, its KV session and what
+loaded model waits as a ModelProvider of its own with its pools, its prompt cache and what
 its generations carried (drafter, conversation cache). Turning to another one moves the
 provider state across (`move`): nothing about a model is loaded again.
 """
@@ -20,7 +20,7 @@ from . import sharing
 from .sharing import Claim, least_bytes, pool_bytes, wanted_slots
 
 # a provider's state that belongs to its model (the lock, the buffer cap and a rank's hook are the process's)
-MOVED = ("state", "error", "loaded", "session", "expert_slots", "policy", "threads", "page_cache", "packed",
+MOVED = ("state", "error", "loaded", "prompts", "expert_slots", "policy", "threads", "page_cache", "packed",
          "overlap", "_retired")
 
 

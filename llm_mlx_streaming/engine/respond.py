@@ -1,8 +1,9 @@
 """One generation for one request, on the engine thread, under the provider's lock.
 
-`respond` is the whole of it, in order: the token budget, the KV layout, the longest
-cached prefix (in memory, then on disk), plain decoding or speculation, stop
-sequences, the routing trace, and the figures. What it keeps for the next generation
+`respond` is the whole of it, in order: the token budget, the KV layout, the cache
+checked out of the model's prompt cache with its longest cached prefix (in memory, then
+on disk), plain decoding or speculation, stop sequences, the routing trace, the figures,
+and the cache saved to disk and checked back in. What it keeps for the next generation
 (the drafter, the disk cache in use, warnings already given) is in `Carried`.
 """
 
@@ -23,10 +24,10 @@ from ..activity import ACTIVITY
 from .generation import Channel, Started
 from .provider import EngineError, ModelProvider
 from .request import Request
-from .session import Reuse
 from .disk_cache import DiskCache, namespace
 from .kv import KVError, layout_for, make_cache
-from .planner import PREFILL_STEP
+from .planner import PREFILL_STEP, model_context
+from .snapshots import TURNS
 from .trace import TraceRecorder
 
 
@@ -49,10 +50,11 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
 
     from ..speculation import start as spec
 
-    loaded, session = provider.loaded, provider.session
+    loaded, prompts = provider.loaded, provider.prompts
     begun = begin(provider, request, out, carried, default_max_tokens)
     prompt, max_tokens, kv, kv_note = begun.prompt, begun.max_tokens, begun.kv, begun.kv_note
-    cache, new_tokens, reused, disk, from_disk = begun.cache, begun.new_tokens, begun.reused, begun.disk, begun.from_disk
+    lease, new_tokens, reused, disk, from_disk = begun.lease, begun.new_tokens, begun.reused, begun.disk, begun.from_disk
+    cache = lease.cache
 
     prefill_step = request.prefill_step or PREFILL_STEP
     # the dashboard's request in flight (activity.py)
@@ -70,8 +72,8 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
     recorder = _recorder(loaded, request.trace_path)
     stops = StopMatcher(request.stop)
     run = None
-    try:
-        fed, snapshots = snapshot_prefill(loaded, session, request, prompt, reused, kv, prefill_step,
+    try:  # a generation that raises leaves its cache out of the prompt cache: it may hold a half-fed step
+        fed, snapshots = snapshot_prefill(loaded, prompts, cache, request, prompt, reused, kv, prefill_step,
                                           lambda done: prefilled(done - reused))
         try:
             figures = spec.figures_for(request)
@@ -113,20 +115,17 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
             out.put("response", last)
             if stops.hit is not None:
                 break
-    except BaseException:
-        session.reset()  # the cache may hold a half-fed step
-        raise
     finally:
         ACTIVITY.end(flight)
         mx.synchronize()  # nothing may still read a slot when the pools change
         if recorder is not None:
             recorder.__exit__(None, None, None)
-    session.fed(prompt[reused:fed])
+    lease.fed(prompt[reused:fed])
     if run is not None:
-        session.fed(run.fed)  # the drafts it rejected were rolled back
+        lease.fed(run.fed)  # the drafts it rejected were rolled back
     else:
-        session.fed(prompt[fed:])
-        session.fed(generated)
+        lease.fed(prompt[fed:])
+        lease.fed(generated)
     stats = fig.response_figures(provider, before, last, len(prompt), reused, len(new_tokens),
                                  time.perf_counter() - start, syncs.count() - syncs_before)
     if stops.hit is not None:
@@ -134,61 +133,73 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
     if request.conversation_cache is not None and (off := disk_cache_off(loaded, request)):
         stats["disk_cache_off"] = off
     stats.update(figures.as_dict())
-    stats.update(fig.kv_figures(session.cache, kv, kv_note, prefill_step, ttft))
-    stats.update(fig.reuse_figures(begun.reuse, session.snapshots, len(snapshots)))
+    stats.update(fig.kv_figures(cache, kv, kv_note, prefill_step, ttft))
+    stats.update(fig.reuse_figures(lease.reuse, prompts, len(snapshots)))
     if recorder is not None:
         _write_trace(recorder, request.trace_path, provider.checkpoint.name, stats, carried.warned)
-    save_to_disk(disk, session, from_disk, stats, carried.warned, snapshots)
+    save_to_disk(disk, lease, from_disk, stats, carried.warned, snapshots)
+    prompts.check_in(lease)
     return stats
 
 
-def snapshot_prefill(loaded, session, request: Request, prompt: list[int], reused: int, kv, step: int,
+def snapshot_prefill(loaded, prompts, cache, request: Request, prompt: list[int], reused: int, kv, step: int,
                      on_chunk) -> tuple[int, list]:
-    """Prefill up to the last snapshot position of `prompt` past `reused`, keeping a
-    snapshot at each (engine/snapshots.py), when the session keeps them; returns (the
-    tokens now in the cache, the [(position, snapshot)] taken)."""
+    """Prefill `cache` up to the last snapshot position of `prompt` past `reused`, keeping
+    a snapshot at each in `prompts` (engine/snapshots.py), when the model keeps them;
+    returns (the tokens now in the cache, the [(position, snapshot)] taken)."""
     from .snapshots import feed, positions
 
-    if session.snapshots is None or disk_cache_off(loaded, request):  # images: tokens do not tell them apart
+    if prompts.snapshots is None or disk_cache_off(loaded, request):  # images: tokens do not tell them apart
         return reused, []
-    marks = positions(reused, len(prompt), request.boundaries, session.snapshots.spec.every)
+    marks = positions(reused, len(prompt), request.boundaries, prompts.snapshots.every)
     if not marks:
         return reused, []
-    return feed(loaded.model, session.cache, prompt, reused, marks, step, kv, session.snapshots, on_chunk)
+    return feed(loaded.model, cache, prompt, reused, marks, step, kv, prompts, on_chunk)
 
 
 @dataclass
 class Begun:
-    """What a generation starts from: its prompt and token budget, its KV layout, and the
-    cached prefix it reuses (from the session, or the conversation cache on disk)."""
+    """What a generation starts from: its prompt and token budget, its KV layout, and its
+    cache, checked out of the model's prompt cache with the prefix it reuses (from memory,
+    or the conversation cache on disk)."""
 
     prompt: list[int]
     max_tokens: int
     kv: Any
     kv_note: Any
-    cache: Any
-    new_tokens: list[int]
-    reused: int
+    lease: Any  # engine/prompt_cache.Lease: checked back in after the reply
     disk: Any
-    from_disk: int
-    reuse: Any  # engine/session.Reuse: where the reused tokens came from, why not more
+
+    @property
+    def reused(self) -> int:
+        return self.lease.reused
+
+    @property
+    def new_tokens(self) -> list[int]:
+        return self.prompt[self.lease.reused:]
+
+    @property
+    def from_disk(self) -> int:
+        return self.lease.reused if self.lease.reuse.source == "disk" else 0
 
 
 def begin(provider: ModelProvider, request: Request, out: Channel, carried: Carried,
           default_max_tokens: int) -> Begun:
     """The start every generation shares, alone or in a batch, ending with "started" on `out`."""
-    loaded, session = provider.loaded, provider.session
+    loaded, prompts = provider.loaded, provider.prompts
     prompt = [int(t) for t in request.prompt]
     max_tokens = token_budget(prompt, request, default_max_tokens, provider.context_length)
     for processor in request.budget_aware:  # constrained decoding closes within it
         processor.limit_tokens(max_tokens)
     kv, kv_note = kv_layout(loaded, request.kv)
-    session.keep_snapshots(request.snapshots)
-    cache, new_tokens, reused = session.reuse_for(prompt, kv, images_of(request))
+    # the conversations share the KV cache the memory plan holds for the context
+    prompts.bound(request.snapshots, prompts.size(kv, request.max_context or model_context(loaded.config)))
+    hit = prompts.find(prompt, kv, images_of(request))
     disk = None if disk_cache_off(loaded, request) else disk_cache_for(provider, request, kv, carried)
-    cache, new_tokens, reused, from_disk = cache_from_disk(disk, session, loaded, prompt, kv, cache, new_tokens, reused)
-    out.put("started", Started(loaded.tokenizer, provider.checkpoint, prompt, reused))
-    return Begun(prompt, max_tokens, kv, kv_note, cache, new_tokens, reused, disk, from_disk, session.last)
+    turns = max((b.position for b in request.boundaries if b.kind == TURNS), default=len(prompt))
+    lease = prompts.check_out(hit, turns, len(prompt) + max_tokens, cache_from_disk(disk, loaded, prompt, kv, hit.reused))
+    out.put("started", Started(loaded.tokenizer, provider.checkpoint, prompt, lease.reused))
+    return Begun(prompt, max_tokens, kv, kv_note, lease, disk)
 
 
 def disk_cache_off(loaded, request: Request) -> str | None:
@@ -265,7 +276,7 @@ def kv_layout(loaded, spec):
 def disk_cache_for(provider: ModelProvider, request: Request, kv, carried: Carried):
     """The conversation cache for this request's checkpoint and KV layout, or None."""
     spec = request.conversation_cache
-    if spec is None:  # this turn changes the session's cache unseen: a later one writes it whole
+    if spec is None:  # this turn changes a cache unseen: a later one writes it whole
         carried.disk = carried.disk_key = None
         return None
     key = (spec, str(provider.checkpoint), kv)
@@ -274,31 +285,25 @@ def disk_cache_for(provider: ModelProvider, request: Request, kv, carried: Carri
     return carried.disk
 
 
-def cache_from_disk(disk, session, loaded, prompt, kv, cache, new_tokens, reused):
-    """A longer prefix than the session holds, from disk, when there is one; the last
-    item is how many tokens came from disk."""
+def cache_from_disk(disk, loaded, prompt, kv, reused: int):
+    """A longer prefix than the `reused` tokens memory holds, from disk, when there is
+    one (engine/disk_cache.Found), else None."""
     if disk is None or reused >= len(prompt) - 1:
-        return cache, new_tokens, reused, 0
-    found = disk.lookup(prompt, reused, make_cache(loaded.model, kv))
-    if found is None:
-        return cache, new_tokens, reused, 0
-    note = session.last.note
-    session.adopt(found.cache, found.tokens, kv)
-    cache, new_tokens, reused = session.reuse_for(prompt, kv)
-    session.last = Reuse("disk", note if reused < len(prompt) - 1 else None)
-    return cache, new_tokens, reused, reused
+        return None
+    return disk.lookup(prompt, reused, make_cache(loaded.model, kv))
 
 
-def save_to_disk(disk, session, from_disk: int, stats: dict, warned: set, snapshots=()) -> None:
-    """Save the session's cache for a later process, a segment ending at each of this
-    generation's `snapshots` ((position, cache)) so that a later prompt can resume there
-    too; a failed write is a warning and a figure, never a lost reply."""
+def save_to_disk(disk, lease, from_disk: int, stats: dict, warned: set, snapshots=()) -> None:
+    """Save a request's cache (its engine/prompt_cache.Lease) for a later process, a
+    segment ending at each of this generation's `snapshots` ((position, cache)) so that a
+    later prompt can resume there too; a failed write is a warning and a figure, never a
+    lost reply."""
     stats["disk_cache_tokens"] = from_disk
-    if disk is None or not session.tokens:
+    if disk is None or not lease.tokens:
         return
     try:
         with worker.whole_write():  # an exit that cannot wait for the engine waits for this
-            stats["disk_cache_saved_bytes"] = disk.save(session.cache, session.tokens, stats["reused_tokens"],
+            stats["disk_cache_saved_bytes"] = disk.save(lease.cache, lease.tokens, stats["reused_tokens"],
                                                         snapshots)
     except Exception as e:  # OSError, a cache class save_prompt_cache cannot write
         stats["disk_cache_error"] = one_line(e)

@@ -71,7 +71,7 @@ class Feed:
                 continue
             dense, pool, slots = self._model_sizes(provider.loaded)
             models.append({"model": model_id, "dense_bytes": dense, "experts_bytes": pool, "slots": slots,
-                           "kv_bytes": _kv_bytes(provider.session, provider is _engine())})
+                           "kv_bytes": _kv_bytes(provider.prompts, provider is _engine())})
         live = {id(r.provider.loaded) for r in service.resident().values()}
         self._sizes = {k: v for k, v in self._sizes.items() if k in live}
         try:
@@ -171,13 +171,13 @@ class Client:
         self.last_response = 0  # the last finished response sent (its number)
 
 
-def _kv_bytes(session, running: bool) -> int:
-    """A model's KV cache: its session's, and a running batch's (which took it over)."""
-    from ...engine.kv import cache_bytes
-
+def _kv_bytes(prompts, running: bool) -> int:
+    """A model's KV caches: its prompt cache's conversations and snapshots (as the memory
+    plan counts them), and a running batch's."""
     try:
         batch = ACTIVITY.batch if running else None
-        return (cache_bytes(session.cache) if session is not None else 0) + (batch.kv_bytes() if batch else 0)
+        held = prompts.conversation_bytes + prompts.snapshot_bytes if prompts is not None else 0
+        return held + (batch.kv_bytes() if batch else 0)
     except Exception:  # a cache being swapped on the engine thread: next frame
         return 0
 
