@@ -21,7 +21,19 @@ For each: the prompt's tokens, the prefix it shares with what the server saw bef
 whole earlier prompt for A2; for a new session the system prompt, the tools and the user
 turn's header, counted as a one-message request's tokens less TAIL), the tokens
 reused and from where, and the request's time against the same request on a server with
-no cache (conversation cache and snapshots off, a cold engine), one token generated.
+no cache (conversation cache and snapshots off, its prompt cache emptied before each
+request), one token generated.
+
+Then the interleave pattern (issue 56): three agents on the model, each with a ~1.5k-token
+system prompt of its own (Claude Code's, opened by the agent's name) and Claude Code's two
+tools, their turns interleaved A1 B1 C1 A2 B2 C2 A3 B3 C3, each later turn the agent's
+previous prompt, its reply (four tokens at most) and a new user message, on a checkpoint
+of wider attention (WIDE: 4 layers of 4 KV heads of 64, float32: 8 KB of KV cache per
+token), so that a conversation's cache is tens of MB. Two rows, the later turns' medians:
+as the server runs them (the previous prompt from memory), and with the model's prompt
+cache emptied before each request (from the conversation cache on disk, where a server
+that kept one conversation per model found it); "s cold" is the same turns on a server
+with no cache.
 """
 
 from __future__ import annotations
@@ -47,6 +59,7 @@ CLASSES = {  # architecture -> its class of cache
     "gemma4_text": "sliding window",
     "llama4": "chunked",
 }
+WIDE = dict(hidden_size=128, num_layers=4, head_dim=64, num_attention_heads=4, num_key_value_heads=4)
 TAIL = 6  # a one-letter user message's tokens past its turn's header: "x<|im_end|>\n<|im_start|>assistant\n"
 LINE = "x-anthropic-billing-header: cc_version=2.1.332.{version}; cc_entrypoint=cli;{nonce}"
 
@@ -130,15 +143,88 @@ def patterns() -> list[tuple[str, dict, str]]:
     ]
 
 
+def agent_body(agent: str, messages: list) -> dict:
+    """Agent `agent`'s request: its own system prompt, Claude Code's two tools, up to 4 tokens."""
+    recorded = load("claude_code_turn1")["body"]
+    text = "\n".join(block["text"] for block in recorded["system"][1:])[:5200]
+    out = body("000", "", messages, system_text=f"You are agent {agent}, one of three on this repository.\n{text}")
+    out["system"] = out["system"][1:]  # no billing line
+    out["max_tokens"] = 4
+    return out
+
+
+def forget() -> None:
+    """Empty the model's prompt cache (between requests: the engine is idle)."""
+    from llm_mlx_streaming.engine.manager import get_manager
+
+    if get_manager().prompts is not None:
+        get_manager().prompts.reset()
+
+
+def sources(served: Served) -> dict:
+    """The tokens reused so far, by where they came from (/metrics)."""
+    with urllib.request.urlopen(served.server.url + "/metrics", timeout=60) as response:
+        text = response.read().decode()
+    found = {}
+    for line in text.splitlines():
+        if line.startswith("mlxs_reused_tokens_by_source_total{"):
+            found[line.split('source="')[1].split('"')[0]] = float(line.split()[-1])
+    return found
+
+
+def interleave(served: Served, empty_first: bool = False) -> list[dict]:
+    """The nine turns, each {"prompt", "shared", "reused", "from", "s"}; `empty_first`:
+    the model's prompt cache is emptied before each request (only the disk, if any, keeps
+    them)."""
+    chats = {agent: user(f"Agent {agent}: list the files of src/ (use a tool).") for agent in "ABC"}
+    held, turns = {}, []
+    for turn in range(3):
+        for agent in "ABC":
+            if empty_first:
+                forget()
+            before = sources(served)
+            reply, seconds = served.ask(agent_body(agent, chats[agent]))
+            after = sources(served)
+            usage = reply["usage"]
+            prompt = usage["input_tokens"] + usage["cache_read_input_tokens"]
+            came = [k for k in after if after[k] > before.get(k, 0)]
+            turns.append({"prompt": prompt, "shared": held.get(agent, 0), "reused": usage["cache_read_input_tokens"],
+                          "from": "/".join(came) or "-", "s": seconds})
+            held[agent] = prompt + usage["output_tokens"]
+            chats[agent] = [*chats[agent], {"role": "assistant", "content": reply["content"] or "."},
+                            *user(f"Step {turn + 2}: go on.")]
+    return turns
+
+
+def interleave_rows(arch: str, root: Path) -> list[list]:
+    """The interleave pattern's later turns from memory and from disk, against cold."""
+    from statistics import median
+
+    path = build_checkpoint(root / f"{arch}-wide", arch, num_experts=8, top_k=2, tool_template=True,
+                            tokenizer_kind="bpe32k", max_position_embeddings=8192, **WIDE)
+    with Served(root / f"{arch}-interleave-cold", path, cached=False) as cold:
+        cold_turns = interleave(cold, empty_first=True)
+    rows = []
+    for name, empty_first in (("interleave, memory", False), ("interleave, disk", True)):
+        with Served(root / f"{arch}-interleave-{'disk' if empty_first else 'memory'}", path, cached=True) as served:
+            later = interleave(served, empty_first)[3:]
+        middle = lambda key, turns=later: median(t[key] for t in turns)  # noqa: E731
+        came = sorted({t["from"] for t in later})
+        rows.append([arch, CLASSES.get(arch, "?"), f"{name} ({', '.join(came)})", round(middle("prompt")),
+                     round(middle("shared")), round(middle("reused")),
+                     f"{sum(t['reused'] for t in later) / sum(t['shared'] for t in later):.0%}",
+                     f"{middle('s'):.2f}", f"{middle('s', cold_turns[3:]):.2f}"])
+    return rows
+
+
 def run(arch: str, root: Path) -> list[list]:
     path = build_checkpoint(root / arch, arch, num_experts=8, top_k=2, tool_template=True, tokenizer_kind="bpe32k",
                             max_position_embeddings=8192)
     rows, previous = [], 0
     cold_times = {}
-    flush = body("000", "", user("Hello."), system_text="Another prompt altogether.")
     with Served(root / f"{arch}-cold", path, cached=False) as cold:
         for name, data, _ in patterns():
-            cold.ask(flush)  # the session now holds another prompt: the next one is prefilled cold
+            forget()  # nothing in memory: the next prompt is prefilled cold
             cold_times[name] = cold.ask(data)[1]
     served = Served(root / f"{arch}-llm", path, cached=True)
     served.__enter__()
@@ -160,7 +246,7 @@ def run(arch: str, root: Path) -> list[list]:
                          f"{reused / shared:.0%}" if shared else "-", f"{seconds:.2f}", f"{cold_times[name]:.2f}"])
     finally:
         served.__exit__()
-    return rows
+    return rows + interleave_rows(arch, root)
 
 
 def main(archs: list[str]) -> None:

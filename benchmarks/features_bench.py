@@ -158,8 +158,9 @@ def write_rows(engine, load, tokenizer, prompt_tokens: int, turns: int, tokens: 
             engine.prompts.reset()  # a new process: nothing in memory
             done = run(engine, load, Request(prompt=prompt, max_tokens=tokens, conversation_cache=spec))
             stats = done.stats
-            rewrite = whole.save(engine.session.cache, engine.session.tokens, kept=0)
-            rows.append((turn, len(engine.session.tokens), stats["disk_cache_tokens"],
+            held, cache = engine.prompts.conversations()[-1]
+            rewrite = whole.save(cache, held, kept=0)
+            rows.append((turn, len(held), stats["disk_cache_tokens"],
                          stats["disk_cache_saved_bytes"], rewrite))
             prompt = prompt + done.tokens + tokenizer.encode(" and then what happened next?")
     return rows

@@ -151,14 +151,21 @@ def make_cache(model, spec: KVSpec) -> list:
 
 def rewinds(cache) -> bool:
     """Whether `cache` can be cut back to any shorter prefix, whatever it holds: every
-    layer a growing attention cache (mlx-lm's KVCache, or the QuantizedKVCache it becomes).
-    A linear-attention state, a sliding window and a chunked-attention cache cannot (the
-    last two only until they wrap or pass a chunk), so those resume from prompt snapshots
-    (engine/prompt_cache.py). The one test of it: the prompt cache, the conversation
-    cache on disk and the memory plan (on the cache mlx-lm makes for a config) ask it."""
+    layer a growing attention cache (mlx-lm's KVCache, or the QuantizedKVCache it becomes;
+    mlx-vlm's own classes of them for a vision-language model). A linear-attention state,
+    a sliding window and a chunked-attention cache cannot (the last two only until they
+    wrap or pass a chunk), so those resume from prompt snapshots (engine/prompt_cache.py).
+    The one test of it: the prompt cache, the conversation cache on disk and the memory
+    plan (on the cache mlx-lm makes for a config) ask it."""
+    import sys
+
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-    return all(type(c) in (KVCache, QuantizedKVCache) for c in cache)
+    growing = {KVCache, QuantizedKVCache}
+    vlm = sys.modules.get("mlx_vlm.models.cache")  # imported with any model whose caches are its classes
+    if vlm is not None:
+        growing |= {vlm.KVCache, vlm.QuantizedKVCache}
+    return all(type(c) in growing for c in cache)
 
 
 def cache_bytes(cache) -> int:

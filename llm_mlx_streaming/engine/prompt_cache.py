@@ -225,7 +225,7 @@ class PromptCache:
             hit.reused, hit.key = held, (space, tuple(prefix))
             hit.how = "move" if entry.kind == CONVERSATION else "snapshot"
         if found.longer is None or found.common_prefix <= held:
-            return hit, held, False
+            return hit, held, found.longer is not None
         shared, key = found.common_prefix, (space, tuple(found.longer))
         entry = self._get(key)
         superseded = entry.kind == CONVERSATION and shared >= entry.turns
