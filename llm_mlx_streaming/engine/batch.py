@@ -6,7 +6,8 @@ share both. The batch runs on mlx-lm's own `BatchGenerator` and batch KV caches,
 through the streamed layers: a request joins after its prefill, leaves when it
 finishes, and keeps its own sampler, logits processors, stop sequences, KV reuse and
 cancellation; its cache, checked out of the model's prompt cache as it joins, goes back
-in as its conversation's when it finishes. It runs on the engine thread under the provider's lock, like `respond`.
+in as its conversation's when it finishes. It runs on the engine thread under the
+provider's lock, like `respond`.
 """
 
 from __future__ import annotations

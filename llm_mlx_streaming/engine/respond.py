@@ -53,8 +53,8 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
     loaded, prompts = provider.loaded, provider.prompts
     begun = begin(provider, request, out, carried, default_max_tokens)
     prompt, max_tokens, kv, kv_note = begun.prompt, begun.max_tokens, begun.kv, begun.kv_note
-    lease, new_tokens, reused, disk, from_disk = begun.lease, begun.new_tokens, begun.reused, begun.disk, begun.from_disk
-    cache = lease.cache
+    lease, disk, from_disk = begun.lease, begun.disk, begun.from_disk
+    cache, reused, new_tokens = lease.cache, begun.reused, begun.new_tokens
 
     prefill_step = request.prefill_step or PREFILL_STEP
     # the dashboard's request in flight (activity.py)
@@ -197,7 +197,8 @@ def begin(provider: ModelProvider, request: Request, out: Channel, carried: Carr
     hit = prompts.find(prompt, kv, images_of(request))
     disk = None if disk_cache_off(loaded, request) else disk_cache_for(provider, request, kv, carried)
     turns = max((b.position for b in request.boundaries if b.kind == TURNS), default=len(prompt))
-    lease = prompts.check_out(hit, turns, len(prompt) + max_tokens, cache_from_disk(disk, loaded, prompt, kv, hit.reused))
+    found = cache_from_disk(disk, loaded, prompt, kv, hit.reused)
+    lease = prompts.check_out(hit, turns, len(prompt) + max_tokens, found)
     out.put("started", Started(loaded.tokenizer, provider.checkpoint, prompt, lease.reused))
     return Begun(prompt, max_tokens, kv, kv_note, lease, disk)
 
