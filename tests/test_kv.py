@@ -85,6 +85,7 @@ def test_chat_turns_reuse_a_quantized_cache_as_stock_mlx_lm_does(qwen64):
     # another layout never reuses the quantized cache
     engine_run(engine, prompt + first[0] + extra, 4, KVSpec())
     assert engine.last_stats["reused_tokens"] == 0 and engine.last_stats["kv_bits"] is None
+    assert engine.last_stats["reuse_note"] == "another KV layout"
     assert all(type(c) is KVCache for c in engine.prompts.conversations()[-1][1])
     engine.unload()
 

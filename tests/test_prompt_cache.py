@@ -151,7 +151,7 @@ def test_a_rerendered_reply_takes_its_conversation_another_session_copies_the_sy
 
 def test_conversations_stay_within_the_planned_kv_cache_the_least_recent_coming_back_from_disk(path, engines,
                                                                                               tmp_path):
-    warm, _ = engines
+    warm, cold = engines
     vocab = vocab_size(path)
     disk = DiskCacheSpec(tmp_path / "kv", 10**9)
     prompts = [prompt_tokens(vocab, n=SYSTEM_TOKENS, seed=80 + a) + _turn(vocab, 90 + a) for a in range(3)]
@@ -163,8 +163,9 @@ def test_conversations_stay_within_the_planned_kv_cache_the_least_recent_coming_
         assert warm.prompts.conversation_bytes <= warm.prompts.max_bytes == warm.prompts.size(FULL_PRECISION, context)
     assert [held[:len(prompts[0])] for held, _ in warm.prompts.conversations()] == prompts[1:]
     following = prompts[0] + replies[0] + _turn(vocab, 99)
-    stats = _run(warm, _request(following, disk=disk, max_context=context))[2]
-    assert (stats["reused_from"], stats["reused_tokens"]) == ("disk", len(prompts[0]) + len(replies[0]))
+    result = _run(warm, _request(following, disk=disk, max_context=context))
+    assert (result[2]["reused_from"], result[2]["reused_tokens"]) == ("disk", len(prompts[0]) + len(replies[0]))
+    assert _same(result, _cold(cold, _request(following)))
 
 
 def test_the_plan_and_the_engine_ask_one_predicate_whether_a_cache_rewinds(build):
