@@ -103,6 +103,8 @@ class Hit:
 
 
 class PromptCache:
+    """One loaded model's conversations and snapshots (this module's docstring says how)."""
+
     def __init__(self, model, config: dict):
         self.model, self.config = model, config
         self.rewinds = rewinds(make_cache(model, FULL_PRECISION))
@@ -178,7 +180,8 @@ class PromptCache:
 
     def _spaces(self, kv: KVSpec, images: tuple[str, ...]):
         """The namespaces held, each with whether a prompt under `kv` showing `images` may use it."""
-        seen = {space for entries in self._entries.values() for space, _ in entries}
+        # in the order they are held (not a set's, which hashes strings per process): the same on every rank
+        seen = dict.fromkeys(space for entries in self._entries.values() for space, _ in entries)
         for space in seen:
             held_kv, held_images = space
             shared = min(len(images), len(held_images))
