@@ -2,7 +2,7 @@
 and per pattern of an agent's traffic, against a cold prefill, through `/v1/messages` as
 Claude Code sends it.
 
-    python benchmarks/agent_cache.py [ARCH ...]
+    python benchmarks/agent_cache.py [--interleave] [ARCH ...]
 
 Each architecture is a tiny random checkpoint (8 experts, top-2) with a tool template and
 a 32k BPE vocabulary, served by the real server. The requests are Claude Code's recorded
@@ -21,7 +21,20 @@ For each: the prompt's tokens, the prefix it shares with what the server saw bef
 whole earlier prompt for A2; for a new session the system prompt, the tools and the user
 turn's header, counted as a one-message request's tokens less TAIL), the tokens
 reused and from where, and the request's time against the same request on a server with
-no cache (conversation cache and snapshots off, a cold engine), one token generated.
+no cache (conversation cache and snapshots off, its prompt cache emptied before each
+request), one token generated.
+
+Then the interleave pattern (issue 56; only it with --interleave): three agents on the
+model, each with a ~1.5k-token system prompt of its own (Claude Code's, opened by the
+agent's name) and Claude Code's two tools, their turns interleaved A1 B1 C1 A2 B2 C2 ...
+(ROUNDS per agent), each later turn the agent's previous prompt, its reply (four tokens
+at most) and a new user message, on a checkpoint of wider attention (WIDE: 4 layers of 4
+KV heads of 64, float32: 8 KB of KV cache per token, so a conversation's cache is about
+20 MB). A second table, the later turns' medians: as the server runs them (the previous
+prompt from memory), and with the model's prompt cache emptied before each request (from
+the conversation cache on disk, where a server that kept one conversation per model found
+it); "s cold" is the same turns on a server with no cache; "CPU s" is the process's CPU
+time for the request (the server runs in it), steadier than wall time on a shared machine.
 """
 
 from __future__ import annotations
@@ -47,6 +60,8 @@ CLASSES = {  # architecture -> its class of cache
     "gemma4_text": "sliding window",
     "llama4": "chunked",
 }
+WIDE = dict(hidden_size=128, num_layers=4, head_dim=64, num_attention_heads=4, num_key_value_heads=4)
+ROUNDS = 5  # the interleave pattern's turns per agent
 TAIL = 6  # a one-letter user message's tokens past its turn's header: "x<|im_end|>\n<|im_start|>assistant\n"
 LINE = "x-anthropic-billing-header: cc_version=2.1.332.{version}; cc_entrypoint=cli;{nonce}"
 
@@ -130,15 +145,90 @@ def patterns() -> list[tuple[str, dict, str]]:
     ]
 
 
+def agent_body(agent: str, messages: list) -> dict:
+    """Agent `agent`'s request: its own system prompt, Claude Code's two tools, up to 4 tokens."""
+    recorded = load("claude_code_turn1")["body"]
+    text = "\n".join(block["text"] for block in recorded["system"][1:])[:5200]
+    out = body("000", "", messages, system_text=f"You are agent {agent}, one of three on this repository.\n{text}")
+    out["system"] = out["system"][1:]  # no billing line
+    out["max_tokens"] = 4
+    return out
+
+
+def forget() -> None:
+    """Empty the model's prompt cache (between requests: the engine is idle)."""
+    from llm_mlx_streaming.engine.manager import get_manager
+
+    if get_manager().prompts is not None:
+        get_manager().prompts.reset()
+
+
+def sources(served: Served) -> dict:
+    """The tokens reused so far, by where they came from (/metrics)."""
+    with urllib.request.urlopen(served.server.url + "/metrics", timeout=60) as response:
+        text = response.read().decode()
+    found = {}
+    for line in text.splitlines():
+        if line.startswith("mlxs_reused_tokens_by_source_total{"):
+            found[line.split('source="')[1].split('"')[0]] = float(line.split()[-1])
+    return found
+
+
+def interleave(served: Served, empty_first: bool = False) -> list[dict]:
+    """The turns A1 B1 C1 A2 ... (ROUNDS of them per agent), each {"prompt", "shared",
+    "reused", "from", "s", "cpu"} ("cpu": this process's CPU seconds, the server's threads
+    included, steadier than "s" on a shared machine); `empty_first`: the model's prompt
+    cache is emptied before each request (only the disk, if any, keeps them)."""
+    chats = {agent: user(f"Agent {agent}: list the files of src/ (use a tool).") for agent in "ABC"}
+    held, turns = {}, []
+    for turn in range(ROUNDS):
+        for agent in "ABC":
+            if empty_first:
+                forget()
+            before, cpu = sources(served), time.process_time()
+            reply, seconds = served.ask(agent_body(agent, chats[agent]))
+            cpu = time.process_time() - cpu
+            after = sources(served)
+            usage = reply["usage"]
+            prompt = usage["input_tokens"] + usage["cache_read_input_tokens"]
+            came = [k for k in after if after[k] > before.get(k, 0)]
+            turns.append({"prompt": prompt, "shared": held.get(agent, 0), "reused": usage["cache_read_input_tokens"],
+                          "from": "/".join(came) or "-", "s": seconds, "cpu": cpu})
+            held[agent] = prompt + usage["output_tokens"]
+            chats[agent] = [*chats[agent], {"role": "assistant", "content": reply["content"] or "."},
+                            *user(f"Step {turn + 2}: go on.")]
+    return turns
+
+
+def interleave_rows(arch: str, root: Path) -> list[list]:
+    """The interleave pattern's later turns from memory and from disk, against cold: medians."""
+    from statistics import median
+
+    path = build_checkpoint(root / f"{arch}-wide", arch, num_experts=8, top_k=2, tool_template=True,
+                            tokenizer_kind="bpe32k", max_position_embeddings=8192, **WIDE)
+    with Served(root / f"{arch}-interleave-cold", path, cached=False) as cold:
+        cold_turns = interleave(cold, empty_first=True)[3:]
+    rows = []
+    for empty_first in (False, True):
+        with Served(root / f"{arch}-interleave-{empty_first}", path, cached=True) as served:
+            later = interleave(served, empty_first)[3:]
+        middle = lambda key, turns=later: median(t[key] for t in turns)  # noqa: E731
+        rows.append([arch, CLASSES.get(arch, "?"), ", ".join(sorted({t["from"] for t in later})),
+                     round(middle("prompt")), round(middle("shared")), round(middle("reused")),
+                     f"{sum(t['reused'] for t in later) / sum(t['shared'] for t in later):.0%}",
+                     f"{middle('s'):.3f}", f"{middle('cpu'):.3f}", f"{middle('s', cold_turns):.2f}",
+                     f"{middle('cpu', cold_turns):.2f}"])
+    return rows
+
+
 def run(arch: str, root: Path) -> list[list]:
     path = build_checkpoint(root / arch, arch, num_experts=8, top_k=2, tool_template=True, tokenizer_kind="bpe32k",
                             max_position_embeddings=8192)
     rows, previous = [], 0
     cold_times = {}
-    flush = body("000", "", user("Hello."), system_text="Another prompt altogether.")
     with Served(root / f"{arch}-cold", path, cached=False) as cold:
         for name, data, _ in patterns():
-            cold.ask(flush)  # the session now holds another prompt: the next one is prefilled cold
+            forget()  # nothing in memory: the next prompt is prefilled cold
             cold_times[name] = cold.ask(data)[1]
     served = Served(root / f"{arch}-llm", path, cached=True)
     served.__enter__()
@@ -163,17 +253,27 @@ def run(arch: str, root: Path) -> list[list]:
     return rows
 
 
-def main(archs: list[str]) -> None:
-    head = ["architecture", "class", "pattern", "prompt", "shared", "reused", "of shared", "s", "s cold"]
+def table(head: list[str], rows) -> None:
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
+    for row in rows:
+        print("| " + " | ".join(map(str, row)) + " |", flush=True)
+
+
+def main(archs: list[str], patterns_too: bool = True) -> None:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as root:
-        for arch in archs:
-            for row in run(arch, Path(root)):
-                print("| " + " | ".join(map(str, row)) + " |", flush=True)
+        if patterns_too:
+            table(["architecture", "class", "pattern", "prompt", "shared", "reused", "of shared", "s", "s cold"],
+                  (row for arch in archs for row in run(arch, Path(root))))
+            print()
+        table(["architecture", "class", "later turns from", "prompt", "shared", "reused", "of shared", "s",
+               "CPU s", "s cold", "CPU s cold"], (row for arch in archs for row in interleave_rows(arch, Path(root))))
     print(f"\n{len(archs)} architectures, {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or list(CLASSES))
+    args = sys.argv[1:]
+    only = "--interleave" in args
+    archs = [a for a in args if a != "--interleave"]
+    main(archs or list(CLASSES), patterns_too=not only)

@@ -191,7 +191,7 @@ def speculation_rows(args) -> None:
         for text in ("Once upon a time", "The Python standard library"):
             prompt = engine.tokenizer.encode(text)
             for k in (0, 3, "auto"):
-                engine.session.reset()
+                engine.prompts.reset()
                 start = time.perf_counter()
                 handle = engine.run(None, Request(prompt=prompt, max_tokens=args.tokens, k=k))
                 n = len([r for r in handle])

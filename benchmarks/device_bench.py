@@ -203,7 +203,7 @@ def prefill_rows(table, engine, path, args) -> None:
             runs = []
             for _ in range(2):
                 empty_pool(engine, slots)
-                engine.session.reset()
+                engine.prompts.reset()
                 list(engine.run(None, Request(prompt=prompt, max_tokens=1, prefill_step=step, max_context=n + 8)))
                 runs.append(engine.last_stats)
             best = max(runs, key=lambda s: s["prefill_tps"])

@@ -43,7 +43,7 @@ def stock_decode(path: Path, prompt: list[int], tokens: int) -> dict:
 
 
 def engine_decode(engine: EngineManager, prompt: list[int], tokens: int) -> dict:
-    engine.session.reset()
+    engine.prompts.reset()
     mx.reset_peak_memory()
     first, out = None, []
     for response in engine.run(None, Request(prompt=list(prompt), max_tokens=tokens)):

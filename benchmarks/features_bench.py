@@ -57,7 +57,7 @@ def schema_rows(engine, load, tokenizer, tokens: int, runs: int) -> list[tuple]:
     for label in ("no schema", "schema"):
         tps, per_token, first = [], [], []
         for _ in range(runs):
-            engine.session.reset()
+            engine.prompts.reset()
             processors = []
             if label == "schema":
                 processor = SchemaProcessor(grammar, tokenizer)
@@ -132,10 +132,10 @@ def restart_rows(engine, load, tokenizer, prompt_tokens: int, runs: int) -> list
         for label, disk in (("prefill again", None), ("disk cache", spec)):
             seconds, reused = [], 0
             for _ in range(runs):
-                engine.session.reset()
+                engine.prompts.reset()
                 done = run(engine, load, Request(prompt=first, max_tokens=8, conversation_cache=spec))
                 second = first + done.tokens + tokenizer.encode(" and then what happened next?")
-                engine.session.reset()  # a new process: nothing in memory
+                engine.prompts.reset()  # a new process: nothing in memory
                 start = time.perf_counter()
                 stats = run(engine, load, Request(prompt=second, max_tokens=8, conversation_cache=disk)).stats
                 seconds.append(time.perf_counter() - start)
@@ -155,11 +155,12 @@ def write_rows(engine, load, tokenizer, prompt_tokens: int, turns: int, tokens: 
         spec = DiskCacheSpec(Path(tmp) / "segments", 10**11)
         whole = DiskCache(DiskCacheSpec(Path(tmp) / "whole", 10**11), "whole")
         for turn in range(1, turns + 1):
-            engine.session.reset()  # a new process: nothing in memory
+            engine.prompts.reset()  # a new process: nothing in memory
             done = run(engine, load, Request(prompt=prompt, max_tokens=tokens, conversation_cache=spec))
             stats = done.stats
-            rewrite = whole.save(engine.session.cache, engine.session.tokens, kept=0)
-            rows.append((turn, len(engine.session.tokens), stats["disk_cache_tokens"],
+            held, cache = engine.prompts.conversations()[-1]
+            rewrite = whole.save(cache, held, kept=0)
+            rows.append((turn, len(held), stats["disk_cache_tokens"],
                          stats["disk_cache_saved_bytes"], rewrite))
             prompt = prompt + done.tokens + tokenizer.encode(" and then what happened next?")
     return rows

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fixtures.factory import build_checkpoint  # noqa: E402
 from llm_mlx_streaming.engine.kv import KVSpec, cache_bytes, make_cache  # noqa: E402
 from llm_mlx_streaming.engine.manager import EngineManager  # noqa: E402
+from llm_mlx_streaming.engine.prompt_cache import Lease, Reuse  # noqa: E402
 from llm_mlx_streaming.engine.planner import ATTENTION_TILE, plan_memory  # noqa: E402
 from llm_mlx_streaming.engine.prefill import tile_mixers  # noqa: E402
 from llm_mlx_streaming.engine.request import Request  # noqa: E402
@@ -84,9 +85,8 @@ def kv_table(contexts: list[int], decode_tokens: int) -> None:
             held = cache_bytes(cache)
             full = held if bits is None else full
             planned = plan_memory(path, "64GB", max_context=context, kv=kv).kv_bytes
-            engine.session.reset()
-            engine.session.cache, engine.session.kv = cache, kv
-            engine.session.tokens = [3] * context  # the next prompt extends what is cached
+            engine.prompts.reset()  # the next prompt extends what is cached
+            engine.prompts.check_in(Lease(cache, [3] * context, kv, (), 0, Reuse(), context))
             mx.reset_peak_memory()
             list(engine.run(None, Request(prompt=[3] * context + [5, 7], max_tokens=decode_tokens, kv=kv,
                                           max_context=context + decode_tokens + 8)))
@@ -95,7 +95,7 @@ def kv_table(contexts: list[int], decode_tokens: int) -> None:
             print(f"{context:>8} {bits or 'off':>7} {held / MB:>9.1f}M {held / full:>7.3f} {planned / MB:>9.1f}M "
                   f"{stats['peak_memory_bytes'] / MB:>8.0f} {stats['decode_tps']:>12.1f}")
             del cache
-            engine.session.reset()
+            engine.prompts.reset()
             mx.clear_cache()
     engine.unload()
 
@@ -121,7 +121,7 @@ def prefill_table(prompts: list[int], share: float, untiled: set[int], kinds: se
             tile_mixers(engine.loaded.model, tile)
             engine.configure(expert_slots=slots + 1)
             engine.configure(expert_slots=slots)  # every row starts from an empty pool
-            engine.session.reset()
+            engine.prompts.reset()
             mx.clear_cache()
             start = time.perf_counter()
             list(engine.run(None, Request(prompt=prompt, max_tokens=1, prefill_step=step, max_context=n + 8)))

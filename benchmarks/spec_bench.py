@@ -54,7 +54,7 @@ def prompts(vocab: int) -> dict[str, list[int]]:
 
 def decode(engine: EngineManager, prompt: list[int], tokens: int, k, drafter=None) -> dict:
     """One greedy generation from an empty cache; decode-only figures."""
-    engine.session.reset()
+    engine.prompts.reset()
     calls: list[int] = []
     for module in engine.loaded.layers:
         if not module.pool.whole:  # observing a whole pool would add the router read-back it skips

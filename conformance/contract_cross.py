@@ -21,8 +21,8 @@ slots through `get_manager().run(LoadSpec, Request)`:
   mlx-lm's BatchGenerator given the same prefilled caches; the passes over the experts at
   2 slots are listed, and the models whose mixers cannot all be tiled (fed in mlx-lm's
   chunks, still checked) with the reason;
-- conversation cache: turn 2 of a conversation, loaded from the cache on disk in a fresh
-  session, gives the tokens of the same turn computed cold (no cache), and the tokens and
+- conversation cache: turn 2 of a conversation, loaded from the cache on disk with nothing
+  in memory, gives the tokens of the same turn computed cold (no cache), and the tokens and
   logprobs of stock mlx-lm's turn 2 on the cache it kept from turn 1;
 - batch: four requests joined at set passes of the engine's continuous batch (two
   prefilled together, two joining mid-decode) give each sequence stock mlx-lm's
@@ -30,8 +30,8 @@ slots through `get_manager().run(LoadSpec, Request)`:
 - agent pattern: an agent's system prompt, then its next turn (A2), a new session after an
   unrelated side request (B1) and a new session after a restart (the conversation cache on
   disk): each gives the tokens of the same prompt computed cold and stock mlx-lm's greedy
-  tokens, reusing at least 95% of the prefix it shares with the earlier prompts (from the
-  session, a snapshot or the disk; the reuse is listed under the table);
+  tokens, reusing at least 95% of the prefix it shares with the earlier prompts (from a
+  conversation in memory, a snapshot or the disk; the reuse is listed under the table);
 - llm CLI: `llm -m mlx-stream/ARCH "..."` run twice (the second run reuses the conversation
   cache) prints stock mlx-lm's greedy text for the same chat-templated prompt.
 
@@ -96,11 +96,11 @@ def stock(model, prompt, step=2048, cache=None, **kwargs):
 
 
 def engine(path, slots, request, tile=None, overlap="auto"):
-    """(tokens, logprobs, stats) of one request on a fresh session, as `llm` runs it."""
+    """(tokens, logprobs, stats) of one request with nothing in memory, as `llm` runs it."""
     manager = get_manager()
     spec = LoadSpec(Path(path), expert_slots=slots, overlap=overlap)
     list(manager.queue_load(spec))
-    manager.session.reset()
+    manager.prompts.reset()
     tiled = tile_mixers(manager.loaded.model, tile).wrapped if tile else None
     try:
         generation = manager.run(spec, request)
@@ -447,8 +447,8 @@ def vision_row(arch, root) -> str:
             load = LoadSpec(path, expert_slots=slots)
             tokenizer = engine.tokenizer_for(load).wait_started().started.tokenizer
             ids, _, vision = render_with_images(tokenizer, [message])
-            if engine.session is not None:
-                engine.session.reset()
+            if engine.prompts is not None:
+                engine.prompts.reset()
             generation = engine.run(load, Request(prompt=ids, max_tokens=12, vision=vision))
             list(generation)
             if generation.tokens != expected:

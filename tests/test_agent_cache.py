@@ -85,6 +85,35 @@ def test_a_turn_whose_only_change_is_a_new_cch_nonce_reuses_the_turn_before(serv
     assert reply["usage"]["cache_read_input_tokens"] >= 0.9 * prompt
 
 
+def _reused_from(served, source: str) -> float:
+    metric = 'mlxs_reused_tokens_by_source_total{source="%s"}' % source
+    lines = [x for x in send(served, "GET", "/metrics")[2].decode().splitlines() if x.startswith(metric)]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
+def test_the_main_conversation_resumes_from_memory_after_a_side_request_and_a_subagent(served):
+    """Claude Code's pattern on one model: its main turn, a side request (a title, on a
+    system prompt of its own), a subagent (its own system prompt and tools), then the main
+    conversation's next turn, which extends the main turn's cache where memory kept it."""
+    main = _recorded("claude_code_first_party_turn1")
+    reply, _ = _ask(served, main)
+    prompt = reply["usage"]["input_tokens"] + reply["usage"]["cache_read_input_tokens"]
+    _ask(served, {"model": "small", "max_tokens": 4, "stream": False,
+                  "system": [{"type": "text", "text": "Write a five-word title for this conversation."}],
+                  "messages": [{"role": "user", "content": "Fix the failing test in the parser."}]})
+    subagent = _recorded("claude_code_turn1")
+    subagent["system"] = [{"type": "text", "text": "You are a file search specialist. " * 20}]
+    subagent["tools"] = [{**tool, "description": _cut(tool["description"])} for tool in load("claude_code_turn1")
+                         ["body"]["tools"][2:4]]
+    _ask(served, subagent)
+    following = {**main, "messages": [*main["messages"], {"role": "assistant", "content": reply["content"]},
+                                      {"role": "user", "content": "Go on."}]}
+    before = _reused_from(served, "memory")
+    reply, _ = _ask(served, following)
+    assert reply["usage"]["cache_read_input_tokens"] >= prompt
+    assert _reused_from(served, "memory") - before == reply["usage"]["cache_read_input_tokens"]
+
+
 def test_a_system_prompt_given_as_a_string_loses_its_billing_line_too(served):
     body = _recorded("claude_code_first_party_turn1")
     text = "\n".join(block["text"] for block in body["system"])

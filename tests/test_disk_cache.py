@@ -18,7 +18,7 @@ def _fresh_process():
     """Forget the in-process KV cache, as a new `llm` process would not have it."""
     from llm_mlx_streaming.engine.manager import get_manager
 
-    get_manager().session.reset()
+    get_manager().prompts.reset()
 
 
 def _cache_files(llm_env):

@@ -54,7 +54,7 @@ def test_three_turns_from_segments_equal_the_conversation_kept_in_memory(build, 
 
     tokens, chain = prompt_tokens(vocab, n=40), []
     for turn in range(3):
-        later.session.reset()  # each turn a new process: the cache comes from disk
+        later.prompts.reset()  # each turn a new process: the cache comes from disk
         warm = _run(later, tokens, kv, disk)
         cold = _run(memory, tokens, kv, None)
         assert warm[0] == cold[0] and all(np.array_equal(a, b) for a, b in zip(warm[1], cold[1])), f"turn {turn + 1}"
@@ -102,8 +102,8 @@ def test_a_turn_without_the_disk_cache_makes_the_next_write_whole(build, tmp_pat
 
 
 def test_the_conversation_cache_keeps_no_dropped_cache_alive(build, tmp_path):
-    """It knows the session's cache by weak references: a cache the session drops (an
-    error, another layout, a prompt that shares nothing) is freed at once."""
+    """It knows each conversation's cache by weak references: a cache the prompt cache
+    drops (evicted, or all of it forgotten) is freed at once."""
     import gc
     import weakref
 
@@ -111,8 +111,8 @@ def test_the_conversation_cache_keeps_no_dropped_cache_alive(build, tmp_path):
     engine = EngineManager()
     engine.load(path, expert_slots=4)
     _run(engine, prompt_tokens(vocab_size(path), n=40), KVSpec(), DiskCacheSpec(tmp_path / "kv", 10**9))
-    layer = weakref.ref(engine.session.cache[0])
-    engine.session.reset()
+    layer = weakref.ref(engine.prompts.conversations()[-1][1][0])
+    engine.prompts.reset()
     gc.collect()
     assert layer() is None
     engine.unload()

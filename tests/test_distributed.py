@@ -49,17 +49,20 @@ def launch(tmp_path, ranks: int, job: dict) -> list[dict]:
     return json.loads(out.read_text())
 
 
-def prompts(path) -> list[list[int]]:
-    first = prompt_tokens(vocab_size(path), n=12)
-    return [first, first + prompt_tokens(vocab_size(path), n=5, seed=1)]
+def prompts(path, run: int = 0) -> list[list[int]]:
+    """Two prompts, the second extending the first; each run of a job its own (the ranks'
+    prompt caches keep every earlier run's conversations)."""
+    first = prompt_tokens(vocab_size(path), n=12, seed=2 * run)
+    return [first, first + prompt_tokens(vocab_size(path), n=5, seed=2 * run + 1)]
 
 
-def single(path, slots, **fields) -> tuple[list, dict]:
-    """The single process's tokens (the second prompt extends the first), its parameter
-    bytes per decoder layer and outside them, and the prefix its second turn reused."""
+def single(path, slots, asked, **fields) -> tuple[list, dict]:
+    """The single process's tokens for the prompts `asked` (the second extends the first),
+    its parameter bytes per decoder layer and outside them, and the prefix its second turn
+    reused."""
     engine = EngineManager()
     engine.load(path, expert_slots=slots)
-    runs = [[r.token for r in generate(engine, p, max_tokens=TOKENS, **fields)] for p in prompts(path)]
+    runs = [[r.token for r in generate(engine, p, max_tokens=TOKENS, **fields)] for p in asked]
     inner = engine.loaded.model.model
     per_layer = [sum(v.nbytes for _, v in tree_flatten(layer.parameters())) for layer in inner.layers]
     total = sum(v.nbytes for _, v in tree_flatten(engine.loaded.model.parameters()))
@@ -79,7 +82,7 @@ def check_exact(run: dict, got: list[dict], ranks: int) -> None:
     fields = {"kv": KVSpec(run["kv_bits"], 32)} if run.get("kv_bits") else {}
     fields.update(stop=run.get("stop", ()), sampling=Sampling(**run.get("sampling", {})))
     slots = run.get("planned", run["slots"])  # what the ranks' own plans gave, in layer order
-    expected, sizes = single(run["checkpoint"], slots, **fields)
+    expected, sizes = single(run["checkpoint"], slots, run["prompts"], **fields)
     assert [r["tokens"] for r in got] == expected
     figures = got[1]["stats"]
     assert figures["reused_tokens"] == sizes["reused"]
@@ -94,11 +97,11 @@ def check_exact(run: dict, got: list[dict], ranks: int) -> None:
     assert max(r["layers"][1] for r in figures["ranks"]) == 4
 
 
-def _third_text(path) -> str:
-    """The text of the third token the single process generates for the first prompt."""
+def _third_text(path, prompt) -> str:
+    """The text of the third token the single process generates for `prompt`."""
     engine = EngineManager()
     engine.load(path, expert_slots=2)
-    texts = [r.text for r in generate(engine, prompts(path)[0], max_tokens=TOKENS)]
+    texts = [r.text for r in generate(engine, prompt, max_tokens=TOKENS)]
     engine.unload()
     assert texts[2].strip()
     return texts[2]
@@ -110,10 +113,12 @@ def test_two_ranks_give_the_single_process_tokens(build, tmp_path):
     rank whose checkpoint differs refused."""
     paths = {arch: str(build(arch, num_layers=4, num_experts=8, top_k=2)) for arch in ARCHS}
     other = str(build("qwen3_moe", num_layers=4, num_experts=8, top_k=2, seed=1))
-    runs = [{"checkpoint": paths[a], "slots": s, "prompts": prompts(paths[a])} for a in ARCHS for s in (None, 2)]
-    runs.append({**runs[0], "slots": [2, 3, 4, 5]})  # a one-machine plan: each rank its layers' part
-    runs.append({**runs[1], "stop": [_third_text(paths["qwen3_moe"])]})  # rank 0 stops the others early
-    runs.append({**runs[1], "sampling": {"temperature": 1.0, "seed": 7}})  # rank 0 samples for all
+    runs = [{"checkpoint": paths[a], "slots": s, "prompts": prompts(paths[a], 2 * i + j)}
+            for i, a in enumerate(ARCHS) for j, s in enumerate((None, 2))]
+    runs.append({**runs[0], "slots": [2, 3, 4, 5], "prompts": prompts(paths["qwen3_moe"], 6)})  # a one-machine plan
+    stop_prompts = prompts(paths["qwen3_moe"], 7)
+    runs.append({**runs[1], "stop": [_third_text(paths["qwen3_moe"], stop_prompts[0])], "prompts": stop_prompts})
+    runs.append({**runs[1], "sampling": {"temperature": 1.0, "seed": 7}, "prompts": prompts(paths["qwen3_moe"], 8)})
     kv_path = str(build("qwen3_moe", num_layers=4, num_experts=8, top_k=2, head_dim=32))
     runs.append({"checkpoint": kv_path, "slots": 2, "prompts": prompts(kv_path), "kv_bits": 8})
     refused = {"checkpoint": other, "slots": 2, "prompts": []}
@@ -145,7 +150,7 @@ def test_three_ranks_give_the_single_process_tokens_after_cancelled_generations(
     long_prompt = prompt_tokens(vocab_size(path), n=71, seed=2)  # ten chunks of 7, then its last token
     runs = [{"checkpoint": path, "slots": 2, "prompts": prompts(path), "cancel_after": 2,
              "cancel_in_prefill": {"prompt": long_prompt, "step": 7, "at": 2}},
-            {"checkpoint": path, "slots": [2] * 4, "planned": planned, "prompts": prompts(path)}]
+            {"checkpoint": path, "slots": [2] * 4, "planned": planned, "prompts": prompts(path, 1)}]
     results = launch(tmp_path, 3, {"runs": runs, "max_tokens": TOKENS, "budgets": budgets,
                                    "plan_options": options})
     for run, got in zip(runs, results):

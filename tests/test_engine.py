@@ -130,7 +130,7 @@ def test_changing_expert_slots_rebuilds_pools_and_keeps_dense_weights(qwen):
     assert all(pool.slots == 9 for pool in engine.loaded.pools)
     after_ids = {k: id(v) for k, v in tree_flatten(engine.loaded.model.parameters()) if ".experts." not in k}
     assert after_ids == dense
-    engine.session.reset()
+    engine.prompts.reset()
     assert [r.token for r in generate(engine, prompt, max_tokens=10)] == before
     metrics = engine.metrics()
     assert metrics["expert_slots"] == 9 and metrics["policy"] == "lfuda"
@@ -266,7 +266,7 @@ def test_interrupt_during_an_expert_read_leaves_no_half_filled_slot(qwen, monkey
         return real_read(jobs)
 
     monkeypatch.setattr(store, "read", flaky_read)
-    engine.session.reset()
+    engine.prompts.reset()
     with pytest.raises(KeyboardInterrupt):
         list(generate(engine, prompt, max_tokens=10))
     monkeypatch.setattr(store, "read", real_read)
@@ -405,7 +405,8 @@ def test_a_closed_or_dropped_generation_stops_at_the_next_token(qwen):
         assert len(steps) <= 4, drop  # the step that waited, at most one more
     after = generate(engine, prompt, max_tokens=3)
     assert len(list(after)) == 3
-    assert engine.session.tokens == prompt + after.tokens[:len(engine.session.tokens) - len(prompt)]
+    held = engine.prompts.conversations()[-1][0]
+    assert held == prompt + after.tokens[:len(held) - len(prompt)]
     assert engine.bad_slots() == 0
     engine.unload()
 

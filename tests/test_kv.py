@@ -50,12 +50,12 @@ def test_engine_equals_stock_mlx_lm_with_the_same_kv_bits_at_every_pool_size(qwe
     engine = EngineManager()
     for slots in (EXPERTS, EXPERTS // 2, TOP_K + 2, TOP_K):
         engine.load(qwen64, expert_slots=slots)
-        engine.session.reset()
+        engine.prompts.reset()
         assert same(engine_run(engine, prompt, 12, kv), expected), f"{slots} slots"
         stats = engine.last_stats
         assert stats["kv_bits"] == kv.bits and stats["kv_group_size"] == kv.group_size
         assert 0 < stats["kv_bytes"] and stats["ttft_seconds"] > 0 and stats["unplaced"] == 0
-        assert all(isinstance(c, QuantizedKVCache) for c in engine.session.cache)
+        assert all(isinstance(c, QuantizedKVCache) for c in engine.prompts.conversations()[-1][1])
     engine.unload()
 
 
@@ -85,7 +85,8 @@ def test_chat_turns_reuse_a_quantized_cache_as_stock_mlx_lm_does(qwen64):
     # another layout never reuses the quantized cache
     engine_run(engine, prompt + first[0] + extra, 4, KVSpec())
     assert engine.last_stats["reused_tokens"] == 0 and engine.last_stats["kv_bits"] is None
-    assert all(type(c) is KVCache for c in engine.session.cache)
+    assert engine.last_stats["reuse_note"] == "another KV layout"
+    assert all(type(c) is KVCache for c in engine.prompts.conversations()[-1][1])
     engine.unload()
 
 
@@ -97,10 +98,10 @@ def test_the_planner_sizes_the_cache_a_long_prompt_really_fills(build):
     engine = EngineManager()
     engine.load(path, expert_slots=4)
     for kv in (KVSpec(4), KVSpec(8, 32), KVSpec()):
-        engine.session.reset()
+        engine.prompts.reset()
         list(engine.run(None, Request(prompt=prompt, max_tokens=10, kv=kv)))
         held = engine.last_stats["kv_bytes"]
-        assert held == cache_bytes(engine.session.cache) > 0
+        assert held == cache_bytes(engine.prompts.conversations()[-1][1]) > 0
         planned = plan_memory(path, "1GB", max_context=context, kv=kv).kv_bytes
         assert abs(planned - held) <= 0.05 * held, (kv, planned, held)
     engine.unload()
@@ -143,7 +144,7 @@ def test_a_group_that_does_not_divide_the_head_dimension_is_one_line(qwen64):
     engine.load(qwen64, expert_slots=6)
     with pytest.raises(EngineError, match="kv_group_size 128 does not divide this model's head dimension 64"):
         list(engine.run(None, Request(prompt=[1, 2, 3], max_tokens=2, kv=KVSpec(4, 128))))
-    assert engine.session.cache is None  # nothing was prefilled
+    assert engine.prompts.conversations() == []  # nothing was prefilled
     with pytest.raises(KVError, match="kv_bits must be off, 4 or 8, got 5"):
         KVSpec(5)
     engine.unload()
@@ -221,7 +222,7 @@ def test_a_later_process_continues_a_quantized_conversation_from_disk(qwen64, tm
     follow = prompt + first[0] + extra
     continued = run(later, follow)
     assert later.last_stats["disk_cache_tokens"] == len(prompt) + 8
-    assert isinstance(later.session.cache[0], QuantizedKVCache)
+    assert isinstance(later.prompts.conversations()[-1][1][0], QuantizedKVCache)
     assert same(continued, run(first_engine, follow))  # the engine that kept it in memory
     # a layout the file was not made under never loads it
     fresh = EngineManager()

@@ -184,11 +184,11 @@ def test_a_switch_turns_to_the_same_model_object_and_moves_nothing(paths, alone)
     engine.limit(limits(2))
     a, b = spec(paths[0]), spec(paths[1])
     tokens(engine, a)
-    first, session = engine.running, engine.session
+    first, prompts = engine.running, engine.prompts
     first.noted = "anything a model holds stays with it"
     assert tokens(engine, b) == alone[1] and engine.running is not first
     assert tokens(engine, a) == alone[0]
-    assert engine.running is first and engine.session is session and first.noted
+    assert engine.running is first and engine.prompts is prompts and first.noted
     assert [m.running for m in engine.residency().models] == [True, False]
     engine.unload()
 

@@ -85,8 +85,8 @@ def test_each_architecture_through_llm_gives_stock_text_cold_from_disk_and_in_pr
     env.write_settings(models={arch: entry})
     outs = []
     for forget in (True, True, False):
-        if forget and get_manager().session is not None:
-            get_manager().session.reset()
+        if forget and get_manager().prompts is not None:
+            get_manager().prompts.reset()
         result = env.run("-m", f"mlx-stream/{arch}", CLI_PROMPT, "-o", "max_tokens", "12")
         assert result.exit_code == 0, (result.output, result.exception)
         outs.append(result.stdout)

@@ -82,7 +82,7 @@ def test_every_kind_of_mixer_takes_one_call_in_tiles_and_snapshots_cost_no_call(
     assert got[2]["prefill_calls"] == 1 and got[2]["snapshots_taken"] == 1
     assert got[2]["expert_passes"] <= 1.5  # one pass for the prompt, the last token's and one decode step's reads
     # a prompt that shares the snapshot's prefix resumes from it and computes what a cold one computes
-    engine.session.reset()
+    engine.prompts.reset()
     again = prompt[:TILE] + prompt_tokens(vocab_size(path), n=90, seed=8)
     resumed = engine_run(engine, again, 1024, **marks)
     assert resumed[2]["reused_from"] == "snapshot" and resumed[2]["reused_tokens"] == TILE
@@ -98,7 +98,7 @@ def test_a_cold_prompt_passes_over_the_experts_once_and_small_chunks_many_times(
     tile_mixers(engine.loaded.model, TILE)
     passes, mb = {}, {}
     for step in (64, 512):
-        engine.session.reset()
+        engine.prompts.reset()
         stats = engine_run(engine, prompt, step, n=1)[2]
         passes[step], mb[step] = stats["expert_passes"], stats["prefill_mb_read"]
         assert stats["prefill_step"] == step and stats["unplaced"] == 0

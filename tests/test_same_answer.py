@@ -25,9 +25,9 @@ TOKENS = "24"
 
 def forget_kv() -> None:
     """What a new process starts with: no KV cache kept in memory."""
-    session = get_manager().session
-    if session is not None:
-        session.reset()
+    prompts = get_manager().prompts
+    if prompts is not None:
+        prompts.reset()
 
 
 @pytest.fixture

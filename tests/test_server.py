@@ -745,8 +745,8 @@ def test_a_seeded_penalised_completion_is_the_same_when_its_prompt_is_cached(ser
     and the seed must still see what they saw cold."""
     from llm_mlx_streaming.engine.manager import get_manager
 
-    if get_manager().session is not None:
-        get_manager().session.reset()
+    if get_manager().prompts is not None:
+        get_manager().prompts.reset()
     body = {"model": "mlx-stream", "prompt": "abc abc def def ghi ghi", "max_tokens": 10,
             "temperature": 0.8, "seed": 7, "repetition_penalty": 3.0}
     replies = [call(served, "POST", "/v1/completions", body)[2] for _ in range(3)]

@@ -110,14 +110,15 @@ def test_caches_stay_within_their_settings_and_mlx_memory_returns_to_idle(tmp_pa
 
         again = fixed_then_idle(env)
         assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
-        wait_for(lambda: active(env) == idle_active)  # the same weights, pools and one conversation's KV
+        wait_for(lambda: active(env) == idle_active)  # the same weights, pools and prompt cache (max_context 96: room for one conversation)
         caches = stats(env)["caches"]
         for kept in seen + [caches]:
             assert kept["reply_memory"]["entries"] <= kept["reply_memory"]["max_entries"] == 8
             assert kept["buffer_cache"]["bytes"] <= kept["buffer_cache"]["max_bytes"] == 2_000_000
             disk = kept["conversation_cache"]
             assert disk["bytes"] <= disk["max_bytes"] == 64_000 and disk["entries"] <= disk["max_entries"] == 3
-            assert kept["kv_session"]["tokens"] <= 96 and kept["drafters"]["entries"] <= 1
+            held = kept["prompt_cache"]
+            assert held["bytes"] <= held["max_bytes"] and kept["drafters"]["entries"] <= 1
         assert caches["reply_memory"]["entries"] == 8
         pools = stats(env)["server"]["threads"]
         assert pools.get("asyncio_", 0) <= min(32, (os.cpu_count() or 1) + 4)  # the loop's executor, bounded

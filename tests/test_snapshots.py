@@ -56,7 +56,7 @@ def test_a_new_session_resumes_at_the_shared_system_prompt_with_a_cold_prefills_
 
     _run(warm, _request(first, disk))
     resumed = _run(warm, _request(second, disk))
-    cold.session.reset()
+    cold.prompts.reset()
     assert _same(resumed, _run(cold, _request(second)))
     stats = resumed[2]
     assert stats["reused_tokens"] == SYSTEM_END
@@ -64,10 +64,10 @@ def test_a_new_session_resumes_at_the_shared_system_prompt_with_a_cold_prefills_
 
     _run(warm, _request(prompt_tokens(vocab, n=30, seed=6), disk))  # an unrelated side request
     after_side = _run(warm, _request(third, disk))
-    cold.session.reset()
+    cold.prompts.reset()
     assert _same(after_side, _run(cold, _request(third)))
     assert after_side[2]["reused_tokens"] == SYSTEM_END
-    assert after_side[2]["reused_from"] == ("disk" if arch == "qwen3_moe" else "snapshot")
+    assert after_side[2]["reused_from"] == ("memory" if arch == "qwen3_moe" else "snapshot")  # the side request evicted no conversation
 
     restarted = EngineManager()  # a new process: only the conversation cache on disk is left
     restarted.load(path, expert_slots=4)
@@ -99,7 +99,7 @@ def test_a_batch_member_takes_the_same_snapshots_as_a_request_alone(build):
         first = _request(system + prompt_tokens(vocab, n=20, seed=2))
         first.max_batch = max_batch
         _run(engine, first)
-    assert batched.session.snapshots.count == alone.session.snapshots.count == 1
+    assert batched.prompts.snapshot_count == alone.prompts.snapshot_count == 1
     second = _request(system + prompt_tokens(vocab, n=20, seed=3))
     second.max_batch = 4
     stats = _run(batched, second)[2]
@@ -143,7 +143,7 @@ def test_a_thinking_templates_next_turn_rereads_only_the_reply_whose_reasoning_i
         return _run(manager, Request(prompt=tokens, max_tokens=6, snapshots=SPEC, boundaries=marks))
 
     ask(engine, tokens1, marks1)
-    held = engine.session.tokens  # the prompt and the reply as generated, reasoning and all
+    held = engine.prompts.conversations()[-1][0]  # the prompt and the reply as generated, reasoning and all
     assert held != tokens2[:len(held)]  # the template rewrote the reply: no strict prefix to extend
     warm = ask(engine, tokens2, marks2)
     assert (warm[2]["reused_tokens"], warm[2]["reused_from"]) == (turns, "snapshot")
@@ -159,12 +159,12 @@ def test_snapshots_stay_within_their_count_and_bytes(build):
     every = SnapshotSpec(every=8, max_count=3, max_bytes=10**9)
     for seed in range(4):
         _run(engine, _request(prompt_tokens(vocab, n=50, seed=seed), snapshots=every))
-        assert engine.session.snapshots.count <= 3
-    one = engine.session.snapshots.nbytes // engine.session.snapshots.count
+        assert engine.prompts.snapshot_count <= 3
+    one = engine.prompts.snapshot_bytes // engine.prompts.snapshot_count
     small = SnapshotSpec(every=8, max_count=100, max_bytes=int(2.5 * one))
     for seed in range(4):
         _run(engine, _request(prompt_tokens(vocab, n=50, seed=seed), snapshots=small))
-        assert engine.session.snapshots.nbytes <= small.max_bytes
+        assert engine.prompts.snapshot_bytes <= small.max_bytes
 
 
 def test_a_cache_no_layer_of_which_grows_keeps_its_snapshot_segment_on_disk_across_turns(build, tmp_path):

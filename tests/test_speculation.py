@@ -106,13 +106,13 @@ def test_quantized_kv_cache_and_short_prefill_chunks_stay_exact(build):
     prompt = _prompt(path)
     layout = dict(kv=KVSpec(bits=8, group_size=32, start=24), prefill_step=8)
     plain, _ = _generate(engine, prompt, k=0, **layout)
-    engine.session.reset()
+    engine.prompts.reset()
     V = vocab_size(path)
     for drafter in (ScriptedDrafter(prompt + plain, V), ScriptedDrafter(prompt + plain, V, wrong=True)):
-        engine.session.reset()
+        engine.prompts.reset()
         tokens, stats = _generate(engine, prompt, k=K, drafter=drafter, **layout)
         assert tokens == plain and stats["kv_bits"] == 8 and stats["prefill_step"] == 8
-        assert all(isinstance(c, QuantizedKVCache) for c in engine.session.cache)
+        assert all(isinstance(c, QuantizedKVCache) for c in engine.prompts.conversations()[-1][1])
     engine.unload()
 
 
@@ -216,14 +216,14 @@ def test_rollback_leaves_the_cache_plain_decoding_leaves(build, arch):
     prompt = _prompt(path)
     engine = _engine(path, TOP_K + 2)
     plain, _ = _generate(engine, prompt, k=0)
-    engine.session.reset()
+    engine.prompts.reset()
     tokens, stats = _generate(engine, prompt, k=K, drafter=ScriptedDrafter(prompt + plain, vocab_size(path), wrong=True))
     assert tokens == plain and stats["draft_tokens"] >= 2 * TOKENS and stats["accepted_tokens"] == 0
-    fed = engine.session.tokens
+    fed, cache = engine.prompts.conversations()[-1]
     assert fed == prompt + plain[:-1]  # the last token is emitted, not yet fed
     stock, _ = load_model(path)
     want = _reference_cache(stock, [prompt[:-1], *[[t] for t in fed[len(prompt) - 1:]]])
-    _assert_caches_equal(engine.session.cache, want)
+    _assert_caches_equal(cache, want)
 
     follow = prompt + plain + prompt_tokens(vocab_size(path), n=5, seed=4)
     second, stats = _generate(engine, follow, k=K, drafter=ScriptedDrafter(follow, vocab_size(path), wrong=True))
@@ -339,7 +339,7 @@ def test_a_repetition_penalty_is_applied_at_every_verified_position(build):
     penalty = [Stateless(p) for p in make_logits_processors(repetition_penalty=4.0, repetition_context_size=20)]
     plain, _ = _generate(engine, prompt, k=0, logits_processors=penalty)
     unpenalised, _ = _generate(engine, prompt, k=0)
-    engine.session.reset()
+    engine.prompts.reset()
     tokens, stats = _generate(engine, prompt, k=K, logits_processors=penalty)
     assert plain != unpenalised  # the penalty changes the text, so the check below can fail
     assert tokens == plain and stats["speculation_off"] is None

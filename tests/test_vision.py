@@ -57,8 +57,8 @@ def _run(engine, path, slots, messages, reset=False, thinking=None):
     load = LoadSpec(path, expert_slots=slots)
     tokenizer = engine.tokenizer_for(load).wait_started().started.tokenizer
     ids, _, vision = render_with_images(tokenizer, messages, thinking=thinking)
-    if reset and engine.session is not None:
-        engine.session.reset()
+    if reset and engine.prompts is not None:
+        engine.prompts.reset()
     generation = engine.run(load, Request(prompt=ids, max_tokens=TOKENS, vision=vision))
     list(generation)
     return generation, ids, tokenizer

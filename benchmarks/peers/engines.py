@@ -61,7 +61,7 @@ class Ours:
         store.read = recorded
 
     def generate(self, prompt, max_tokens):
-        self.engine.session.reset()  # no KV reuse between runs: every run prefills
+        self.engine.prompts.reset()  # no KV reuse between runs: every run prefills
         self._phase = {"run": self._phase["run"] + 1, "phase": "prefill"}
         for r in self.engine.run(None, self._request(prompt=list(prompt), max_tokens=max_tokens)):
             yield r

@@ -212,6 +212,22 @@ def _moe_model(config_json: str) -> tuple[tuple[int, int] | None, tuple[str, ...
     return (experts, top_k), tuple(n for n, _ in containers)
 
 
+def empty_prompt_cache(config: dict) -> list:
+    """The prompt cache mlx-lm makes for its model of `config` (the language model's, for
+    a checkpoint that takes images), empty and shared between calls: for reading which
+    cache classes the model keeps, never to be fed."""
+    return list(_empty_prompt_cache(json.dumps(config, sort_keys=True)))
+
+
+@functools.lru_cache(maxsize=16)
+def _empty_prompt_cache(config_json: str) -> tuple:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    config = json.loads(config_json)
+    model = _build(config)
+    return tuple(make_prompt_cache(model.language_model if takes_images(config) else model))
+
+
 def _build(config: dict):
     """mlx-lm's model of `config`, or mlx-vlm's for a checkpoint that takes images;
     nothing is computed."""

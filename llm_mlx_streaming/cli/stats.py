@@ -326,6 +326,12 @@ def _live(json_: bool, plot: Path | None = None) -> None:
                    f"{format_size(st.get('mlx_cache_memory_bytes') or 0)} cached, "
                    f"{format_size(st.get('mlx_peak_memory_bytes') or 0)} peak"],
     ]
+    held = (st.get("caches") or {}).get("prompt_cache") or {}
+    if held.get("conversations"):
+        bound = f" of at most {format_size(held['max_bytes'])}" if held.get("max_bytes") else ""
+        n = held["conversations"]
+        rows.append(["prompt cache", f"{n} conversation{'s' if n != 1 else ''}, {held.get('tokens', 0)} tokens, "
+                     f"{format_size(held.get('bytes') or 0)}{bound}"])
     snaps = (st.get("caches") or {}).get("snapshots") or {}
     if snaps.get("max_entries"):
         rows.append(["prompt snapshots", f"{snaps.get('entries', 0)} of at most {snaps['max_entries']}, "

@@ -5,7 +5,9 @@ read-back of the router's choice and the expert reads; B sequences decoded in on
 share both. The batch runs on mlx-lm's own `BatchGenerator` and batch KV caches,
 through the streamed layers: a request joins after its prefill, leaves when it
 finishes, and keeps its own sampler, logits processors, stop sequences, KV reuse and
-cancellation. It runs on the engine thread under the provider's lock, like `respond`.
+cancellation; its cache, checked out of the model's prompt cache as it joins, goes back
+in as its conversation's when it finishes. It runs on the engine thread under the
+provider's lock, like `respond`.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class Member:
     kv_note: Any
     disk: Any
     from_disk: int
+    lease: Any  # engine/prompt_cache.Lease
     stops: StopMatcher
     detokenizer: Any
     before: Any  # pool counters when it joined
@@ -74,7 +77,6 @@ class Member:
     largest: int = 1  # the largest batch it ran in
     last: Any = None  # its last GenerationResponse
     flight: Any = None  # activity.py: the dashboard's request in flight
-    reuse: Any = None  # engine/session.Reuse
     feeder: Any = None  # engine/respond.PromptFeeder: how its prompt was fed
     reads: Any = None  # engine/figures.ReadsDuring: what its prompt read, up to its first token
     snapshots: list = field(default_factory=list)  # [(position, cache)] taken as its prompt was fed
@@ -103,15 +105,15 @@ class Batch:
 
         model = self.model
         b = begin(model, request, out, model.carried, self.engine.max_tokens)
-        model.session.reset()  # the batch owns that cache now; a later request must not trim it
         tokenizer = model.loaded.tokenizer
+        cache = b.lease.cache
         member = Member(request, out, b.prompt, b.reused, len(b.new_tokens), b.kv, b.kv_note, b.disk, b.from_disk,
-                        StopMatcher(request.stop), tokenizer.detokenizer, model.counters(), reuse=b.reuse)
+                        b.lease, StopMatcher(request.stop), tokenizer.detokenizer, model.counters())
         step = request.chunk(len(b.prompt), held=self.kv_bytes())
         member.flight = ACTIVITY.begin(len(b.prompt), b.reused, len(b.new_tokens), step, len(model.loaded.layers))
         member.reads = fig.ReadsDuring(model)
-        member.feeder = PromptFeeder(model.loaded, b.cache, model.session.snapshots, request, b.prompt, b.reused,
-                                     b.kv, step, lambda done: ACTIVITY.prefilled(member.flight, done - b.reused),
+        member.feeder = PromptFeeder(model.loaded, cache, model.prompts, request, b.prompt, b.reused, b.kv, step,
+                                     lambda done: ACTIVITY.prefilled(member.flight, done - b.reused),
                                      self._between(out))
         try:
             fed = member.feeder()
@@ -120,7 +122,7 @@ class Batch:
             raise
         member.snapshots = member.feeder.fed.snapshots
         (uid,) = self.generator.insert(
-            [b.prompt[fed:]], max_tokens=[b.max_tokens], caches=[b.cache], all_tokens=[b.prompt[:fed]],
+            [b.prompt[fed:]], max_tokens=[b.max_tokens], caches=[cache], all_tokens=[b.prompt[:fed]],
             samplers=[request.make_sampler()], logits_processors=[list(request.logits_processors)],
             stop_sequences=[StopSequences([[t] for t in tokenizer.eos_token_ids])],
         )
@@ -211,12 +213,13 @@ class Batch:
             self._finish(r.uid, cache, tokens)
 
     def _finish(self, uid: int, cache, tokens) -> None:
-        """A member's reply is complete: its cache becomes the session's (the last to
-        finish is the one the next turn can extend), its figures go to its caller."""
+        """A member's reply is complete: its cache goes back into the prompt cache as its
+        conversation's, its figures to its caller."""
         from ..speculation.start import figures_for
 
         model, member = self.model, self.members[uid]
-        model.session.adopt(cache, tokens, member.kv)
+        lease = member.lease
+        lease.cache, lease.tokens = cache, [int(t) for t in tokens]
         seconds = time.perf_counter() - member.start
         stats = fig.response_figures(model, member.before, member.last, len(member.prompt), member.reused,
                                      member.prefilled, seconds, member.syncs)
@@ -224,11 +227,12 @@ class Batch:
         ttft = None if member.first is None else member.first - member.start
         stats.update(fig.kv_figures(cache, member.kv, member.kv_note, member.feeder.step, ttft))
         stats.update(fig.prefill_figures(member.reads, member.feeder.fed, model.loaded))
-        stats.update(fig.reuse_figures(member.reuse, model.session.snapshots, len(member.snapshots)))
+        stats.update(fig.reuse_figures(lease.reuse, model.prompts, len(member.snapshots)))
         stats["batch"] = member.largest
         if member.stops.hit is not None:
             stats["stop_sequence"] = member.stops.hit
-        save_to_disk(member.disk, model.session, member.from_disk, stats, model.carried.warned, member.snapshots)
+        save_to_disk(member.disk, lease, member.from_disk, stats, model.carried.warned, member.snapshots)
+        model.prompts.check_in(lease)
         self.engine.finished(stats)
         member.out.put("done", stats)
         self._leave(uid, kept=True)
@@ -241,8 +245,8 @@ class Batch:
         member.out.finished.set()
 
     def fail(self, error: BaseException) -> None:
-        """The pass raised: every member gets the error, the session is dropped."""
-        self.model.session.reset()
+        """The pass raised: every member gets the error; their caches, which may hold a
+        half-fed step, are not checked back in."""
         for member in self.members.values():
             ACTIVITY.end(member.flight)
             member.out.put("error", error)

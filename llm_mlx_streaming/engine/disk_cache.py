@@ -10,8 +10,9 @@ layer's first position), the token ids of that range, and the name and checksum 
 the segment it extends. Layers that are not a growing sequence (a sliding window, a
 linear-attention state) are bounded and written in full in every segment; so is a
 layer whose class changed since (a KVCache quantized at kv_start). A response writes
-a segment only on a chain this process wrote or loaded the same cache from, up to
-the tokens the turn did not feed again; otherwise it writes a first segment.
+a segment only on a chain this process wrote or loaded the same cache from (each
+conversation the model's prompt cache holds has its own), up to the tokens the turn
+did not feed again; otherwise it writes a first segment.
 
 Every segment carries a sha256 of its tensors (each state entry's name, dtype, shape
 and bytes), checked on load. A later prompt loads the chain that shares the longest
@@ -83,7 +84,7 @@ class _Link:
 
 @dataclass
 class _Mirror:
-    """Which chain on disk the session's cache layers (held weakly: a dropped cache is
+    """Which chain on disk a conversation's cache layers (held weakly: a dropped cache is
     freed) hold `tokens` of."""
 
     layers: tuple  # weakref.ref to each layer object
@@ -100,6 +101,9 @@ class _Mirror:
         if len(cache) != len(self.layers):
             return [False] * len(cache)
         return [ref() is c for ref, c in zip(self.layers, cache)]
+
+    def alive(self) -> bool:
+        return any(ref() is not None for ref in self.layers)
 
 
 def package_version() -> str:
@@ -134,7 +138,7 @@ class DiskCache:
         self.spec = spec
         self.space = space
         self.folder = spec.root / space
-        self._mirror: Optional[_Mirror] = None
+        self._mirrors: list[_Mirror] = []  # one per conversation cache still held, the model's prompt cache's
         self.bytes: Optional[int] = None  # the whole tree's, after the last save's eviction
         self.entries: Optional[int] = None  # conversations in the tree, likewise
 
@@ -217,7 +221,7 @@ class DiskCache:
                     os.utime(self.folder / segment)  # recently used
                 except OSError:
                     pass
-            self._mirror = _Mirror.of(cache, prompt[:shared], links)
+            self._keep(cache, prompt[:shared], links)
             return Found(cache, list(prompt[:shared]))
         return None
 
@@ -272,15 +276,16 @@ class DiskCache:
         `snapshots` ((position, the cache as it was there), engine/snapshots.py) past
         that chain, so a prompt that shares only that much resumes there; drop the saved
         chains it extends; keep the tree under its size bound. Returns the bytes written."""
-        links = self._base(tokens, kept)
-        same = self._mirror.same(cache) if links else [False] * len(cache)
+        mirror = next((m for m in self._mirrors if any(m.same(cache))), None)
+        links = self._base(mirror, tokens, kept)
+        same = mirror.same(cache) if links else [False] * len(cache)
         end = links[-1].end if links else 0
         size, own = 0, set()
         for position, part in [*((p, c) for p, c in snapshots if end < p < len(tokens)), (len(tokens), cache)]:
             links, written = self._write(part, tokens[:position], links, same)
             same, size = [True] * len(cache), size + written  # the next segment extends this one
             own.update(link.name for link in links)  # a chain that starts over keeps the snapshots before it
-        self._mirror = _Mirror.of(cache, tokens, links)
+        self._keep(cache, tokens, links)
         if all(kind is not None for kind in links[-1].kinds):  # every layer grows: a longer chain serves a shorter one
             self._prune(tokens, own)
         self.bytes, self.entries = evict(self.spec.root, self.spec.max_bytes, self.spec.max_entries)
@@ -331,15 +336,20 @@ class DiskCache:
             raise
         return links + [_Link(n, name, digest, kinds)], final.stat().st_size
 
-    def _base(self, tokens: list[int], kept: int) -> list[_Link]:
-        """The links of the chain last written or loaded, up to the last segment within
-        the tokens the cache still holds as they were: the first `kept` (a turn feeds,
-        so rewrites, all positions from there); [] where there is none, or a segment of
-        it is gone or was replaced (another process). Which layers may append to it is
-        `_Mirror.same`."""
+    def _keep(self, cache, tokens: list[int], links: list[_Link]) -> None:
+        """Remember that `cache` holds `tokens` of the chain `links`, in place of what was
+        remembered of it, forgetting caches that were dropped."""
+        self._mirrors = [m for m in self._mirrors if m.alive() and not any(m.same(cache))]
+        self._mirrors.append(_Mirror.of(cache, tokens, links))
+
+    def _base(self, mirror: Optional[_Mirror], tokens: list[int], kept: int) -> list[_Link]:
+        """The links of the chain the cache's `mirror` says it was last written to or
+        loaded from, up to the last segment within the tokens the cache still holds as
+        they were: the first `kept` (a turn feeds, so rewrites, all positions from there);
+        [] where there is none, or a segment of it is gone or was replaced (another
+        process). Which layers may append to it is `_Mirror.same`."""
         from mlx_lm.utils import common_prefix_len
 
-        mirror = self._mirror
         if mirror is None:
             return []
         clean = min(kept, common_prefix_len(mirror.tokens, tokens))

@@ -110,12 +110,13 @@ def response_figures(provider, before: PoolCounters, last, prompt: int, reused: 
     }
 
 
-def reuse_figures(reuse, snapshots, taken: int) -> dict:
+def reuse_figures(reuse, prompts, taken: int) -> dict:
     """Where a prompt's reused tokens came from (memory, snapshot, disk), why not more,
-    and the snapshots this generation took and the store holds (engine/snapshots.py)."""
+    and, where the model keeps snapshots, those this generation took and those its prompt
+    cache holds (engine/prompt_cache.py)."""
     figures = {"reused_from": reuse.source, "reuse_note": reuse.note}
-    if snapshots is not None:
-        figures.update(snapshots_taken=taken, snapshots=snapshots.count, snapshot_bytes=snapshots.nbytes)
+    if prompts.snapshots is not None:
+        figures.update(snapshots_taken=taken, snapshots=prompts.snapshot_count, snapshot_bytes=prompts.snapshot_bytes)
     return figures
 
 
@@ -208,16 +209,17 @@ def cache_figures(model) -> dict:
     "What a long-running server keeps")."""
     import mlx.core as mx
 
-    session = model.session if model is not None else None
+    prompts = model.prompts if model is not None else None
     carried = model.carried if model is not None else None
-    disk, snaps = carried.disk if carried else None, session.snapshots if session else None
+    disk, spec = carried.disk if carried else None, prompts.snapshots if prompts else None
     return {
-        "kv_session": {"tokens": len(session.tokens) if session else 0,
-                       "bytes": cache_bytes(session.cache) if session else 0,
-                       "max_tokens": model.context_length if model is not None else None},
-        "snapshots": {"entries": snaps.count if snaps else 0, "bytes": snaps.nbytes if snaps else 0,
-                      "max_entries": snaps.spec.max_count if snaps else None,
-                      "max_bytes": snaps.spec.max_bytes if snaps else None},
+        "prompt_cache": {"conversations": prompts.conversation_count if prompts else 0,
+                         "tokens": prompts.conversation_tokens if prompts else 0,
+                         "bytes": prompts.conversation_bytes if prompts else 0,
+                         "max_bytes": prompts.max_bytes if prompts else None},
+        "snapshots": {"entries": prompts.snapshot_count if spec else 0, "bytes": prompts.snapshot_bytes if spec else 0,
+                      "max_entries": spec.max_count if spec else None,
+                      "max_bytes": spec.max_bytes if spec else None},
         "buffer_cache": {"bytes": int(mx.get_cache_memory()), "max_bytes": model.buffer_cache if model else None},
         "conversation_cache": {"bytes": disk.bytes if disk else None,
                                "max_bytes": disk.spec.max_bytes if disk else None,

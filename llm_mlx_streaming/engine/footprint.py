@@ -14,12 +14,13 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checkpoints.config import config_field, decoder_shape, expert_container_paths, moe_shape, read_config
+from ..checkpoints.config import (config_field, decoder_shape, empty_prompt_cache, expert_container_paths, moe_shape,
+                                  read_config)
 from ..checkpoints.vision import is_vision_tensor, takes_images
 from ..errors import CheckpointError
 from ..experts.index import CheckpointIndex
 from ..values import ROUTES_AT_ONCE
-from .kv import FULL_PRECISION, KVSpec, blocker, config_rewinds
+from .kv import FULL_PRECISION, KVSpec, blocker, rewinds
 from .kv import bytes_per_element as bytes_per_element_of
 from .vision_footprint import typical_image_tokens
 
@@ -52,6 +53,7 @@ class Layout:
     layer_keys: list[str] = field(default_factory=list)  # one expert container per MoE layer
     expert_bytes: list[int] = field(default_factory=list)  # bytes of one expert, per MoE layer
     kv_blocker: str | None = None  # why a quantized KV cache cannot apply (engine/kv.py)
+    rewinds: bool = True  # its cache can be cut back to any prefix (engine/kv.rewinds): it keeps no snapshots
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -131,6 +133,7 @@ def checkpoint_layout(path: str | os.PathLike) -> Layout:
         layer_keys=keys,
         expert_bytes=[groups[k] // num_experts for k in keys],
         kv_blocker=blocker(config, index.tensors),
+        rewinds=rewinds(empty_prompt_cache(config)),
     )
 
 
@@ -316,7 +319,7 @@ def model_footprint(layout: Layout, max_context: int, kv: KVSpec, reserve: int, 
     """A checkpoint's Footprint for a context, a KV layout and the plan's working reserve;
     `snapshot_bytes` of prompt snapshots count for a cache that cannot be rewound."""
     kv_bytes, _ = kv_cache_bytes(layout.config, max_context, None, kv, layout.kv_blocker, layout.image_tokens)
-    snapshots = 0 if config_rewinds(layout.config) else snapshot_bytes
+    snapshots = 0 if layout.rewinds else snapshot_bytes
     floor = min(layout.num_experts, max(1, layout.top_k)) if layout.layer_keys else 0
     return Footprint(layout.dense_bytes + kv_bytes + snapshots, reserve, tuple(layout.expert_bytes),
                      layout.num_experts, floor)

@@ -100,20 +100,6 @@ def blocker(config: dict, weight_names: Iterable[str]) -> Optional[str]:
     return None
 
 
-def config_rewinds(config: dict) -> bool:
-    """Whether every layer's cache of this model can be cut back to any prefix (plain
-    growing attention), from its config alone; False for linear attention, sliding
-    windows and chunked attention, which keep prompt snapshots (engine/snapshots.py)."""
-    text = config.get("text_config") or config
-    if any(kind not in ("full_attention", "attention", "global") for kind in text.get("layer_types") or ()):
-        return False
-    if text.get("sliding_window") and text.get("use_sliding_window", True) is not False:
-        return False
-    return not any(text.get(key) for key in (
-        "attention_chunk_size", "linear_num_value_heads", "linear_conv_kernel_dim", "full_attention_interval",
-        "hybrid_override_pattern", "ssm_state_size", "mamba_d_state", "layers_block_type", "attn_layer_indices"))
-
-
 def head_dims(config: dict) -> set[int]:
     """The last dimensions of the cached keys and values (what a group must divide)."""
     heads = int(_field(config, "num_attention_heads") or 1)
@@ -161,6 +147,25 @@ def make_cache(model, spec: KVSpec) -> list:
             FullPrecisionWindow(c.max_size, c.keep) if type(c) is RotatingKVCache else c for c in cache
         ]
     return cache
+
+
+def rewinds(cache) -> bool:
+    """Whether `cache` can be cut back to any shorter prefix, whatever it holds: every
+    layer a growing attention cache (mlx-lm's KVCache, or the QuantizedKVCache it becomes;
+    mlx-vlm's own classes of them for a vision-language model). A linear-attention state,
+    a sliding window and a chunked-attention cache cannot (the last two only until they
+    wrap or pass a chunk), so those resume from prompt snapshots (engine/prompt_cache.py).
+    The one test of it: the prompt cache, the conversation cache on disk and the memory
+    plan (on the cache mlx-lm makes for a config) ask it."""
+    import sys
+
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    growing = {KVCache, QuantizedKVCache}
+    vlm = sys.modules.get("mlx_vlm.models.cache")  # imported with any model whose caches are its classes
+    if vlm is not None:
+        growing |= {vlm.KVCache, vlm.QuantizedKVCache}
+    return all(type(c) in growing for c in cache)
 
 
 def cache_bytes(cache) -> int:

@@ -92,14 +92,30 @@ def assembled(parts: list[tuple[list, list]]) -> Optional[list]:
 
 
 def cut(cache, held: int, keep: int) -> Optional[list]:
-    """`cache`, which holds `held` tokens, cut back to its first `keep`; None where a
-    layer cannot be cut (a linear-attention state is only ever extended, a chunked
-    attention cache only back to a chunk it still holds whole)."""
+    """`cache`, which holds `held` tokens, cut back to its first `keep`; None where it
+    cannot be cut (engine/kv.rewinds: a linear-attention state is only ever extended)."""
     from mlx_lm.models.cache import trim_prompt_cache
 
-    from .session import can_rewind
+    from .kv import rewinds
 
-    if not can_rewind(cache, keep):
+    if not rewinds(cache):
         return None
     trim_prompt_cache(cache, held - keep)
     return cache
+
+
+def prefix(cache, keep: int) -> list:
+    """A copy of the first `keep` tokens of a cache that can be cut back (engine/kv.rewinds),
+    the cache left as it is: views of its K/V, which the copy's next write replaces
+    (a cache that holds exactly its tokens grows into new arrays), so nothing is copied
+    twice."""
+    from mlx.utils import tree_map
+
+    out = []
+    for layer in cache:
+        part = copy.copy(layer)
+        if layer.keys is not None:
+            part.keys, part.values = tree_map(lambda a: a[..., :keep, :], (layer.keys, layer.values))
+        part.offset = keep
+        out.append(part)
+    return out

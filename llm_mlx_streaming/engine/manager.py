@@ -60,9 +60,9 @@ class EngineManager:
         return self.running.loaded if self.running is not None else None
 
     @property
-    def session(self):
-        """The running model's KV session (None: none runs)."""
-        return self.running.session if self.running is not None else None
+    def prompts(self):
+        """The running model's prompt cache (None: none runs)."""
+        return self.running.prompts if self.running is not None else None
 
     @property
     def checkpoint(self) -> Optional[Path]:
@@ -212,7 +212,7 @@ class EngineManager:
         self.last_stats, self.last_decode_tps = stats, stats["decode_tps"]
         self.served += 1
         self.generated += stats["generated_tokens"]
-        self.residents.publish()  # its KV session as the generation left it
+        self.residents.publish()  # its prompt cache as the generation left it
         ACTIVITY.finished(stats)
 
     def _batch(self, load: LoadSpec | None, request: Request, out: Channel) -> None:

@@ -31,7 +31,7 @@ from ..values import DEFAULT_MAX_CONTEXT, KV_SHARE
 from ..checkpoints.config import decoder_shape
 from .footprint import (ATTENTION_TILE, KV_STEP, PREFILL_STEP, Layout, checkpoint_layout, kv_cache_bytes,
                         prefill_bytes_per_token, prefill_tile_bytes)
-from .kv import FULL_PRECISION, KVSpec, check_model, config_rewinds
+from .kv import FULL_PRECISION, KVSpec, check_model
 
 __all__ = [
     "ATTENTION_TILE",
@@ -285,7 +285,7 @@ def plan_memory(
     cache layout (quantized caches take less of the budget; default full precision).
     `layout`: the checkpoint's (checkpoint_layout), when the caller has read it already.
     `snapshot_bytes`: the most the prompt snapshots may take, planned only for a model
-    whose cache cannot be rewound (engine/kv.config_rewinds).
+    whose cache cannot be rewound (engine/kv.rewinds).
 
     Raises PlanError (one line, naming the shortfall and the budget that would do)
     when the budget cannot give every MoE layer `min_slots` slots, KVError for a KV
@@ -307,7 +307,7 @@ def plan_memory(
                                  layout.image_tokens)
     reserve = default_reserve(budget) if reserve_bytes is None else parse_size(reserve_bytes)
     m = min(E, max(1, min_slots if min_slots is not None else layout.top_k)) if L else 0
-    snapshots = 0 if config_rewinds(layout.config) else snapshot_bytes
+    snapshots = 0 if layout.rewinds else snapshot_bytes
     fixed = layout.dense_bytes + kv + snapshots
     floor_pool = m * sum(b)
     available = budget - fixed - reserve

@@ -1,8 +1,8 @@
-"""One loaded model for its whole life: its weights, pools, reader, KV session, what its
+"""One loaded model for its whole life: its weights, pools, reader, prompt cache, what its
 generations carry, and its residency.
 
 Loading, rebuilding the pools with new sizes or a new policy, and swapping the expert
-reader are the provider's; it keeps the dense weights and the KV session across
+reader are the provider's; it keeps the dense weights and the prompt cache across
 changes that do not need a reload. Every change runs under its lock, so no generation
 (and so no expert read) is in flight meanwhile. The engine (engine/manager.py) holds one
 provider per loaded model and runs one of them by reference; how a provider loads and
@@ -70,7 +70,7 @@ class Stepping:
 
 
 class ModelProvider:
-    """One loaded model: its pools, its reader, its KV session, what its generations
+    """One loaded model: its pools, its reader, its prompt cache, what its generations
     carry (`carried`), and, held by an engine, its residency (`spec`, `used`)."""
 
     def __init__(self, stepping: Optional[Stepping] = None) -> None:
@@ -81,7 +81,7 @@ class ModelProvider:
         self.state = "empty"  # empty | loading | loaded | error
         self.error: str | None = None
         self.loaded = None  # StreamingModel
-        self.session = None
+        self.prompts = None  # engine/prompt_cache.PromptCache: every conversation and snapshot of the model
         self.expert_slots: int | list[int] | None = None
         self.policy = DEFAULT_POLICY
         self.threads: int | None = None  # expert reader threads
@@ -146,9 +146,9 @@ class ModelProvider:
             except BaseException as e:
                 self.state, self.error = "error", one_line(e)
                 raise
-            from .session import Session
+            from .prompt_cache import PromptCache
 
-            self.session = Session(self.loaded.model)
+            self.prompts = PromptCache(self.loaded.model, self.loaded.config)
             self.expert_slots, self.policy = expert_slots, policy
             self.threads, self.page_cache = io["threads"], io["page_cache"]
             self.packed, self.overlap = io["packed"], overlap
@@ -218,7 +218,7 @@ class ModelProvider:
                     if pool is not None:
                         pool.settle_prefetch()
                 self.loaded.store.close()
-            self.loaded = self.session = None
+            self.loaded = self.prompts = None
             self._retired = PoolCounters()
             self.carried = Carried(warned=self.carried.warned)
             self.state, self.error = "empty", None

@@ -61,7 +61,7 @@ class Sampling:
 class VisionInput:
     """A prompt's images as the model's processor made them: the pixels, the arrays the
     model reads beside them (grid sizes, ...), and each image's sha256 in prompt order,
-    so a cached prefix is reused only for the same images (engine/session.py)."""
+    so a cached prefix is reused only for the same images (engine/prompt_cache.py)."""
 
     pixel_values: Any
     arrays: dict

@@ -44,7 +44,7 @@ class ModelRecord:
     dense_bytes: int  # what it holds beside its pools
     experts_bytes: int  # its pools
     slots: int  # over every pool
-    kv_bytes: int  # its KV session, as its last generation left it
+    kv_bytes: int  # its prompt cache's conversations and snapshots, as its last generation left them
     counters: dict = field(default_factory=dict)  # its pools' counters since its load, when read
 
 
@@ -161,14 +161,12 @@ class Residents:
 
     def publish(self) -> None:
         """The records other threads read, as things stand now."""
-        from .kv import cache_bytes
-
         models = []
         for path, model in self.models.items():
             dense, experts, slots = model.memory_parts()
             models.append(ModelRecord(path, model.expert_slots, model.held_bytes(), self.pinned(model),
                                       model is self.running, dense, experts, slots,
-                                      cache_bytes(model.session.cache) if model.session is not None else 0))
+                                      model.prompts.held_bytes if model.prompts is not None else 0))
         state = "loading" if self.loading else "loaded" if self.running else "error" if self.failure else "empty"
         self.shown = Residency(tuple(models), self.limits, self.loads, state, self.failure)
 

@@ -1,8 +1,9 @@
 """One generation for one request, on the engine thread, under the provider's lock.
 
-`respond` is the whole of it, in order: the token budget, the KV layout, the longest
-cached prefix (in memory, then on disk), plain decoding or speculation, stop
-sequences, the routing trace, and the figures. What it keeps for the next generation
+`respond` is the whole of it, in order: the token budget, the KV layout, the cache
+checked out of the model's prompt cache with its longest cached prefix (in memory, then
+on disk), plain decoding or speculation, stop sequences, the routing trace, the figures,
+and the cache saved to disk and checked back in. What it keeps for the next generation
 (the drafter, the disk cache in use, warnings already given) is in `Carried`.
 """
 
@@ -23,10 +24,11 @@ from ..activity import ACTIVITY
 from .generation import Channel, Started
 from .provider import Carried, EngineError, ModelProvider
 from .request import Request
-from .session import Reuse
 from .disk_cache import DiskCache, namespace
 from .kv import KVError, layout_for, make_cache
+from .planner import model_context
 from .prefill import Fed, feed
+from .snapshots import TURNS
 from .trace import TraceRecorder
 
 
@@ -39,10 +41,11 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
 
     from ..speculation import start as spec
 
-    loaded, session = provider.loaded, provider.session
+    loaded, prompts = provider.loaded, provider.prompts
     begun = begin(provider, request, out, carried, default_max_tokens)
     prompt, max_tokens, kv, kv_note = begun.prompt, begun.max_tokens, begun.kv, begun.kv_note
-    cache, new_tokens, reused, disk, from_disk = begun.cache, begun.new_tokens, begun.reused, begun.disk, begun.from_disk
+    lease, disk, from_disk = begun.lease, begun.disk, begun.from_disk
+    cache, reused, new_tokens = lease.cache, begun.reused, begun.new_tokens
 
     step = request.chunk(len(prompt))  # prompt tokens per model call of the prefill (engine/prefill.py)
     # the dashboard's request in flight (activity.py)
@@ -64,9 +67,9 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
     embeddings = None
     if loaded.takes_images:  # the whole prompt's embeddings, images in place; fed from `reused` on
         embeddings = loaded.model.embed(prompt, request.vision)[reused:]
-    feeder = PromptFeeder(loaded, cache, session.snapshots, request, prompt, reused, kv, step,
+    feeder = PromptFeeder(loaded, cache, prompts, request, prompt, reused, kv, step,
                           lambda done: prefilled(done - reused), lambda: provider.stepping.between_groups(out), embeddings)
-    try:
+    try:  # a generation that raises leaves its cache out of the prompt cache: it may hold a half-fed step
         try:
             figures = spec.figures_for(request)
             if figures.k != 0:  # k > 0 runs the draft-and-verify loop
@@ -107,19 +110,16 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
             out.put("response", last)
             if stops.hit is not None:
                 break
-    except BaseException:
-        session.reset()  # the cache may hold a half-fed step
-        raise
     finally:
         ACTIVITY.end(flight)
         mx.synchronize()  # nothing may still read a slot when the pools change
         if recorder is not None:
             recorder.__exit__(None, None, None)
     if run is not None:
-        session.fed(run.fed)  # its prompt and what it kept (the drafts it rejected were rolled back)
+        lease.fed(run.fed)  # its prompt and what it kept (the drafts it rejected were rolled back)
     else:
-        session.fed(prompt[reused:])
-        session.fed(generated)
+        lease.fed(prompt[reused:])
+        lease.fed(generated)
     snapshots = feeder.fed.snapshots
     stats = fig.response_figures(provider, before, last, len(prompt), reused, len(new_tokens),
                                  time.perf_counter() - start, syncs.count() - syncs_before)
@@ -128,26 +128,27 @@ def respond(provider: ModelProvider, request: Request, out: Channel, carried: Ca
     if request.conversation_cache is not None and (off := disk_cache_off(loaded, request)):
         stats["disk_cache_off"] = off
     stats.update(figures.as_dict())
-    stats.update(fig.kv_figures(session.cache, kv, kv_note, step, ttft))
+    stats.update(fig.kv_figures(cache, kv, kv_note, step, ttft))
     stats.update(fig.prefill_figures(prompt_reads, feeder.fed, loaded))
-    stats.update(fig.reuse_figures(begun.reuse, session.snapshots, len(snapshots)))
+    stats.update(fig.reuse_figures(lease.reuse, prompts, len(snapshots)))
     if recorder is not None:
         _write_trace(recorder, request.trace_path, provider.checkpoint.name, stats, carried.warned)
-    save_to_disk(disk, session, from_disk, stats, carried.warned, snapshots)
+    save_to_disk(disk, lease, from_disk, stats, carried.warned, snapshots)
+    prompts.check_in(lease)
     return stats
 
 
 class PromptFeeder:
     """Feeds a prompt but its last token into `cache` (engine/prefill.py): model calls of
-    `step` tokens, a snapshot kept at each of the request's positions where `snapshots`
-    (the model's store) keeps them, `between()` after each tile and expert group (a
-    cancellation, other requests' decode steps). Called once, by the plain path, a
+    `step` tokens, a snapshot kept in `prompts` (the model's prompt cache) at each of the
+    request's positions where it keeps them, `between()` after each tile and expert group
+    (a cancellation, other requests' decode steps). Called once, by the plain path, a
     speculative run (with its own forward, for a drafter that reads hidden states) or a
     batch member before it joins."""
 
-    def __init__(self, loaded, cache, snapshots, request: Request, prompt: list[int], reused: int, kv, step: int,
+    def __init__(self, loaded, cache, prompts, request: Request, prompt: list[int], reused: int, kv, step: int,
                  on_chunk, between, embeddings=None):
-        self.loaded, self.cache, self.snapshots, self.request = loaded, cache, snapshots, request
+        self.loaded, self.cache, self.prompts, self.request = loaded, cache, prompts, request
         self.prompt, self.reused, self.kv, self.step = prompt, reused, kv, step
         self.on_chunk, self.between, self.embeddings = on_chunk, between, embeddings
         self.fed = Fed(reused, [])
@@ -156,50 +157,62 @@ class PromptFeeder:
         """Feed prompt[reused:-1]; returns the tokens now in the cache."""
         from .snapshots import positions
 
-        store, request = self.snapshots, self.request
+        prompts, request = self.prompts, self.request
         marks = {}
-        if store is not None and not disk_cache_off(self.loaded, request):
-            marks = dict(positions(self.reused, len(self.prompt), request.boundaries, store.spec.every))
+        if prompts.snapshots is not None and not disk_cache_off(self.loaded, request):  # images: tokens do not tell them apart
+            marks = dict(positions(self.reused, len(self.prompt), request.boundaries, prompts.snapshots.every))
         self.fed = feed(self.loaded.model, self.cache, self.prompt, self.reused, len(self.prompt) - 1,
                         chunk=self.step, marks=marks, kv=self.kv, on_chunk=self.on_chunk, between=self.between,
                         embeddings=self.embeddings, forward=forward)
-        self.fed.snapshots = [(at, store.take(self.kv, self.prompt[:at], cache, marks[at], copied=True))
+        self.fed.snapshots = [(at, prompts.take(self.kv, self.prompt[:at], cache, marks[at], copied=True))
                               for at, cache in self.fed.snapshots]
         return self.fed.tokens
 
 
 @dataclass
 class Begun:
-    """What a generation starts from: its prompt and token budget, its KV layout, and the
-    cached prefix it reuses (from the session, or the conversation cache on disk)."""
+    """What a generation starts from: its prompt and token budget, its KV layout, and its
+    cache, checked out of the model's prompt cache with the prefix it reuses (from memory,
+    or the conversation cache on disk)."""
 
     prompt: list[int]
     max_tokens: int
     kv: Any
     kv_note: Any
-    cache: Any
-    new_tokens: list[int]
-    reused: int
+    lease: Any  # engine/prompt_cache.Lease: checked back in after the reply
     disk: Any
-    from_disk: int
-    reuse: Any  # engine/session.Reuse: where the reused tokens came from, why not more
+
+    @property
+    def reused(self) -> int:
+        return self.lease.reused
+
+    @property
+    def new_tokens(self) -> list[int]:
+        return self.prompt[self.lease.reused:]
+
+    @property
+    def from_disk(self) -> int:
+        return self.lease.reused if self.lease.reuse.source == "disk" else 0
 
 
 def begin(provider: ModelProvider, request: Request, out: Channel, carried: Carried,
           default_max_tokens: int) -> Begun:
     """The start every generation shares, alone or in a batch, ending with "started" on `out`."""
-    loaded, session = provider.loaded, provider.session
+    loaded, prompts = provider.loaded, provider.prompts
     prompt = [int(t) for t in request.prompt]
     max_tokens = token_budget(prompt, request, default_max_tokens, provider.context_length)
     for processor in request.budget_aware:  # constrained decoding closes within it
         processor.limit_tokens(max_tokens)
     kv, kv_note = kv_layout(loaded, request.kv)
-    session.keep_snapshots(request.snapshots)
-    cache, new_tokens, reused = session.reuse_for(prompt, kv, images_of(request))
+    # the conversations share the KV cache the memory plan holds for the context
+    prompts.bound(request.snapshots, prompts.size(kv, request.max_context or model_context(loaded.config)))
+    hit = prompts.find(prompt, kv, images_of(request))
     disk = None if disk_cache_off(loaded, request) else disk_cache_for(provider, request, kv, carried)
-    cache, new_tokens, reused, from_disk = cache_from_disk(disk, session, loaded, prompt, kv, cache, new_tokens, reused)
-    out.put("started", Started(loaded.tokenizer, provider.checkpoint, prompt, reused, max_tokens))
-    return Begun(prompt, max_tokens, kv, kv_note, cache, new_tokens, reused, disk, from_disk, session.last)
+    turns = max((b.position for b in request.boundaries if b.kind == TURNS), default=len(prompt))
+    found = cache_from_disk(disk, loaded, prompt, kv, hit.reused)
+    lease = prompts.check_out(hit, turns, len(prompt) + max_tokens, found)
+    out.put("started", Started(loaded.tokenizer, provider.checkpoint, prompt, lease.reused, max_tokens))
+    return Begun(prompt, max_tokens, kv, kv_note, lease, disk)
 
 
 def disk_cache_off(loaded, request: Request) -> str | None:
@@ -276,7 +289,7 @@ def kv_layout(loaded, spec):
 def disk_cache_for(provider: ModelProvider, request: Request, kv, carried: Carried):
     """The conversation cache for this request's checkpoint and KV layout, or None."""
     spec = request.conversation_cache
-    if spec is None:  # this turn changes the session's cache unseen: a later one writes it whole
+    if spec is None:  # this turn changes a cache unseen: a later one writes it whole
         carried.disk = carried.disk_key = None
         return None
     key = (spec, str(provider.checkpoint), kv)
@@ -285,31 +298,25 @@ def disk_cache_for(provider: ModelProvider, request: Request, kv, carried: Carri
     return carried.disk
 
 
-def cache_from_disk(disk, session, loaded, prompt, kv, cache, new_tokens, reused):
-    """A longer prefix than the session holds, from disk, when there is one; the last
-    item is how many tokens came from disk."""
+def cache_from_disk(disk, loaded, prompt, kv, reused: int):
+    """A longer prefix than the `reused` tokens memory holds, from disk, when there is
+    one (engine/disk_cache.Found), else None."""
     if disk is None or reused >= len(prompt) - 1:
-        return cache, new_tokens, reused, 0
-    found = disk.lookup(prompt, reused, make_cache(loaded.model, kv))
-    if found is None:
-        return cache, new_tokens, reused, 0
-    note = session.last.note
-    session.adopt(found.cache, found.tokens, kv)
-    cache, new_tokens, reused = session.reuse_for(prompt, kv)
-    session.last = Reuse("disk", note if reused < len(prompt) - 1 else None)
-    return cache, new_tokens, reused, reused
+        return None
+    return disk.lookup(prompt, reused, make_cache(loaded.model, kv))
 
 
-def save_to_disk(disk, session, from_disk: int, stats: dict, warned: set, snapshots=()) -> None:
-    """Save the session's cache for a later process, a segment ending at each of this
-    generation's `snapshots` ((position, cache)) so that a later prompt can resume there
-    too; a failed write is a warning and a figure, never a lost reply."""
+def save_to_disk(disk, lease, from_disk: int, stats: dict, warned: set, snapshots=()) -> None:
+    """Save a request's cache (its engine/prompt_cache.Lease) for a later process, a
+    segment ending at each of this generation's `snapshots` ((position, cache)) so that a
+    later prompt can resume there too; a failed write is a warning and a figure, never a
+    lost reply."""
     stats["disk_cache_tokens"] = from_disk
-    if disk is None or not session.tokens:
+    if disk is None or not lease.tokens:
         return
     try:
         with worker.whole_write():  # an exit that cannot wait for the engine waits for this
-            stats["disk_cache_saved_bytes"] = disk.save(session.cache, session.tokens, stats["reused_tokens"],
+            stats["disk_cache_saved_bytes"] = disk.save(lease.cache, lease.tokens, stats["reused_tokens"],
                                                         snapshots)
     except Exception as e:  # OSError, a cache class save_prompt_cache cannot write
         stats["disk_cache_error"] = one_line(e)

@@ -1,30 +1,30 @@
 """Snapshots of a cache that cannot be rewound, so a later prompt resumes inside its prefix.
 
-A growing attention cache can be cut back to any shorter prefix (engine/session.py), but
+A growing attention cache can be cut back to any shorter prefix (engine/kv.rewinds), but
 a linear-attention state, a sliding window that has wrapped and a chunked-attention cache
 cannot: once fed, they hold only "after the last token". An agent's next prompt shares its
 system prompt and tools with the last one and then differs (a new task, a re-rendered
 reply whose reasoning the template dropped), so such a model would read the whole prompt
 again. While a prompt is prefilled, the engine therefore copies its cache at chosen
 positions: where the rendered prompt's stable parts end (the system prompt and tools; the
-earlier turns, before the generation prompt) and every `every` tokens of a long stretch.
-A later prompt resumes from the longest snapshot inside its common prefix and prefills
-only the rest.
+earlier turns, before the generation prompt) and every `every` tokens of a long stretch:
+each layer's cache is copied as the tile that ends there reaches it, inside the one model
+call of the prompt (engine/prefill.py), so a snapshot reads no expert again. A later
+prompt resumes from the longest snapshot inside its common prefix and prefills only the
+rest.
 
-The store is mlx-lm's own `LRUPromptCache` (its server keeps its prompt segments in it):
-a trie of token prefixes, a copy handed out on each fetch, bounded in count and bytes.
-Snapshots at the end of the system prompt are typed "system", which it evicts last; those
-before the generation prompt "user"; every-N ones "assistant", evicted first.
+The snapshots are entries of the model's prompt cache (engine/prompt_cache.py, its
+`take`), beside its conversations, bounded in count and bytes: those at the end of the
+system prompt are typed "system", evicted last; those before the generation prompt
+"user"; every-N ones "assistant", evicted first (mlx-lm's `LRUPromptCache` types).
 
-A resumed prompt is cut into the same chunks as a cold one from that position on (the
-snapshot positions are chunk ends), so it computes exactly what a cold prefill computes.
+A resumed prompt is cut into the same tiles as a cold one from that position on (the
+snapshot positions are tile ends), so it computes exactly what a cold prefill computes.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
-from typing import Optional
 
 SYSTEM, TURNS, INTERVAL = "system", "user", "assistant"  # LRUPromptCache's types, kept longest first
 
@@ -46,14 +46,6 @@ class Boundary:
     kind: str  # SYSTEM or TURNS
 
 
-def cache_rewinds(cache) -> bool:
-    """Whether every layer of a fresh cache can be cut back to any prefix (a growing
-    attention cache): such a cache needs no snapshots."""
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache
-
-    return all(type(c) in (KVCache, QuantizedKVCache) for c in cache)
-
-
 def positions(start: int, end: int, boundaries, every: int) -> list[tuple[int, str]]:
     """(position, kind) of the snapshots to take while prefilling prompt tokens
     start..end: the boundaries and the multiples of `every` strictly inside, in order."""
@@ -62,68 +54,3 @@ def positions(start: int, end: int, boundaries, every: int) -> list[tuple[int, s
         for p in range((start // every + 1) * every, end, every):
             found.setdefault(p, INTERVAL)
     return sorted(found.items())
-
-
-class Snapshots:
-    """The snapshots of one loaded model, under one KV layout each."""
-
-    def __init__(self, spec: SnapshotSpec):
-        from mlx_lm.models.cache import LRUPromptCache
-
-        self.spec = spec
-        self.store = LRUPromptCache(max_size=spec.max_count, max_bytes=spec.max_bytes)
-
-    def take(self, kv, tokens, cache, kind: str, copied: bool = False) -> list:
-        """Keep `cache`, which has seen exactly `tokens` (a copy, unless `copied` says it
-        is one already: mlx-lm's BatchGenerator.extract_cache); returns what was kept."""
-        import mlx.core as mx
-
-        kept = cache if copied else copy.deepcopy(cache)
-        mx.eval([c.state for c in kept])  # its own arrays now, not a view of a cache still being fed
-        self.store.insert_cache(kv, [int(t) for t in tokens], kept, cache_type=kind)
-        return kept
-
-    def nearest(self, kv, prompt: list[int], longer_than: int) -> Optional[tuple[list, int]]:
-        """(a copy of the cache, the tokens it holds) for the longest snapshot that is a
-        prefix of `prompt` (at least one token left to feed), when it holds more than
-        `longer_than` tokens."""
-        cache, rest = self.store.fetch_nearest_cache(kv, list(prompt[:-1]))
-        if cache is None:
-            return None
-        held = len(prompt) - 1 - len(rest)
-        return (cache, held) if held > longer_than else None
-
-    @property
-    def count(self) -> int:
-        return len(self.store)
-
-    @property
-    def nbytes(self) -> int:
-        return self.store.nbytes
-
-
-def feed(model, cache, prompt: list[int], start: int, marks, step: int, kv, snapshots: Snapshots,
-         on_chunk) -> tuple[int, list[tuple[int, list]]]:
-    """Prefill `prompt` from `start` up to each of `marks` ((position, kind), in order) in
-    chunks of at most `step` tokens, as mlx-lm's generate_step prefills (its stream, its
-    KV quantization step after each chunk), keeping a snapshot at each mark; `on_chunk(fed)`
-    after each chunk (it raises to stop). Returns (the tokens now in the cache, the
-    [(position, snapshot)] taken)."""
-    import mlx.core as mx
-    from mlx_lm.generate import generation_stream, maybe_quantize_kv_cache
-
-    quantize = kv.generate_kwargs()
-    taken, at = [], start
-    with mx.stream(generation_stream):
-        for position, kind in marks:
-            while at < position:
-                n = min(step, position - at)
-                model(mx.array(prompt[at:at + n])[None], cache=cache)
-                if quantize:
-                    maybe_quantize_kv_cache(cache, quantize["quantized_kv_start"], quantize["kv_group_size"],
-                                            quantize["kv_bits"])
-                mx.eval([c.state for c in cache])
-                at += n
-                on_chunk(at)
-            taken.append((position, snapshots.take(kv, prompt[:position], cache, kind)))
-    return at, taken

@@ -124,7 +124,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob(
         name="max_context", type=Union[Literal["auto"], int], default="auto", check=values.max_context,
         description="Longest conversation (prompt + reply, in tokens) the KV cache is planned for; "
-        "longer prompts are refused and replies stop there. auto: the model's own context, as long as "
+        "longer prompts are refused and replies stop there; the conversations a model keeps in memory share "
+        "that KV cache. auto: the model's own context, as long as "
         f"its KV cache takes at most {values.KV_SHARE:.0%} of the memory budget (`llm mlxs plan` shows it). "
         "As an option: a lower limit for one prompt (the setting is what the KV cache and the memory plan "
         "are made for).",

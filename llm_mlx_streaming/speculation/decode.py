@@ -64,7 +64,7 @@ class SpeculativeRun:
 
     `history` is the sequence the cache already holds (a reused prefix), `prompt` the
     tokens still to prefill. After (or during) iteration `fed` is exactly the tokens
-    the cache has seen beyond `history`, which the session records.
+    the cache has seen beyond `history`, which the prompt cache records.
     """
 
     model: object

@@ -148,7 +148,7 @@ class Client:
 
 
 def _batch_kv_bytes() -> int:
-    """The running batch's KV caches (it took over its model's session's)."""
+    """The running batch's KV caches (its members' checked out of their model's prompt cache)."""
     try:
         batch = ACTIVITY.batch
         return batch.kv_bytes() if batch is not None else 0
