@@ -126,6 +126,7 @@ def test_a_long_prompt_joins_in_one_call_while_the_members_go_on_decoding(qwen, 
     long = prompt_tokens(vocab_size(qwen), n=300, seed=2)
     alone = {len(p): [r.token for r in engine.run(None, Request(prompt=p, max_tokens=n))]
              for p, n in ((short, 40), (long, 4))}
+    engine.prompts.reset()  # both prompts cold again
     running = batching.Batch(engine, 4)
     outs = [Channel(), Channel()]
     events = {id(out): [] for out in outs}

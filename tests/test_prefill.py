@@ -82,7 +82,6 @@ def test_every_kind_of_mixer_takes_one_call_in_tiles_and_snapshots_cost_no_call(
     assert got[2]["prefill_calls"] == 1 and got[2]["snapshots_taken"] == 1
     assert got[2]["expert_passes"] <= 1.5  # one pass for the prompt, the last token's and one decode step's reads
     # a prompt that shares the snapshot's prefix resumes from it and computes what a cold one computes
-    engine.prompts.reset()
     again = prompt[:TILE] + prompt_tokens(vocab_size(path), n=90, seed=8)
     resumed = engine_run(engine, again, 1024, **marks)
     assert resumed[2]["reused_from"] == "snapshot" and resumed[2]["reused_tokens"] == TILE
