@@ -159,7 +159,7 @@ def _child(argv: list[str]) -> dict:
 def plans() -> None:
     """The expert chunk of real models on a Mac (see the module's docstring)."""
     from llm_mlx_streaming.engine.footprint import Layout
-    from llm_mlx_streaming.engine.planner import auto_context, expert_chunk
+    from llm_mlx_streaming.engine.planner import auto_context, default_reserve, expert_chunk
 
     print("| model | budget | max_context (auto) | per token | chunk at 20k | passes at 20k (2048s) | "
           "chunk at 60k | chunk at the context |")
@@ -171,7 +171,8 @@ def plans() -> None:
         for gb in (24, 48, 128):
             budget = gb * 10**9
             context = auto_context(layout, budget)
-            chunk = expert_chunk(layout, budget, max_context=context, fused=True)
+            # a real model's pools take what the budget holds beyond the plan: the room is the reserve
+            chunk = expert_chunk(layout, default_reserve(budget), max_context=context, fused=True)
             print(f"| {name} | {gb} GB | {context:,} | {chunk.per_token / 1024:.0f} KiB | {chunk.tokens(20000):,} | "
                   f"{chunk.passes(20000)} ({-(-19999 // 2048)}) | {chunk.tokens(60000):,} | "
                   f"{chunk.tokens(context):,} |")

@@ -178,15 +178,18 @@ def test_tiles_end_at_marks_and_calls_group_tiles_up_to_the_chunk():
 def test_the_expert_chunk_is_what_the_room_left_by_the_prompt_holds(build):
     path = build("qwen3_moe", num_experts=EXPERTS, top_k=TOP_K, head_dim=64, max_position_embeddings=65536)
     layout = checkpoint_layout(path)
-    chunk = expert_chunk(layout, 20 * 10**9, max_context=65536, fused=True)
+    chunk = expert_chunk(layout, 10**9, max_context=65536, fused=True)  # a GB beside the KV cache
     short, long = chunk.tokens(4000), chunk.tokens(65536)
     assert short >= long >= ATTENTION_TILE and short % ATTENTION_TILE == 0
     assert short == 65536 and chunk.passes(4000) == 1  # the whole context fits: one pass
-    tight = expert_chunk(layout, 10**9, max_context=65536, fused=False)
+    tight = expert_chunk(layout, 256 * 2**20, max_context=65536, fused=False)
     assert tight.tokens(65536) == ATTENTION_TILE  # never below mlx-lm's chunk
     assert tight.tokens(65536, held=10**9) == ATTENTION_TILE
-    cpu = expert_chunk(layout, 20 * 10**9, max_context=65536, fused=False)
+    cpu = expert_chunk(layout, 10**9, max_context=65536, fused=False)
     assert cpu.tokens(60000) < chunk.tokens(60000)  # a tile's scores against the prompt count on the CPU
+    some = expert_chunk(layout, 150 * 2**20, max_context=65536, fused=True)
+    assert ATTENTION_TILE < some.tokens(8000, held=10**8) < some.tokens(8000)  # others' caches take room
+    plan = plan_memory(path, "20GB", max_context=65536)
+    assert plan.expert_chunk.room == plan.reserve_bytes + plan.unused_bytes  # the budget beyond the plan too
     auto = prefill_step_for(path, "20GB", max_context=65536)
-    assert auto.tokens(4000) == Request(prompt=[1], prefill_step=auto).chunk(4000)
-    assert plan_memory(path, "20GB", max_context=65536).reserve_bytes > 0
+    assert auto.tokens(4000) == Request(prompt=[1], prefill_step=auto).chunk(4000) == 65536

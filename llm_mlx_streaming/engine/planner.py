@@ -82,12 +82,12 @@ class ExpertChunk:
     each MoE layer reads every expert a call routes to once, so a prompt that fits one
     call is read in one pass over the experts.
 
-    The room is the plan's working reserve plus the part of the KV cache planned for
-    `context` tokens that the prompt leaves unused; each token of the call takes
-    `per_token`, the call's tile and route group `fixed`, and a tile's attention scores
-    `scores_per_key` per key it attends to."""
+    The room is what the plan leaves a prefill (its working reserve and what the budget
+    holds beyond the plan) plus the part of the KV cache planned for `context` tokens that
+    the prompt leaves unused; each token of the call takes `per_token`, the call's tile and
+    route group `fixed`, and a tile's attention scores `scores_per_key` per key it attends to."""
 
-    reserve: int
+    room: int
     layout: Layout = field(repr=False, compare=False)
     kv: KVSpec
     context: int
@@ -103,7 +103,7 @@ class ExpertChunk:
         """The chunk a prompt of `prompt` tokens is fed in, with `held` bytes of other
         sequences' caches in the room: a multiple of the tile, at least one tile."""
         prompt = min(max(prompt, 1), self.context)
-        room = self.reserve + self.kv_bytes(self.context) - self.kv_bytes(prompt) - held
+        room = self.room + self.kv_bytes(self.context) - self.kv_bytes(prompt) - held
         room -= self.fixed + self.scores_per_key * prompt
         fits = max(0, room) // self.per_token // ATTENTION_TILE * ATTENTION_TILE
         ceiling = -(-self.context // ATTENTION_TILE) * ATTENTION_TILE
@@ -114,15 +114,15 @@ class ExpertChunk:
         return -(-max(prompt - 1, 1) // self.tokens(prompt))
 
 
-def expert_chunk(layout: Layout, budget: int, *, max_context: int | None = DEFAULT_MAX_CONTEXT,
-                 kv: KVSpec | None = None, reserve_bytes: int | None = None, fused: bool | None = None) -> ExpertChunk:
-    """The ExpertChunk of `layout` under `budget` bytes (the plan's reserve and KV room)."""
+def expert_chunk(layout: Layout, room: int, *, max_context: int | None = DEFAULT_MAX_CONTEXT,
+                 kv: KVSpec | None = None, fused: bool | None = None) -> ExpertChunk:
+    """The ExpertChunk of `layout` with `room` bytes beside the plan's KV cache (the
+    plan's reserve and what its budget leaves unused)."""
     kv = kv or FULL_PRECISION
     fused = fused_attention(kv) if fused is None else fused
     top_k = max(1, layout.top_k)
     return ExpertChunk(
-        reserve=default_reserve(budget) if reserve_bytes is None else reserve_bytes,
-        layout=layout, kv=kv, context=max_context or DEFAULT_MAX_CONTEXT,
+        room=room, layout=layout, kv=kv, context=max_context or DEFAULT_MAX_CONTEXT,
         per_token=prefill_bytes_per_token(layout.config, top_k, max(1, layout.num_experts)),
         fixed=prefill_tile_bytes(layout.config, top_k, 0, fused),
         scores_per_key=0 if fused else ATTENTION_TILE * decoder_shape(layout.config)[2] * 4,
@@ -135,15 +135,15 @@ def prefill_step_for(
     *,
     max_context: int | None = DEFAULT_MAX_CONTEXT,
     kv: KVSpec | None = None,
-    reserve_bytes: int | str | None = None,
     layout: Layout | None = None,
+    snapshot_bytes: int = 0,
 ) -> ExpertChunk:
-    """The expert chunk of the checkpoint at `path` for a memory budget ("auto"
-    prefill_step): `.tokens(prompt)` is the chunk a prompt of that length is fed in.
-    `layout`: the checkpoint's, when the caller has read it already."""
-    layout = layout or checkpoint_layout(path)
-    reserve = None if reserve_bytes is None else parse_size(reserve_bytes)
-    return expert_chunk(layout, parse_size(budget_bytes), max_context=max_context, kv=kv, reserve_bytes=reserve)
+    """The expert chunk of the checkpoint at `path` under its memory plan for a budget
+    ("auto" prefill_step): `.tokens(prompt)` is the chunk a prompt of that length is fed
+    in. `layout`: the checkpoint's, when the caller has read it already. PlanError when
+    the budget cannot run the checkpoint."""
+    return plan_memory(path, budget_bytes, max_context=max_context, kv=kv, layout=layout,
+                       snapshot_bytes=snapshot_bytes).expert_chunk
 
 
 # -- the plan ------------------------------------------------------------------------
@@ -346,7 +346,7 @@ def plan_memory(
         vision_bytes=layout.vision_bytes,
         image_tokens=layout.image_tokens,
         image_note=layout.image_note,
-        expert_chunk=expert_chunk(layout, budget, max_context=max_context, kv=kv_layout, reserve_bytes=reserve),
+        expert_chunk=expert_chunk(layout, reserve + available - pool, max_context=max_context, kv=kv_layout),
     )
 
 

@@ -240,8 +240,9 @@ def prefill_step(options, settings: Settings, path, budget: Optional[int], kv, l
     try:
         if budget is None:
             budget = budget_bytes(budget_value(options, settings))
-        return prefill_step_for(path, budget, max_context=context, kv=kv, layout=layout)
-    except (MlxStreamError, CheckpointError, ValueError, OSError):
+        return prefill_step_for(path, budget, max_context=context, kv=kv, layout=layout,
+                                snapshot_bytes=snapshot_budget(settings, budget))
+    except (MlxStreamError, CheckpointError, ValueError, OSError):  # PlanError among them
         return None
 
 
