@@ -7,8 +7,12 @@
 3. What the conversation cache writes per response over a conversation of several
    turns, each in a new process (`llm -c`): the segment the turn added, against
    rewriting the whole cache after every response (what it did before #18).
+4. A thinking budget (`thinking_budget`, Claude Code's `budget_tokens`): decode tok/s
+   of a long reasoning with the cap on and off, on a smaller checkpoint that decodes
+   fast enough to reach a 16k budget (`--cap-budget`); the cap closes the reasoning at
+   the budget and the reply ends 64 tokens later.
 
-    python benchmarks/features_bench.py [--prompt-tokens 1500] [--runs 3] [--turns 5]
+    python benchmarks/features_bench.py [--prompt-tokens 1500] [--runs 3] [--turns 5] [--only cap]
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from llm_mlx_streaming.engine.request import LoadSpec, Request, Sampling  # noqa
 
 CACHE = Path(__file__).resolve().parent / ".cache"
 SHAPE = dict(hidden_size=512, moe_intermediate_size=256, num_experts=32, top_k=4, num_layers=8, quant="4bit")
+CAP_SHAPE = dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, top_k=2, num_layers=2,
+                 max_position_embeddings=32768)
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -123,6 +129,64 @@ class _Timed:
         return out
 
 
+def cap_rows(budget: int, runs: int) -> list[tuple]:
+    """(label, decode tok/s, decode tok/s per CPU second, the cap's microseconds per token,
+    tokens, host syncs) of a reasoning opened by the prompt and decoded past `budget`,
+    with the cap and without, the two alternating. End-of-text is kept out of both (a
+    random model would end early), so each reply is `budget` + 64 tokens. The CPU
+    figure (this process's user + system time) and the cap's own time hold where the
+    machine is shared; wall-clock tok/s does not."""
+    import resource
+
+    from llm_mlx_streaming import syncs
+    from llm_mlx_streaming.processors import Stateless, reasoning_cap
+
+    path = build_checkpoint(CACHE / "features-cap", "qwen3_moe", **CAP_SHAPE)
+    engine = EngineManager()
+    load = LoadSpec(path=path, expert_slots=CAP_SHAPE["num_experts"])
+    engine.load(path, expert_slots=load.expert_slots)
+    tokenizer = engine.tokenizer
+    prompt = tokenizer.encode("Think this through at length.")
+    eos = sorted(tokenizer.eos_token_ids)
+    end = tokenizer.encode(" done", add_special_tokens=False)  # the think block's end tag, as ids
+
+    def no_end(tokens, logits):
+        return logits.at[:, eos].add(-float("inf"))
+
+    def cpu() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    figures = {"cap off": [], "cap on": []}
+    for i in range(runs):  # the two alternate, so that the machine's other load falls on both
+        for label in sorted(figures, reverse=i % 2 == 1):
+            engine.session.reset()
+            cap = _Clocked(reasoning_cap(len(prompt), True, [], end, [], budget))
+            processors = [Stateless(no_end), *([cap] if label == "cap on" else [])]
+            before, used = syncs.count(), cpu()
+            done = run(engine, load, Request(prompt=prompt, max_tokens=budget + 64, logits_processors=processors,
+                                             sampling=Sampling(temperature=1.0, seed=1)))
+            used = cpu() - used
+            n = len(done.tokens)
+            figures[label].append((done.stats["decode_tps"], n / used, cap.seconds / n * 1e6, n,
+                                   syncs.count() - before))
+    return [(label, *(statistics.median(column) for column in zip(*rows))) for label, rows in figures.items()]
+
+
+class _Clocked:
+    """A logits processor's own host time, summed over its calls (nothing is evaluated
+    for it: what it costs the step is what it does on the host)."""
+
+    def __init__(self, inner):
+        self.inner, self.seconds = inner, 0.0
+
+    def __call__(self, tokens, logits):
+        start = time.perf_counter()
+        out = self.inner(tokens, logits)
+        self.seconds += time.perf_counter() - start
+        return out
+
+
 def restart_rows(engine, load, tokenizer, prompt_tokens: int, runs: int) -> list[tuple]:
     words = ("the quick brown fox jumps over the lazy dog and " * (prompt_tokens // 8 + 1)).split()
     first = tokenizer.encode(" ".join(words[: prompt_tokens]))[:prompt_tokens]
@@ -172,7 +236,23 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--cap-budget", type=int, default=16384)
+    parser.add_argument("--only", choices=["cap"], help="print only this table")
     args = parser.parse_args()
+    if args.only != "cap":
+        feature_tables(args)
+        print()
+    print(f"{'thinking budget ' + str(args.cap_budget):<22} {'tok/s':>7} {'tok/CPU s':>10} {'cap us/token':>13} "
+          f"{'tokens':>7} {'host syncs':>11}")
+    rows = cap_rows(args.cap_budget, args.runs)
+    for label, tps, per_cpu, us, tokens, counted in rows:
+        print(f"{label:<22} {tps:>7.1f} {per_cpu:>10.1f} {f'{us:.1f}' if label == 'cap on' else '-':>13} "
+              f"{tokens:>7.0f} {counted:>11.0f}")
+    print(f"cap on / cap off: {rows[1][1] / rows[0][1]:.3f} tok/s, {rows[1][2] / rows[0][2]:.3f} per CPU second "
+          f"(medians of {args.runs}, alternating; {CAP_SHAPE}, every expert resident)")
+
+
+def feature_tables(args) -> None:
     path = build_checkpoint(CACHE / "features-q4", "qwen3_moe", **SHAPE)
     engine = EngineManager()
     load = LoadSpec(path=path, expert_slots=SHAPE["num_experts"] // 2)

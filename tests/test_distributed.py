@@ -4,8 +4,10 @@ holding only its own layers; a lost rank and a differing checkpoint are one line
 prompt cancelled mid-prefill stops at the same chunk on every rank, and a server stopped
 then ends every rank within seconds."""
 
+import ctypes
 import json
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -211,10 +213,21 @@ LLM = [str(Path(sys.executable).with_name("llm"))]
 needs_proc = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks in /proc")
 
 
+_PRCTL = getattr(ctypes.CDLL(None), "prctl", None)  # Linux's; found before any fork
+
+
+def _dies_with_this_process() -> None:
+    """In a child before it runs: SIGTERM once the process that started it ends, however
+    (Linux's PR_SET_PDEATHSIG), so that a test run ended mid-test by SIGTERM or SIGKILL,
+    whose finalizers never run, still stops the server it started."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def _serve(llm_env, log: Path, *args: str, site: Path | None = None):
     """`llm mlxs serve` over two local ranks (`args`: --hosts or --hostfile, and more) with
-    its stderr in `log`, each process importing `site`'s sitecustomize.py if given; the
-    process and rank 0's discovery file, once rank 0 listens."""
+    its stderr in `log`, each process importing `site`'s sitecustomize.py if given, ended
+    with this process; the process and rank 0's discovery file, once rank 0 listens."""
     import os
     import time
 
@@ -225,7 +238,8 @@ def _serve(llm_env, log: Path, *args: str, site: Path | None = None):
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
     with log.open("w") as err:
         server = subprocess.Popen(LLM + ["mlxs", "serve", *args, "--port", "0", "--ring-port", str(_free_ports(2)),
-                                         "-m", "mlx-stream/small"], env=env, stdout=subprocess.DEVNULL, stderr=err)
+                                         "-m", "mlx-stream/small"], env=env, stdout=subprocess.DEVNULL, stderr=err,
+                                  preexec_fn=_dies_with_this_process)
     info = None
     for _ in range(600):  # at most 60 s for both ranks to start and rank 0 to listen
         info = discovery.read()
@@ -390,15 +404,34 @@ def test_a_pipeline_server_stopped_mid_prefill_ends_every_rank_within_seconds(ll
         _stop(server, llm_env)
 
 
-@needs_proc
-def test_a_pipeline_whose_supervisor_is_killed_stops_every_rank_and_mlx_launch(llm_env, tmp_path):
-    """SIGKILL to `llm mlxs serve --hosts` (no word to the ranks): rank 0 sees its
-    supervisor gone and stops as on Ctrl-C, so mlx.launch and every rank end within
-    seconds instead of running on, unsupervised, and the discovery file goes."""
-    import os
-    import signal
+ORPHAN_SECONDS = 10.0  # from the end of a pipeline's supervisor or mlx.launch to the end of every rank
+
+
+def _all_gone(llm_env, seconds: float = ORPHAN_SECONDS) -> bool:
+    """Whether every process of this test's server (a zombie is gone) ends within `seconds`."""
     import time
 
+    deadline = time.monotonic() + seconds
+    while _processes(llm_env) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not _processes(llm_env)
+
+
+def _kill_what_is_left(server, llm_env) -> None:
+    import os
+
+    _stop(server, llm_env)
+    for pid in _processes(llm_env):
+        os.kill(pid, signal.SIGKILL)
+
+
+@needs_proc
+def test_a_pipeline_whose_supervisor_is_killed_stops_every_rank_and_mlx_launch(llm_env, tmp_path):
+    """SIGKILL to `llm mlxs serve --hosts` (no word to the ranks), left unreaped as a
+    parent that does not wait leaves it: mlx.launch sees its parent gone and stops the
+    ranks as the supervisor would (rank 0 as on Ctrl-C), so every process ends within
+    seconds instead of running on, unsupervised; the discovery file, which names the
+    supervisor, goes once that is reaped (a zombie's pid is still taken)."""
     from llm_mlx_streaming import discovery
 
     server, info = _serve(llm_env, tmp_path / "serve.log", "--hosts", "127.0.0.1,127.0.0.1")
@@ -406,15 +439,61 @@ def test_a_pipeline_whose_supervisor_is_killed_stops_every_rank_and_mlx_launch(l
         started = _processes(llm_env)
         assert sorted(r for r in started.values() if r is not None) == [0, 1]
         assert len(started) == 4  # the supervisor, mlx.launch and the two ranks
-        server.kill()
+        server.kill()  # a zombie until waited for
+        assert _all_gone(llm_env), (tmp_path / "serve.log").read_text()[-3000:]
         server.wait(timeout=30)
-        deadline = time.monotonic() + 15
-        while _processes(llm_env) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _processes(llm_env), (tmp_path / "serve.log").read_text()[-3000:]
         assert discovery.read() is None
     finally:
-        _stop(server, llm_env)
+        _kill_what_is_left(server, llm_env)
+
+
+@needs_proc
+def test_a_pipeline_whose_mlx_launch_is_killed_leaves_no_rank_running(llm_env, tmp_path):
+    """SIGKILL to mlx.launch alone: its ranks, left without it, end (rank 0 stops as on
+    Ctrl-C and sends the other home) and the supervisor ends with the failure."""
+    import os
+
+    server, info = _serve(llm_env, tmp_path / "serve.log", "--hosts", "127.0.0.1,127.0.0.1", "--restarts", "0")
+    try:
+        launcher = [pid for pid, rank in _processes(llm_env).items() if rank is None and pid != server.pid]
+        assert len(launcher) == 1 and len(_ranks(llm_env)) == 2
+        os.kill(launcher[0], signal.SIGKILL)
+        assert server.wait(timeout=30) == 1
+        assert _all_gone(llm_env), (tmp_path / "serve.log").read_text()[-3000:]
+    finally:
+        _kill_what_is_left(server, llm_env)
+
+
+@needs_proc
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_test_run_ended_mid_test_leaves_no_pipeline_running(tmp_path, sig):
+    """pytest ended by SIGTERM (no finalizer runs) or SIGINT (they do) while a test of
+    its serves a pipeline (tests/interrupted_pipeline.py): the supervisor ends with it
+    (`_dies_with_this_process`), and so do mlx.launch and both ranks."""
+    import os
+    import time
+
+    from plugin_support import LlmEnv
+
+    user_dir = tmp_path / "llm"
+    serving = user_dir / "serving"
+    env = {**os.environ, "LLM_USER_PATH": str(user_dir)}
+    run = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            str(HERE / "interrupted_pipeline.py")], cwd=HERE.parent, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    llm_env = LlmEnv(user_dir, tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while not serving.exists() and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert serving.exists(), run.communicate(timeout=30)[0].decode()[-3000:] if run.poll() is not None else ""
+        assert sorted(r for r in _processes(llm_env).values() if r is not None) == [0, 1]
+        run.send_signal(getattr(signal, sig))
+        run.wait(timeout=60)
+        assert _all_gone(llm_env), (user_dir / "serve.log").read_text()[-3000:]
+    finally:
+        if run.poll() is None:
+            run.kill()
         for pid in _processes(llm_env):
             os.kill(pid, signal.SIGKILL)
 

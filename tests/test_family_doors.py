@@ -262,12 +262,12 @@ def test_a_budget_ends_the_reasoning_with_the_familys_closing_tokens_and_the_ans
     thought = tokenizer.encode(" ".join([THOUGHT] * 8), add_special_tokens=False)
     answer = tokenizer.encode(ANSWER, add_special_tokens=False) + [end_of_turn(family, tokenizer, False)]
 
-    def script(reply):  # a thought that never ends by itself; once closed, the answer
-        at = _position(reply, close)
+    def script(reply):  # a thought that never ends by itself; once the budget ended it, the answer
+        at = _position(reply[len(opening):], close[:1])  # the reasoning's end tag (forced)
         if at is None:
             return [*opening, *thought][len(reply)] if len(reply) < len(opening) + len(thought) else None
-        done = len(reply) - at - len(close)
-        return answer[done] if done < len(answer) else None  # mlx-lm computes a step past the end
+        done, rest = len(reply) - len(opening) - at - 1, [*close[1:], *answer]  # harmony's header: the model's
+        return rest[done] if done < len(rest) else None  # mlx-lm computes a step past the end
 
     ask, _, ask_first = DOORS["anthropic"]
     for stream in (False, True):
@@ -282,21 +282,58 @@ def test_a_budget_ends_the_reasoning_with_the_familys_closing_tokens_and_the_ans
 @pytest.mark.parametrize("family", ["gpt_oss", "gemma4"])
 def test_stock_mlx_lm_fed_the_same_forced_tokens_writes_the_same_reply(served, first, family):
     """Greedy, the reasoning opened and then free: the budget's closing tokens are the
-    only other forced ones, and stock mlx-lm forced the same at the same places agrees."""
+    only other forced ones, and stock mlx-lm forced the same at the same places agrees
+    (without tools: with them, what follows harmony's forced end is the model's choice
+    of the answer or a call, test_format_harmony.py)."""
     from mlx_lm import load as stock_load
 
     opening, close = _closing(family, served.tokenizer(family))
     n = len(opening) + BUDGET + len(close) + 6
     writes = Writes(lambda reply: opening[len(reply)] if len(reply) < len(opening) else None)
     first.append(writes)
-    DOORS["anthropic"][0](served.server.url, family, DOORS["anthropic"][2](ASK), False, extra_body={"temperature": 0},
-                          max_tokens=n, thinking={"type": "enabled", "budget_tokens": BUDGET})
+    DOORS["anthropic"][0](served.server.url, family, DOORS["anthropic"][2](ASK), False, tools=[],
+                          extra_body={"temperature": 0}, max_tokens=n,
+                          thinking={"type": "enabled", "budget_tokens": BUDGET})
     assert writes.reply[len(opening) + BUDGET:][:len(close)] == close
     forced = {**dict(enumerate(opening)), **{len(opening) + BUDGET + i: t for i, t in enumerate(close)}}
     stock = greedy_tokens(stock_load(str(served.paths[family]))[0], writes.prompt, n,
                           [Writes(lambda reply: forced.get(len(reply)))])
     assert len(writes.reply) > len(opening) + BUDGET + len(close)
     assert writes.reply == stock[:len(writes.reply)]
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma4", "qwen3"])
+def test_a_reasoning_its_budget_closed_may_still_call_a_tool(served, first, family):
+    """A model that meant to call a tool still can once its budget closed the reasoning:
+    after the forced end (harmony's analysis channel; Gemma 4's thought; a think tag)
+    it writes its call (harmony: a new message in the commentary channel, which the
+    budget no longer forces to the final channel), given as a tool call by the API."""
+    from llm_mlx_streaming.prompt.split import reasoning_of
+
+    tokenizer = served.tokenizer(family)
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    opening, _ = _closing(family, tokenizer)
+    thought = encode(" ".join([THOUGHT] * 8))
+    end = reasoning_of(tokenizer).end  # the tag the budget forces
+    called = native_reply(family, reasoning="\0", calls=CALLS[:1]).split("\0")[1]
+    rest = [*encode(end), *encode(called[called.index(end) + len(end):]), end_of_turn(family, tokenizer, True)]
+
+    def script(reply):  # a thought that never ends by itself; once the budget ended it, the call
+        at = _position(reply[len(opening):], encode(end))
+        if at is None:
+            return [*opening, *thought][len(reply)] if len(reply) < len(opening) + len(thought) else None
+        done = len(reply) - len(opening) - at
+        return rest[done] if done < len(rest) else None
+
+    ask, _, ask_first = DOORS["anthropic"]
+    for stream in (False, True):
+        first.append(writes := Writes(script))
+        turn = ask(served.server.url, family, ask_first(ASK), stream,
+                   thinking={"type": "enabled", "budget_tokens": BUDGET})
+        assert writes.reply == [*opening, *thought[:BUDGET], *rest]
+        assert turn.reasoning.strip() == tokenizer.decode(thought[:BUDGET]).strip()
+        assert [(name, arguments) for _, name, arguments, _ in turn.calls] == CALLS[:1], turn
+        assert turn.finish == "tool_use" and not turn.text.strip(), turn
 
 
 def test_a_budget_that_cannot_bind_adds_nothing(served, first, family="gpt_oss"):

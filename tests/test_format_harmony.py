@@ -122,3 +122,56 @@ def test_the_template_and_vocabulary_are_what_it_is_recognised_by():
     assert harmony.FORMAT.detect(published, {"<|constrain|>": 200003})
     assert harmony.FORMAT.detect("", {tag: i for i, tag in enumerate(FAMILIES["gpt_oss"].special)})
     assert not harmony.FORMAT.detect(published, {})
+
+
+def _capped_continuation(tokenizer, tools, continuation: str) -> list[str]:
+    """How a thinking budget of 4 takes each token of `continuation`, written by gpt-oss
+    after an analysis the budget closed ("forced", "allowed" among others, "free" of any
+    constraint, "refused"), the cap as a request with `tools` gets it, driven one token a
+    step as mlx-lm drives it."""
+    import mlx.core as mx
+
+    from llm_mlx_streaming.reply.build import _reasoning_cap
+
+    prompt = tokenizer.encode("<|start|>user<|message|>Hi<|end|><|start|>assistant", add_special_tokens=False)
+    (cap,) = _reasoning_cap(tokenizer, prompt, "<|start|>assistant", 4, 100, tools)
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    reply, allowed = encode("<|channel|>analysis<|message|>") + encode("I should look this up") * 2, []
+    reply = reply[:len(encode("<|channel|>analysis<|message|>")) + 4]
+    for token in [*encode("<|end|>"), *encode(continuation)]:
+        row = cap(mx.array(prompt + reply), mx.zeros((1, len(tokenizer.get_vocab()))))[0].tolist()
+        open_ = sum(v == 0 for v in row)
+        allowed.append("refused" if row[token] != 0 else "forced" if open_ == 1 else
+                       "free" if open_ == len(row) else "allowed")
+        reply.append(token)
+    return allowed
+
+
+@pytest.mark.parametrize("continuation", [
+    "<|start|>assistant" + NATIVE_CALL + "<|call|>",
+    "<|start|>assistant<|channel|>final<|message|>It is sunny in Paris.<|return|>",
+], ids=["a call", "the answer"])
+def test_a_reasoning_closed_by_its_budget_is_followed_by_the_answer_or_a_call_as_the_model_chooses(
+        tokenizer, continuation):
+    """The budget forces the analysis channel's end only; the model then writes the final
+    channel, or a call in the commentary channel (a capped reasoning may still call a
+    tool), each token as it would (the grammar lets go once the header or call is whole)."""
+    taken = _capped_continuation(tokenizer, TOOLS, continuation)
+    assert taken[:2] == ["forced", "forced"] and "refused" not in taken, taken  # <|end|><|start|>
+    assert "allowed" in taken and taken[-1] == "free", taken
+
+
+@pytest.mark.parametrize("continuation", [
+    "<|start|>assistant<|channel|>analysis<|message|>More thought.",
+    '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"town": "Paris"}',
+], ids=["more analysis", "a call off its schema"])
+def test_after_a_budget_neither_more_analysis_nor_a_call_off_its_schema_can_follow(tokenizer, continuation):
+    assert "refused" in _capped_continuation(tokenizer, TOOLS, continuation)
+
+
+def test_without_tools_the_budget_forces_the_final_channel_as_before(tokenizer):
+    header, answer = "<|start|>assistant<|channel|>final<|message|>", "Sunny."
+    taken = _capped_continuation(tokenizer, [], header + answer)
+    count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    assert taken == ["forced"] * (1 + count(header)) + ["free"] * count(answer)
+    assert "refused" in _capped_continuation(tokenizer, [], "<|start|>assistant" + NATIVE_CALL)

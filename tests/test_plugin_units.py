@@ -105,3 +105,95 @@ def test_the_reasoning_cap_writes_a_closing_sequence_after_a_multi_token_opening
     assert [forced(thought + [8]), forced(thought + [8, 5]), forced(thought + [8, 5, 6])] == [5, 6, None]
     assert forced([*START, 4, 8, 4, 4, 4]) is None  # it ended within its budget: left alone
     assert forced([7, 4, 4, 4, 4]) is None  # the opening is the whole sequence, not its first token
+
+
+def _scanned_cap(prompt_length, opened, start, end, answer, budget):
+    """What the reasoning cap decides, by scanning the whole reply at every step: the
+    definition the incremental cap must agree with (the next forced token, or None)."""
+
+    def find(tokens, part):
+        return next((i for i in range(len(tokens) - len(part) + 1) if tokens[i:i + len(part)] == part), None)
+
+    close = [*end, *answer]
+
+    def forced(history):
+        reply = history[prompt_length:]
+        at = 0 if opened else find(reply, start)
+        if at is None:
+            return None
+        at += 0 if opened else len(start)
+        ended, written = find(reply[at:], end), reply[at + budget:]
+        if len(reply) - at < budget or (ended is not None and ended < budget) or find(written, close) is not None:
+            return None
+        return close[max(k for k in range(len(close)) if k == 0 or written[-k:] == close[:k])]
+
+    return forced
+
+
+@pytest.mark.parametrize("opened", [True, False])
+def test_the_reasoning_cap_decides_as_a_scan_of_the_whole_reply_under_appends_and_speculative_passes(opened):
+    """Histories as mlx-lm shows them (one token more each step) and as a speculative
+    verify pass does (rows over the drafts, then the next pass from the accepted tokens
+    with the corrected one): the incremental cap forces exactly what a scan of the whole
+    reply forces, on random replies that open, end early, run over or close."""
+    import random
+
+    import mlx.core as mx
+
+    from llm_mlx_streaming.processors import reasoning_cap
+
+    START, END, ANSWER, budget = [7, 9], [8], [5, 6], 4
+    prompt = [1, 2, 7]
+    scan = _scanned_cap(len(prompt), opened, START, END, ANSWER, budget)
+    rng, checked = random.Random(5), 0
+
+    def pick(forced):  # the model's next token: the forced one, else a random one that may open or end
+        return forced if forced is not None else rng.choice([4, 4, 4, 7, 9, 8, 5, 6, 3])
+
+    def decided(cap, history):
+        row = cap(mx.array(history), mx.zeros((1, 10)))[0].tolist()
+        allowed = [i for i, v in enumerate(row) if v == 0]
+        return allowed[0] if len(allowed) == 1 else None
+
+    for trial in range(60):
+        cap = reasoning_cap(len(prompt), opened, START, END, ANSWER, budget)
+        history = list(prompt)
+        while len(history) < len(prompt) + 24:
+            if trial % 2:  # a verify pass over up to 3 drafts, some of them wrong
+                drafts = [pick(None) for _ in range(rng.randrange(4))]
+                rows = [history + drafts[:i] for i in range(len(drafts) + 1)]
+                answers = [decided(cap, row) for row in rows]
+                assert answers == [scan(row) for row in rows], repr((trial, [r[3:] for r in rows], answers))
+                accepted = 0
+                while accepted < len(drafts) and answers[accepted] in (None, drafts[accepted]) and rng.random() < 0.7:
+                    accepted += 1
+                history += drafts[:accepted] + [pick(answers[accepted])]
+            else:
+                forced = decided(cap, history)
+                assert forced == scan(history), (trial, history)
+                history.append(pick(forced))
+            checked += 1
+    assert checked > 500
+
+
+def test_the_reasoning_cap_reads_nothing_back_before_its_budget_and_counts_what_it_reads():
+    """A long reasoning under its budget costs the cap no read at all (it kept the reply
+    as a list and scanned it every step); from the budget on it reads once a step,
+    counted as a host synchronisation, and once the block is closed, never again."""
+    import mlx.core as mx
+
+    from llm_mlx_streaming import syncs
+    from llm_mlx_streaming.processors import reasoning_cap
+
+    END, ANSWER, budget, prompt = [8], [5, 6], 2000, [1, 2, 3]
+    cap = reasoning_cap(len(prompt), True, [7], END, ANSWER, budget)
+    history, logits, reads = mx.array(prompt), mx.zeros((1, 10)), []
+    for step in range(budget + 6):
+        before = syncs.count()
+        row = cap(history, logits)
+        reads.append(syncs.count() - before)
+        allowed = [i for i, v in enumerate(row[0].tolist()) if v == 0]
+        history = mx.concatenate([history, mx.array([allowed[0] if len(allowed) == 1 else 4])])
+    assert sum(reads[:budget]) == 0
+    assert reads[budget:budget + 4] == [1, 1, 1, 1] and sum(reads[budget + 4:]) == 0  # the last sees the close
+    assert history[len(prompt) + budget:].tolist()[:3] == [*END, *ANSWER]

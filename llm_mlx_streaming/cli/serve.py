@@ -88,7 +88,11 @@ def serve(ctx, host, port, models, max_models, api_key, max_queue, hosts, origin
             engine = join(backend, _budgets(budgets), pipeline_restarts, pipeline_error,
                           max_context=_pipeline_context(load_settings().max_context))
             if engine is None:
-                return  # a following rank, sent home by rank 0
+                # a following rank, sent home by rank 0 (or left by it), ends as rank 0 does:
+                # without the garbage collection of its layers, which takes seconds
+                from ..engine import worker
+
+                worker.end_process(0)
         except (RankLost, ValueError) as e:
             raise MlxStreamError(str(e)) from None
 
@@ -101,12 +105,10 @@ def serve(ctx, host, port, models, max_models, api_key, max_queue, hosts, origin
                     sigterm_handled=engine.ended_elsewhere if engine is not None else None, say=_say,
                     live=sys.stderr.isatty())
     if engine is not None:
-        from .. import discovery
-        from ..distributed.launch import leave_when_broken, stop_when_unsupervised
+        from ..distributed.launch import leave_when_broken, stop_when_orphaned
 
         leave_when_broken(engine, server.busy, server.forget)
-        if keeper is not None:  # a supervisor on another machine cannot be watched from here
-            stop_when_unsupervised(lambda: not discovery.alive(keeper))
+        stop_when_orphaned()
     click.echo(f"mlx-stream: serving on {server.url} (Ctrl-C stops)", err=True)
     _log_requests(quiet)
     # uvicorn shuts down on SIGINT and SIGTERM, then re-raises the signal to the handler

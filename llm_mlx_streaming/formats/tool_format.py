@@ -26,7 +26,8 @@ class ReasoningMarks:
     """Where a reply's reasoning is, as text: the block opens at `start` and ends at
     `end`, and `answer` is what the format writes after the end to begin the answer
     (harmony's final-channel header; "" where the answer simply follows). A thinking
-    budget closes the block by forcing `end` + `answer`."""
+    budget closes the block by forcing `end` + `answer`; where the model has tools, `end`
+    and then a grammar of `answer` or a call (reply/build.py)."""
 
     start: str
     end: str

@@ -90,6 +90,57 @@ def cut_short_notice(stats: dict) -> Optional[str]:
     return CUT_SHORT if stats.get("schema_closed") is False else None
 
 
+def new_matcher(grammar: str, tokenizer, n_vocab: int):
+    """An llguidance matcher of `grammar` over mlx-lm's tokenizer wrapper's vocabulary."""
+    import llguidance
+
+    eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    matcher = llguidance.LLMatcher(ll_tokenizer(hf, n_vocab, eos), grammar, log_level=0)
+    _check(matcher)
+    return matcher
+
+
+def _check(matcher) -> None:
+    if matcher.is_error():
+        raise SchemaError(f"constrained decoding failed: {_short(matcher.get_error())}")
+
+
+def allowed_tokens(matcher, n_vocab: int):
+    """The tokens `matcher` allows next, as a numpy bool mask."""
+    import numpy as np
+
+    bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+    return np.unpackbits(bits, bitorder="little")[:n_vocab].astype(bool)
+
+
+class GrammarLead:
+    """A grammar the next part of a reply follows until it could end there, after which
+    anything may (processors.Continuation: what follows a reasoning closed by its budget).
+    A function of the tokens it is shown: its matcher is rolled back to what they share
+    with those it was fed, then fed the rest."""
+
+    def __init__(self, grammar: str, tokenizer):
+        self.grammar, self.tokenizer = grammar, tokenizer
+        self.matcher, self.fed = None, []
+
+    def allowed(self, written: list[int], n_vocab: int):
+        import numpy as np
+
+        if self.matcher is None:
+            self.matcher = new_matcher(self.grammar, self.tokenizer, n_vocab)
+        same = next((i for i, (a, b) in enumerate(zip(self.fed, written)) if a != b), min(len(self.fed), len(written)))
+        if same < len(self.fed):
+            self.matcher.rollback(len(self.fed) - same)
+            del self.fed[same:]
+        rest = written[same:]
+        taken = self.matcher.try_consume_tokens(rest) if rest else 0
+        self.fed += rest[:taken]
+        if taken < len(rest):  # a token the grammar refuses (a draft a verify pass will not keep)
+            return np.ones(n_vocab, dtype=bool)
+        return None if self.matcher.is_accepting() else allowed_tokens(self.matcher, n_vocab)
+
+
 class SchemaProcessor:
     """An mlx-lm logits processor: `processor(tokens, logits) -> logits`.
 
@@ -112,16 +163,10 @@ class SchemaProcessor:
         self._n_vocab = 0
 
     def _begin(self, n_vocab: int) -> None:
-        import llguidance
-
-        eos = sorted(getattr(self.tokenizer, "eos_token_ids", None) or [self.tokenizer.eos_token_id])
-        hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
-        self.matcher = llguidance.LLMatcher(ll_tokenizer(hf, n_vocab, eos), self.grammar, log_level=0)
-        self._check()
+        self.matcher = new_matcher(self.grammar, self.tokenizer, n_vocab)
 
     def _check(self) -> None:
-        if self.matcher.is_error():
-            raise SchemaError(f"constrained decoding failed: {_short(self.matcher.get_error())}")
+        _check(self.matcher)
 
     def __call__(self, tokens, logits):
         import mlx.core as mx
@@ -147,8 +192,7 @@ class SchemaProcessor:
             allowed = np.zeros(n_vocab, dtype=bool)
             allowed[self.tokenizer.eos_token_id] = True
         else:
-            bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-            allowed = np.unpackbits(bits, bitorder="little")[:n_vocab].astype(bool)
+            allowed = allowed_tokens(self.matcher, n_vocab)
             if self.budget is not None and self.budget - self.consumed <= self.closing_window():
                 allowed = self._closing(allowed, tokens)
         return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))
@@ -210,9 +254,7 @@ class SchemaProcessor:
         _, lengths, texts = token_table(self.tokenizer, n_vocab)
         text, steps = "", 0
         while not matcher.is_stopped() and steps < limit:
-            bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
-            allowed = np.unpackbits(bits, bitorder="little")[:n_vocab].astype(bool)
-            allowed = self._preferred(allowed, text, matcher)
+            allowed = self._preferred(allowed_tokens(matcher, n_vocab), text, matcher)
             choice = int(np.argmax(np.where(allowed, lengths, -1)))
             if not allowed[choice] or not matcher.consume_token(choice) or matcher.is_error():
                 break

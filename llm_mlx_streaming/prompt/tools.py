@@ -19,7 +19,7 @@ import re
 import uuid
 from typing import Optional
 
-from .constrained import COMPILE_OPTIONS, checked_grammar
+from .constrained import COMPILE_OPTIONS, SchemaError, checked_grammar
 from ..formats.forcing import literal
 from ..formats.registry import format_of
 
@@ -89,15 +89,7 @@ def forced_call_grammar(tokenizer, tools: list[dict], choice: str, parallel: Opt
                         "enforced; use tool_choice auto")
     lark = _Lark(tokenizer)
     picked = [t["function"] for t in tools if choice == REQUIRED or t["function"]["name"] == choice]
-    several = parallel is not False and choice == REQUIRED
-    start, end = lark.text(fmt.tool_call_start), lark.text(fmt.tool_call_end) if fmt.tool_call_end else ""
-    lead = lark.text(fmt.lead) if fmt.lead else ""
-    lines = [*fmt.grammar(lark, picked), "call: " + " | ".join(f"call{i}" for i in range(len(picked)))]
-    if fmt.blocks:
-        lines += [f"block: {lead} {start} call {end}", 'calls: block ("\\n"? block)*' if several else "calls: block"]
-    else:
-        more = "(/\\n?/ call)*" if several else ""
-        lines.append(f"calls: {lead} {start} call {more} {end}")
+    lines = _call_rules(lark, fmt, picked, several=parallel is not False and choice == REQUIRED)
     if thinking:
         think_end = tokenizer.think_end
         never = re.escape(think_end).replace("/", "\\/")
@@ -108,6 +100,40 @@ def forced_call_grammar(tokenizer, tools: list[dict], choice: str, parallel: Opt
         lines.append("start: calls")
     text = "\n".join(lines)
     return checked_grammar(lambda: llguidance.grammar_from("lark", text), "the tools' parameters")
+
+
+def answer_or_call_grammar(tokenizer, tools: list[dict], answer: str, message: str) -> Optional[str]:
+    """The llguidance grammar of what may follow a reasoning its budget closed, in a format
+    that writes its answer behind a header (harmony's final channel): that header
+    (`answer`), or a new message (`message`: what the generation prompt begins one with)
+    holding a call of `tools`, as a forced call writes it; None where the format's calls
+    cannot be forced (nor their parameters compiled)."""
+    import llguidance
+
+    fmt = format_of(tokenizer)
+    if fmt is None or fmt.grammar is None:
+        return None
+    lark = _Lark(tokenizer)
+    lines = _call_rules(lark, fmt, [t["function"] for t in tools], several=False)
+    lines.append(f"start: {lark.text(answer)} | {lark.text(message)} calls")
+    try:
+        return checked_grammar(lambda: llguidance.grammar_from("lark", "\n".join(lines)), "the tools' parameters")
+    except SchemaError:
+        return None
+
+
+def _call_rules(lark: "_Lark", fmt, functions: list[dict], several: bool) -> list[str]:
+    """The lark rules of the format's calls of `functions` (one, or one or more when
+    `several`), ending with the rule `calls`."""
+    start, end = lark.text(fmt.tool_call_start), lark.text(fmt.tool_call_end) if fmt.tool_call_end else ""
+    lead = lark.text(fmt.lead) if fmt.lead else ""
+    lines = [*fmt.grammar(lark, functions), "call: " + " | ".join(f"call{i}" for i in range(len(functions)))]
+    if fmt.blocks:
+        lines += [f"block: {lead} {start} call {end}", 'calls: block ("\\n"? block)*' if several else "calls: block"]
+    else:
+        more = "(/\\n?/ call)*" if several else ""
+        lines.append(f"calls: {lead} {start} call {more} {end}")
+    return lines
 
 
 class _Lark:

@@ -11,12 +11,13 @@ from ..engine.request import Request
 from ..errors import MlxStreamError
 from ..options.knobs import REPETITION_CONTEXT
 from ..options.run_config import RunConfig
-from ..prompt.constrained import SchemaError, SchemaProcessor, schema_grammar, text_grammar
+from ..prompt.constrained import GrammarLead, SchemaError, SchemaProcessor, schema_grammar, text_grammar
 from ..prompt.vision import has_images, render_with_images
 from ..prompt.messages import NoImages, PromptError
 from ..prompt.render import encode_text, fill_in_the_middle, raw_text, render_prompt
 from ..prompt.split import opens_thinking, reasoning_of
-from ..prompt.tools import AUTO, NONE, ToolError, check_tool_choice, forced_call_grammar, shown_tools
+from ..prompt.tools import (AUTO, NONE, ToolError, answer_or_call_grammar, check_tool_choice,
+                            forced_call_grammar, shown_tools)
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,8 @@ def prepare(tokenizer, run: RunConfig, ask: Ask, grammar: Optional[str]) -> Prep
             raise PromptError(f"{run.name} {e}") from None
     processors = repetition_processors(run.repetition_penalty)
     if options.thinking_budget and options.thinking is not False:
-        processors += _reasoning_cap(tokenizer, tokens, generation_prompt, options.thinking_budget, run.max_tokens)
+        processors += _reasoning_cap(tokenizer, tokens, generation_prompt, options.thinking_budget, run.max_tokens,
+                                     tools if forced is None else [])
     if forced is not None:
         grammar = forced(generation_prompt)
     budget_aware = (SchemaProcessor(grammar, tokenizer),) if grammar is not None else ()
@@ -119,11 +121,14 @@ def repetition_processors(penalty: float) -> list:
                                                           repetition_context_size=REPETITION_CONTEXT)]
 
 
-def _reasoning_cap(tokenizer, tokens: list[int], generation_prompt: str, budget: int, max_tokens: int) -> list:
+def _reasoning_cap(tokenizer, tokens: list[int], generation_prompt: str, budget: int, max_tokens: int,
+                   tools: list[dict]) -> list:
     """[the processor that closes the reasoning after `budget` tokens with the format's
     own closing tokens], or [] where a budget cannot bind: the model marks no reasoning,
     or a reply of `max_tokens` ends before the budget, the closing tokens and a token of
-    answer (Claude Code's budget of 31999 in 32000)."""
+    answer (Claude Code's budget of 31999 in 32000). Where the format writes its answer
+    behind a header (harmony) and the model has `tools`, only the reasoning's end is
+    forced: the model then chooses the answer or a call, under a grammar of both."""
     from ..processors import reasoning_cap
 
     found = reasoning_of(tokenizer)
@@ -132,8 +137,11 @@ def _reasoning_cap(tokenizer, tokens: list[int], generation_prompt: str, budget:
     end, answer = encode_text(tokenizer, found.end), encode_text(tokenizer, found.answer)
     if max_tokens >= 1 and budget + len(end) + len(answer) >= max_tokens:
         return []
-    return [reasoning_cap(len(tokens), opens_thinking(generation_prompt, found.start, found.end),
-                          encode_text(tokenizer, found.start), end, answer, budget)]
+    opened, start = opens_thinking(generation_prompt, found.start, found.end), encode_text(tokenizer, found.start)
+    grammar = answer_or_call_grammar(tokenizer, tools, found.answer, generation_prompt) if answer and tools else None
+    if grammar is not None:
+        return [reasoning_cap(len(tokens), opened, start, end, [], budget, GrammarLead(grammar, tokenizer))]
+    return [reasoning_cap(len(tokens), opened, start, end, answer, budget)]
 
 
 def _forcing(tokenizer, tools: list[dict], options, grammar):

@@ -27,12 +27,11 @@ import click
 
 from ... import discovery
 from ...errors import MlxStreamError
-from ...distributed.launch import launch_command
+from ...distributed.launch import due_signal, launch_command
 from .standin import StandIn
 
 RESTART_WAIT = 2.0  # seconds between a failure and the restart
 STEADY = 600.0  # a pipeline that served this long before it failed starts the budget afresh
-STOP_GRACE = 30.0  # seconds the ranks get to stop after Ctrl-C, then SIGTERM, then SIGKILL
 
 _RANK_LINE = re.compile(r"mlx-stream: (rank (\d+) on \S+: .+)")
 _SERVING = re.compile(r"mlx-stream: serving on (\S+)")
@@ -41,10 +40,9 @@ _ERROR = re.compile(r"^Error: (.+)")
 _ENDED = re.compile(r"\[WARN\] Node with rank (\d+) (?:was (killed)|exited with code (-?\d+))")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
-# mlx.launch with Ctrl-C left to the ranks (a handler that does nothing, which exec does
-# not pass on): it ends once they have, without a traceback
-_LAUNCHER = ("import runpy, signal, sys; signal.signal(signal.SIGINT, lambda *a: None); "
-             "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+# mlx.launch as distributed/launch.py runs it: signals left to the ranks, and the ranks
+# stopped once this process is gone
+_LAUNCHER = "import sys; from llm_mlx_streaming.distributed.launch import run_launcher; run_launcher(sys.argv[1:])"
 
 
 class Ending:
@@ -224,9 +222,11 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 pass
             if self._stop_at is not None:
-                late = time.monotonic() - self._stop_at
-                if late > STOP_GRACE:
-                    run.signal(signal.SIGTERM if late < STOP_GRACE + 5 else signal.SIGKILL)
+                sig = due_signal(time.monotonic() - self._stop_at)
+                if sig is not None:
+                    run.signal(sig)
+        if run.process.returncode < 0:  # mlx.launch was killed: what it started stops as on Ctrl-C
+            run.signal(signal.SIGINT)
         run.join()
 
     def _stop(self, signum, frame) -> None:
