@@ -106,7 +106,7 @@ def test_the_cache_is_bounded_by_size_lru(llm_env):
     _first_turn(llm_env)
     [one] = _cache_files(llm_env)
     size = one.stat().st_size
-    llm_env.write_settings(**{**llm_env.read_settings(), "conversation_cache_size": str(int(size * 1.5))})
+    llm_env.write_settings(**{**llm_env.read_settings(), "conversation_cache_size": f"{int(size * 1.5)}B"})
     llm.get_model("mlx-stream").prompt("Name a boat", max_tokens=8).text()
     files = _cache_files(llm_env)
     assert len(files) == 1 and files[0] != one  # the older one was evicted
@@ -218,7 +218,7 @@ def test_eviction_removes_a_conversation_with_all_its_segments(llm_env):
     older = _segments(llm_env)
     assert len(older) == 2
     bound = int(sum(p.stat().st_size for p in older) * 1.2)
-    llm_env.write_settings(**{**llm_env.read_settings(), "conversation_cache_size": str(bound)})
+    llm_env.write_settings(**{**llm_env.read_settings(), "conversation_cache_size": f"{bound}B"})
     llm.get_model("mlx-stream").prompt("Name a boat", max_tokens=8).text()
     [newer] = _cache_files(llm_env)  # not the older conversation's second segment without its first
     assert newer not in older

@@ -224,9 +224,10 @@ def _stats(info) -> dict:
 
 
 def _prefilling(info, count=1) -> bool:
-    """Whether the server is prefilling `count` prompts at once, each past its first chunk."""
+    """Whether the server is prefilling `count` prompts at once, each with expert work
+    done (a prompt in one call counts its MoE layers' progress: `prefill_estimate`)."""
     flights = _stats(info)["in_flight"]
-    return sum(f["phase"] == "prefill" and f["prefill_done"] > 0 for f in flights) >= count
+    return sum(f["phase"] == "prefill" and f["prefill_estimate"] > 0 for f in flights) >= count
 
 
 def _stopped(process, stop_signal: str) -> float:
@@ -312,10 +313,11 @@ def _read_out(conn) -> None:
 
 @pytest.mark.parametrize("stop_signal", ["SIGINT", "SIGTERM"])
 def test_a_server_stopped_during_concurrent_agent_prefills_exits_cleanly(served, stop_signal, tmp_path):
-    """Issue 50's pattern, cut down: three agent requests prefilled in one batch (a small
-    prefill step, so each prompt takes many chunks; 2 expert slots, so each chunk reads
-    experts), two abandoned by their clients mid-prefill, then the signal while the third
-    is prefilled. In the runs with a stalled disk the engine is still in its chunk when the
+    """Issue 50's pattern, cut down: three agent requests for one batch (a small prefill
+    step, so each prompt takes many chunks; 2 expert slots, so each chunk reads experts),
+    the first prefilled while the other two wait to join it (a member's prompt is fed
+    before it joins: engine/batch.py), those two abandoned by their clients, then the
+    signal while the first is prefilled. In the runs with a stalled disk the engine is still in its chunk when the
     exit's wait is over (as a long chunk on a slow disk would be); it ended in SIGABRT or
     took as long as the chunk before the exit stopped waiting for it (engine/worker.py)."""
     from llm_mlx_streaming import discovery
@@ -329,9 +331,10 @@ def test_a_server_stopped_during_concurrent_agent_prefills_exits_cleanly(served,
         whole["body"]["max_tokens"] = 8
         reader = threading.Thread(target=_read_out, args=(_post(info, whole),), daemon=True)
         reader.start()
+        wait_for(lambda: _prefilling(info), timeout=60)
         left = [_post(info, _cut(name)) for name in ("codex_turn1", "claude_code_turn2")]
-        wait_for(lambda: _prefilling(info, count=3), timeout=60)
-        for conn in left:  # their clients go away mid-prefill
+        wait_for(lambda: _stats(info)["requests_queued"] == 2, timeout=60)
+        for conn in left:  # their clients go away while they wait to join
             conn.close()
         wait_for(lambda: _stats(info)["server"]["disconnects"] == 2, timeout=30)
         if stall:

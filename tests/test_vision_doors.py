@@ -236,7 +236,7 @@ UNTYPED = {"bmp": "are not a PNG, JPEG, WebP or GIF image", "tiff": "are not a P
 
 @pytest.fixture
 def low_limit(served):
-    assert_ok(served.run("mlxs", "config", "max_image_bytes", str(SMALL_LIMIT)))
+    assert_ok(served.run("mlxs", "config", "max_image_bytes", f"{SMALL_LIMIT}B"))
     yield
     assert_ok(served.run("mlxs", "config", "--unset", "max_image_bytes"))
 

@@ -98,8 +98,12 @@ class Banner:
             elif busy and self.live:
                 self.say(f"\rloading {load.model}... {load.progress()}", end="")
             elif not busy:
-                self._over(load, held)
-                held, load = _loaded(engine), None
+                try:
+                    self._over(load, held)
+                except Exception:  # read while the engine thread changed it (or imported mlx-lm): next tick
+                    pass
+                else:
+                    held, load = _loaded(engine), None
             if self._stop.wait(EVERY_SECONDS):
                 return
 
