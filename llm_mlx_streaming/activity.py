@@ -32,6 +32,7 @@ class Flight:
     prefill_step: int = 0  # tokens per prefill chunk (0: unknown)
     layers: int = 0  # MoE layers of the model
     layer: int = 0  # MoE layers the chunk in progress has gone through
+    mixed: float = 0.0  # share of the tiles the mixer before the next MoE layer has done
     id: int = field(default_factory=lambda: next(_ids))
     started: float = field(default_factory=time.time)
     first_token: float | None = None
@@ -43,11 +44,12 @@ class Flight:
     @property
     def prefill_estimate(self) -> int:
         """Prompt tokens prefilled, counting the chunk in progress by the share of MoE
-        layers it has gone through (a chunk may be the whole prompt)."""
+        layers it has gone through, the mixer before the next one counted as half a layer
+        by its tiles (a chunk may be the whole prompt: engine/prefill.py)."""
         if self.first_token is not None or not self.layers or not self.prefill_step:
             return self.prefill_done
         chunk = max(0, min(self.prefill_step, self.prefill_total - self.prefill_done - 1))
-        return self.prefill_done + chunk * min(self.layer, self.layers) // self.layers
+        return self.prefill_done + int(chunk * min(self.layer + self.mixed / 2, self.layers) / self.layers)
 
     def shown(self, now: float) -> dict:
         out = asdict(self)
@@ -101,7 +103,7 @@ class Activity:
         """Prefill progress: `done` of the flight's tokens are in the KV cache (mlx-lm's
         `prompt_progress_callback(done, total)`, called per chunk)."""
         done = min(int(done), flight.prefill_total)
-        self.prefilling, flight.layer = flight, 0  # the next chunk starts at the first layer
+        self.prefilling, flight.layer, flight.mixed = flight, 0, 0.0  # the next chunk starts at the first layer
         if done > flight.prefill_done:
             self.live_prefilled += done - flight.prefill_done
             flight.prefill_done = done
@@ -110,7 +112,13 @@ class Activity:
         """A MoE layer ran a prompt chunk (experts/switch.py, any call of more than one token)."""
         flight = self.prefilling
         if flight is not None:
-            flight.layer = ordinal + 1
+            flight.layer, flight.mixed = ordinal + 1, 0.0
+
+    def mixed(self, share: float) -> None:
+        """A mixer has done `share` of its tiles of a prompt chunk (engine/prefill.py)."""
+        flight = self.prefilling
+        if flight is not None:
+            flight.mixed = share
 
     def token(self, flight: Flight) -> None:
         if flight.first_token is None:

@@ -235,7 +235,12 @@ def _stopped(process, stop_signal: str) -> float:
     the seconds from the signal to its exit."""
     process.send_signal(getattr(signal, stop_signal))
     sent = time.monotonic()
-    status = process.wait(60)
+    try:
+        status = process.wait(20)
+    except Exception:
+        import subprocess as sp
+        open("/tmp/spy.txt", "w").write(sp.run(["/work/main/.venv/bin/py-spy", "dump", "--pid", str(process.pid)], capture_output=True, text=True).stdout)
+        raise
     seconds = time.monotonic() - sent
     said = process.stderr.read()
     assert status == 0 and not any(sign in said for sign in ABNORMAL), (status, said)

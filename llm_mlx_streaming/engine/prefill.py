@@ -38,6 +38,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import syncs
+from ..activity import ACTIVITY
 from ..experts import switch
 from .footprint import ATTENTION_TILE  # mlx-lm's own default prefill chunk
 
@@ -127,6 +128,7 @@ class TiledMixer(nn.Module):
             outputs.append(self.mixer(x[:, begin:end], *tile_args, **tile_kwargs))
             syncs.evaluate(outputs[-1])  # one tile's scores and states at a time
             if p is not None:
+                ACTIVITY.mixed(end / length)  # the dashboard's progress through a long call
                 cache = _after_tile(p, key, cache, p.start + end)
             begin = end
         return mx.concatenate(outputs, axis=1)
